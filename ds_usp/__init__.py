@@ -1,0 +1,11 @@
+"""ds-usp: Unified Sequence Parallelism (DeepSpeed-Ulysses x Ring-Attention) for DeepSpeed.
+
+Importing the package does no work: no process groups, no compilation, no environment changes.
+"""
+from ds_usp.config import USPConfig, USPConfigError, load_usp_config
+from ds_usp.topology import GroupPlan, USPMpu, USPTopology, plan_groups
+
+__version__ = "0.1.0"
+
+__all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupPlan", "USPMpu", "USPTopology", "plan_groups",
+           "__version__"]

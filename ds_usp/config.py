@@ -1,0 +1,273 @@
+"""The ``"sequence_parallel"`` / ``"usp"`` keys of a DeepSpeed JSON config.
+
+The user writes them in the same file they pass to ``deepspeed``::
+
+    {"sequence_parallel": "usp", "sequence_parallel_size": 8,
+     "usp": {"ulysses_degree": 4, "ring_degree": 2, "ring_impl": "zigzag"}}
+
+:func:`load_usp_config` turns that into a validated, frozen :class:`USPConfig`. It is a pure
+function of its arguments (no collectives, no process groups), so every rank that calls it with
+the same file raises the same :class:`USPConfigError` before any communication happens.
+DeepSpeed ignores the keys it does not know, so the same file keeps working with plain DeepSpeed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+from ds_usp.log import log_info, log_warning
+
+SP_MODES = ("usp", "ulysses", "ring")
+RING_IMPLS = ("basic", "zigzag")
+ATTN_BACKENDS = ("auto", "torch", "flash_attn", "triton")
+
+
+class USPConfigError(ValueError):
+    """A ``sequence_parallel`` / ``usp`` config value is invalid; the message names the JSON key."""
+
+
+class _USPBlock(BaseModel):
+    """Schema of the optional ``"usp"`` block (pydantic, like DeepSpeed's own config models)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ulysses_degree: Optional[StrictInt] = Field(default=None, ge=1)
+    ring_degree: Optional[StrictInt] = Field(default=None, ge=1)
+    ring_impl: Literal["basic", "zigzag"] = "zigzag"
+    attn_backend: Literal["auto", "torch", "flash_attn", "triton"] = "auto"
+    native_op: Union[Literal["auto"], StrictBool] = "auto"
+
+
+@dataclass(frozen=True)
+class USPConfig:
+    """Validated sequence-parallel settings.
+
+    Attributes:
+        mode: ``"usp"``, ``"ulysses"``, ``"ring"``, or ``None`` when sequence parallelism is off.
+        world_size: ranks in the job.
+        sequence_parallel_size: ranks that share one sequence (``ulysses_degree * ring_degree``).
+        ulysses_degree: ranks in one all-to-all (Ulysses) group.
+        ring_degree: ranks in one K/V ring.
+        data_parallel_size: ``world_size // sequence_parallel_size``.
+        ring_impl: ``"basic"`` (contiguous shards) or ``"zigzag"`` (causal load balance).
+        attn_backend: local attention kernel choice.
+        native_op: ``"auto"``, ``True`` or ``False``.
+        degrees_chosen_automatically: True when the degrees were not given and were chosen here.
+    """
+
+    mode: Optional[str]
+    world_size: int
+    sequence_parallel_size: int
+    ulysses_degree: int
+    ring_degree: int
+    data_parallel_size: int
+    ring_impl: str = "zigzag"
+    attn_backend: str = "auto"
+    native_op: Union[str, bool] = "auto"
+    degrees_chosen_automatically: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """True when sequence parallelism is on (``"sequence_parallel"`` was given)."""
+        return self.mode is not None
+
+    @property
+    def layout(self) -> str:
+        """The sequence sharding layout that matches ``ring_impl``: ``"contiguous"`` or ``"zigzag"``."""
+        return "zigzag" if self.ring_impl == "zigzag" else "contiguous"
+
+
+def _read(ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> Mapping[str, Any]:
+    if isinstance(ds_config, Mapping):
+        return ds_config
+    if isinstance(ds_config, (str, os.PathLike)):
+        path = Path(ds_config)
+        if not path.is_file():
+            raise USPConfigError(f"DeepSpeed config file {str(path)!r} does not exist")
+        try:
+            # DeepSpeed reads its configs with hjson-compatible json; plain json covers the keys we own.
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise USPConfigError(f"DeepSpeed config file {str(path)!r} is not valid JSON: {e}") from e
+    raise USPConfigError(f"ds_config must be a path or a dict, got {type(ds_config).__name__}")
+
+
+_VALID = {
+    "ulysses_degree": "a positive integer",
+    "ring_degree": "a positive integer",
+    "ring_impl": "one of " + ", ".join(map(repr, RING_IMPLS)),
+    "attn_backend": "one of " + ", ".join(map(repr, ATTN_BACKENDS)),
+    "native_op": "'auto', true or false",
+}
+
+
+def _explain(err: ValidationError) -> str:
+    """Turn pydantic's errors into one message per key: ``usp.<key> (<value>) ... must be <valid>``."""
+    lines: dict[str, str] = {}
+    for e in err.errors():
+        key = str(e["loc"][0])
+        if e["type"] == "extra_forbidden":
+            lines[key] = f"usp.{key} is not a known key; valid keys are: {', '.join(_USPBlock.model_fields)}"
+        else:
+            lines.setdefault(key, f"usp.{key} ({e.get('input')!r}) is invalid: must be {_VALID[key]}")
+    return "; ".join(lines.values())
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def kv_heads_compatible(num_kv_heads: int, ulysses_degree: int) -> bool:
+    """Whether ``num_kv_heads`` KV heads can be spread over ``ulysses_degree`` ranks.
+
+    Args:
+        num_kv_heads: key/value heads of the model.
+        ulysses_degree: ranks of one Ulysses group.
+
+    Returns:
+        True when the heads split evenly, or each head can be replicated a whole number of times.
+    """
+    return num_kv_heads % ulysses_degree == 0 or ulysses_degree % num_kv_heads == 0
+
+
+def choose_degrees(
+    sequence_parallel_size: int,
+    local_world_size: int,
+    num_heads: Optional[int] = None,
+    num_kv_heads: Optional[int] = None,
+) -> tuple[int, int]:
+    """Choose (ulysses_degree, ring_degree) as the USP paper advises: Ulysses inside a node, ring across.
+
+    Ulysses is made as large as possible such that it divides the sequence-parallel size and the
+    ranks per node (so every all-to-all stays on one node), divides the query heads, and is
+    compatible with the KV heads; the rest of the sequence-parallel size becomes the ring.
+
+    Args:
+        sequence_parallel_size: ranks that share one sequence.
+        local_world_size: ranks per node.
+        num_heads: query heads, when known.
+        num_kv_heads: key/value heads, when known.
+
+    Returns:
+        ``(ulysses_degree, ring_degree)`` with product ``sequence_parallel_size``.
+    """
+    best = 1
+    for u in _divisors(sequence_parallel_size):
+        if local_world_size % u != 0:
+            continue
+        if num_heads is not None and num_heads % u != 0:
+            continue
+        if num_kv_heads is not None and not kv_heads_compatible(num_kv_heads, u):
+            continue
+        best = max(best, u)
+    return best, sequence_parallel_size // best
+
+
+def load_usp_config(
+    ds_config: Union[str, os.PathLike, Mapping[str, Any]],
+    world_size: int,
+    local_world_size: Optional[int] = None,
+    *,
+    num_heads: Optional[int] = None,
+    num_kv_heads: Optional[int] = None,
+) -> USPConfig:
+    """Read and validate the sequence-parallel keys of a DeepSpeed config.
+
+    Args:
+        ds_config: the DeepSpeed JSON config, as a path or an already-parsed dict.
+        world_size: total number of ranks.
+        local_world_size: ranks per node; ``None`` reads the launcher's ``LOCAL_WORLD_SIZE``
+            (falling back to ``world_size``). Only used when the degrees are chosen automatically.
+        num_heads: query heads of the model, when known (checked against ``ulysses_degree``).
+        num_kv_heads: key/value heads of the model, when known.
+
+    Returns:
+        The validated :class:`USPConfig`; ``config.enabled`` is False when ``"sequence_parallel"``
+        is absent.
+
+    Raises:
+        USPConfigError: (a ``ValueError``) naming the key, the value and what would be valid.
+    """
+    cfg = _read(ds_config)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise USPConfigError(f"world_size ({world_size!r}) must be a positive integer")
+
+    mode = cfg.get("sequence_parallel")
+    if mode is None:
+        if "usp" in cfg:
+            log_warning('the "usp" block is ignored because "sequence_parallel" is not set; '
+                        f'set "sequence_parallel" to one of {", ".join(map(repr, SP_MODES))} to use it')
+        sp = 1
+        return USPConfig(mode=None, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=1,
+                         ring_degree=1, data_parallel_size=world_size)
+    if mode not in SP_MODES:
+        raise USPConfigError(f"sequence_parallel ({mode!r}) is invalid: must be one of "
+                             f"{', '.join(map(repr, SP_MODES))} (or leave the key out to disable it)")
+
+    sp = cfg.get("sequence_parallel_size", world_size)
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        raise USPConfigError(f"sequence_parallel_size ({sp!r}) must be a positive integer")
+    if world_size % sp != 0:
+        valid = ", ".join(str(d) for d in _divisors(world_size))
+        raise USPConfigError(f"sequence_parallel_size ({sp}) must divide the world size ({world_size}); "
+                             f"valid values here: {valid}")
+
+    raw_block = cfg.get("usp", {})
+    if not isinstance(raw_block, Mapping):
+        raise USPConfigError(f"usp ({raw_block!r}) must be a JSON object")
+    try:
+        block = _USPBlock(**raw_block)
+    except ValidationError as e:
+        raise USPConfigError(_explain(e)) from None
+
+    u, r = block.ulysses_degree, block.ring_degree
+    if mode == "ulysses":
+        if r not in (None, 1):
+            raise USPConfigError(f'usp.ring_degree ({r}) must be 1 (or left out) when "sequence_parallel" is "ulysses"')
+        r = 1
+        u = sp if u is None else u
+    elif mode == "ring":
+        if u not in (None, 1):
+            raise USPConfigError(f'usp.ulysses_degree ({u}) must be 1 (or left out) when "sequence_parallel" is "ring"')
+        u = 1
+        r = sp if r is None else r
+
+    if u is not None and r is not None and u * r != sp:
+        raise USPConfigError(f"usp.ulysses_degree ({u}) x usp.ring_degree ({r}) = {u * r} must equal "
+                             f"sequence_parallel_size ({sp})")
+    for key, val in (("ulysses_degree", u), ("ring_degree", r)):
+        if val is not None and sp % val != 0:
+            valid = ", ".join(str(d) for d in _divisors(sp))
+            raise USPConfigError(f"usp.{key} ({val}) must divide sequence_parallel_size ({sp}); "
+                                 f"valid values: {valid}")
+
+    chosen = False
+    if u is None and r is None:
+        if local_world_size is None:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        u, r = choose_degrees(sp, local_world_size, num_heads, num_kv_heads)
+        chosen = True
+        log_info(f"usp degrees chosen automatically: ulysses_degree={u} x ring_degree={r} "
+                 f"(sequence_parallel_size={sp}, ranks per node={local_world_size}, "
+                 f"heads={num_heads}, kv heads={num_kv_heads}); set usp.ulysses_degree/usp.ring_degree to override")
+    elif u is None:
+        u = sp // r
+    elif r is None:
+        r = sp // u
+
+    if num_heads is not None and num_heads % u != 0:
+        raise USPConfigError(f"usp.ulysses_degree ({u}) must divide the number of attention heads ({num_heads}); "
+                             f"valid values: {', '.join(str(d) for d in _divisors(sp) if num_heads % d == 0)}")
+    if num_kv_heads is not None and not kv_heads_compatible(num_kv_heads, u):
+        raise USPConfigError(f"usp.ulysses_degree ({u}) is incompatible with {num_kv_heads} kv heads: kv heads "
+                             f"must be a multiple or a divisor of ulysses_degree")
+
+    return USPConfig(mode=mode, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
+                     ring_degree=r, data_parallel_size=world_size // sp, ring_impl=block.ring_impl,
+                     attn_backend=block.attn_backend, native_op=block.native_op,
+                     degrees_chosen_automatically=chosen)

@@ -1,0 +1,31 @@
+"""The ``ds_usp`` logger: one place that decides how the library speaks."""
+from __future__ import annotations
+
+import logging
+
+_LOGGER_NAME = "ds_usp"
+
+
+def get_logger() -> logging.Logger:
+    """Return the ``ds_usp`` logger, giving it a stderr handler on first use.
+
+    Returns:
+        The logger; INFO and above reach stderr unless the application configured logging itself.
+    """
+    logger = logging.getLogger(_LOGGER_NAME)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[ds_usp] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    return logger
+
+
+def log_info(msg: str) -> None:
+    """Log ``msg`` at INFO level on the ``ds_usp`` logger."""
+    get_logger().info(msg)
+
+
+def log_warning(msg: str) -> None:
+    """Log ``msg`` at WARNING level on the ``ds_usp`` logger."""
+    get_logger().warning(msg)

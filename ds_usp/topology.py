@@ -1,0 +1,338 @@
+"""Process topology of USP: the Ulysses, ring, sequence-parallel and data-parallel groups.
+
+Rank layout (``N = U * R`` sequence-parallel ranks, ``dp = world / N`` replicas)::
+
+    rank = dp_index * N + ring_index * U + ulysses_index
+
+* a Ulysses group is ``U`` contiguous ranks (one node when ``U`` divides the ranks per node),
+* a ring group is ``R`` ranks with stride ``U`` (it crosses nodes),
+* a sequence-parallel (SP) group is ``N`` contiguous ranks: one Ulysses x ring block,
+* a data-parallel (DP) group holds the ranks at the same SP position in every replica,
+* the sequence x data-parallel group (where ZeRO shards and reduces) is every rank.
+
+:func:`plan_groups` is the pure part (rank lists only) and :meth:`USPTopology.build` turns the
+plan into process groups. Groups travel as the frozen :class:`USPTopology` value; nothing is
+kept in module globals.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+Ranks = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Every group of every kind, as tuples of global ranks (a pure function of the degrees).
+
+    Attributes:
+        ulysses_degree: ranks per Ulysses group (U).
+        ring_degree: ranks per ring (R).
+        world_size: all ranks.
+        ulysses: the ``world / U`` Ulysses groups.
+        ring: the ``world / R`` rings.
+        sp: the ``dp`` sequence-parallel groups.
+        dp: the ``U * R`` data-parallel groups.
+        sp_dp: the one sequence x data-parallel group.
+    """
+
+    ulysses_degree: int
+    ring_degree: int
+    world_size: int
+    ulysses: tuple[Ranks, ...]
+    ring: tuple[Ranks, ...]
+    sp: tuple[Ranks, ...]
+    dp: tuple[Ranks, ...]
+    sp_dp: tuple[Ranks, ...]
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks that share one sequence (U x R)."""
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def dp_size(self) -> int:
+        """Number of model replicas that see different data."""
+        return self.world_size // self.sp_size
+
+    def member_of(self, kind: str, rank: int) -> Ranks:
+        """Return the group of ``kind`` (``"ulysses"``, ``"ring"``, ``"sp"``, ``"dp"``, ``"sp_dp"``) holding ``rank``.
+
+        Args:
+            kind: the group kind.
+            rank: a global rank.
+
+        Returns:
+            The ranks of that group, in group-rank order.
+
+        Raises:
+            ValueError: unknown kind or rank outside the world.
+        """
+        if kind not in ("ulysses", "ring", "sp", "dp", "sp_dp"):
+            raise ValueError(f"unknown group kind {kind!r}")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
+        return next(g for g in getattr(self, kind) if rank in g)
+
+
+def validate_degrees(ulysses_degree: int, ring_degree: int, world_size: int) -> None:
+    """Check that ``ulysses_degree x ring_degree`` divides ``world_size``.
+
+    Args:
+        ulysses_degree: ranks per Ulysses group.
+        ring_degree: ranks per ring.
+        world_size: all ranks.
+
+    Raises:
+        ValueError: a degree is not a positive integer, or their product does not divide the world.
+    """
+    for name, val in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree), ("world_size", world_size)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} ({val!r}) must be a positive integer")
+    sp = ulysses_degree * ring_degree
+    if world_size % sp != 0:
+        raise ValueError(f"ulysses_degree ({ulysses_degree}) x ring_degree ({ring_degree}) = {sp} must divide "
+                         f"the world size ({world_size})")
+
+
+def plan_groups(ulysses_degree: int, ring_degree: int, world_size: int) -> GroupPlan:
+    """Compute every group's ranks for a USP layout (no communication).
+
+    Args:
+        ulysses_degree: ranks per Ulysses group (U).
+        ring_degree: ranks per ring (R).
+        world_size: all ranks; must be a multiple of ``U * R``.
+
+    Returns:
+        The :class:`GroupPlan`.
+
+    Raises:
+        ValueError: see :func:`validate_degrees`.
+    """
+    validate_degrees(ulysses_degree, ring_degree, world_size)
+    u, r = ulysses_degree, ring_degree
+    sp = u * r
+    dp = world_size // sp
+
+    def rank(d: int, ri: int, ui: int) -> int:
+        return d * sp + ri * u + ui
+
+    return GroupPlan(
+        ulysses_degree=u,
+        ring_degree=r,
+        world_size=world_size,
+        ulysses=tuple(tuple(rank(d, ri, ui) for ui in range(u)) for d in range(dp) for ri in range(r)),
+        ring=tuple(tuple(rank(d, ri, ui) for ri in range(r)) for d in range(dp) for ui in range(u)),
+        sp=tuple(tuple(range(d * sp, (d + 1) * sp)) for d in range(dp)),
+        dp=tuple(tuple(rank(d, ri, ui) for d in range(dp)) for ri in range(r) for ui in range(u)),
+        sp_dp=(tuple(range(world_size)),),
+    )
+
+
+@dataclass(frozen=True)
+class USPTopology:
+    """This rank's USP groups. Build it with :meth:`USPTopology.build` after ``deepspeed.init_distributed()``.
+
+    Attributes:
+        plan: the rank lists of every group.
+        rank: this process's global rank.
+        ulysses_group, ring_group, sp_group, dp_group, sp_dp_group: this rank's process groups.
+        model_parallel_group: a group of this rank alone (the model is replicated, not split),
+            handed to DeepSpeed through :attr:`mpu`.
+    """
+
+    plan: GroupPlan
+    rank: int
+    ulysses_group: Any = field(repr=False)
+    ring_group: Any = field(repr=False)
+    sp_group: Any = field(repr=False)
+    dp_group: Any = field(repr=False)
+    sp_dp_group: Any = field(repr=False)
+    model_parallel_group: Any = field(repr=False)
+
+    @classmethod
+    def build(cls, ulysses_degree: int, ring_degree: int, *,
+              timeout: Optional[datetime.timedelta] = None) -> "USPTopology":
+        """Create the process groups of a ``ulysses_degree x ring_degree`` layout.
+
+        Every rank must call this with the same degrees (groups are created collectively, in one
+        fixed order). Degrees are validated before any group is created.
+
+        Args:
+            ulysses_degree: ranks per Ulysses (all-to-all) group.
+            ring_degree: ranks per K/V ring.
+            timeout: timeout of every collective on these groups (``None``: the default of
+                ``torch.distributed``).
+
+        Returns:
+            This rank's :class:`USPTopology`.
+
+        Raises:
+            RuntimeError: ``torch.distributed`` is not initialized.
+            ValueError: the degrees do not fit the world size.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("USPTopology.build needs an initialized process group: call "
+                               "deepspeed.init_distributed() (or torch.distributed.init_process_group) first")
+        plan = plan_groups(ulysses_degree, ring_degree, dist.get_world_size())
+        me = dist.get_rank()
+        kwargs = {} if timeout is None else {"timeout": timeout}
+
+        def mine(kind: str) -> Any:
+            found = None
+            for ranks in getattr(plan, kind):
+                group = dist.new_group(list(ranks), **kwargs)
+                if me in ranks:
+                    found = group
+            return found
+
+        groups = {kind: mine(kind) for kind in ("ulysses", "ring", "sp", "dp", "sp_dp")}
+        # Only this rank is in its model-parallel group, so only it needs to take part in creating it.
+        solo = dist.new_group([me], use_local_synchronization=True, **kwargs)
+        return cls(plan=plan, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
+                   sp_group=groups["sp"], dp_group=groups["dp"], sp_dp_group=groups["sp_dp"],
+                   model_parallel_group=solo)
+
+    # ---- sizes and this rank's coordinates (all derived from the plan) ----
+    @property
+    def ulysses_degree(self) -> int:
+        """Ranks per Ulysses group (U)."""
+        return self.plan.ulysses_degree
+
+    @property
+    def ring_degree(self) -> int:
+        """Ranks per ring (R)."""
+        return self.plan.ring_degree
+
+    @property
+    def sp_size(self) -> int:
+        """Sequence-parallel size N = U x R."""
+        return self.plan.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size."""
+        return self.plan.dp_size
+
+    @property
+    def ulysses_ranks(self) -> Ranks:
+        """Global ranks of this rank's Ulysses group."""
+        return self.plan.member_of("ulysses", self.rank)
+
+    @property
+    def ring_ranks(self) -> Ranks:
+        """Global ranks of this rank's ring, in ring order."""
+        return self.plan.member_of("ring", self.rank)
+
+    @property
+    def sp_ranks(self) -> Ranks:
+        """Global ranks of this rank's sequence-parallel group."""
+        return self.plan.member_of("sp", self.rank)
+
+    @property
+    def dp_ranks(self) -> Ranks:
+        """Global ranks of this rank's data-parallel group."""
+        return self.plan.member_of("dp", self.rank)
+
+    @property
+    def ulysses_rank(self) -> int:
+        """Position in the Ulysses group."""
+        return self.rank % self.ulysses_degree
+
+    @property
+    def ring_rank(self) -> int:
+        """Position in the ring."""
+        return (self.rank % self.sp_size) // self.ulysses_degree
+
+    @property
+    def sp_rank(self) -> int:
+        """Position in the sequence-parallel group (``ring_rank * U + ulysses_rank``)."""
+        return self.rank % self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's model replica."""
+        return self.rank // self.sp_size
+
+    @property
+    def mpu(self) -> "USPMpu":
+        """The duck-typed model-parallel unit to pass as ``deepspeed.initialize(mpu=...)``."""
+        return USPMpu(self)
+
+    def describe(self) -> str:
+        """One line that says where this rank sits, for logs."""
+        return (f"rank {self.rank}: U={self.ulysses_degree} R={self.ring_degree} dp={self.dp_size} | "
+                f"ulysses {list(self.ulysses_ranks)} ring {list(self.ring_ranks)} sp {list(self.sp_ranks)} "
+                f"dp {list(self.dp_ranks)}")
+
+
+class USPMpu:
+    """What DeepSpeed asks of ``mpu`` (see ``deepspeed/utils/groups.py``), answered from a :class:`USPTopology`.
+
+    * data parallel = replicas only (the batch size and the data sampler count these),
+    * sequence data parallel = every rank (ZeRO partitions and reduces gradients here),
+    * sequence parallel = the U x R ranks of one sequence,
+    * model parallel = this rank alone: USP replicates the model, it does not split it.
+
+    It deliberately has no ``initialize_sequence_parallel`` attribute: DeepSpeed takes that as the
+    sign of its own Ulysses ``mpu`` and then ignores the data-parallel group.
+    """
+
+    def __init__(self, topo: USPTopology) -> None:
+        self.topo = topo
+
+    def get_data_parallel_group(self) -> Any:
+        """Group of the model replicas."""
+        return self.topo.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        """Number of replicas."""
+        return self.topo.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        """Index of this replica."""
+        return self.topo.dp_rank
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        """Global ranks of the replica group."""
+        return list(self.topo.dp_ranks)
+
+    def get_sequence_parallel_group(self) -> Any:
+        """Group of the ranks that share one sequence."""
+        return self.topo.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        """U x R."""
+        return self.topo.sp_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        """Position in the sequence-parallel group."""
+        return self.topo.sp_rank
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        """All ranks: where ZeRO shards state and reduces gradients."""
+        return self.topo.sp_dp_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        """SP x DP ranks."""
+        return self.topo.sp_size * self.topo.dp_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        """Rank within the sequence x data-parallel group."""
+        return self.topo.rank
+
+    def get_model_parallel_group(self) -> Any:
+        """This rank alone (the model is not split)."""
+        return self.topo.model_parallel_group
+
+    def get_model_parallel_world_size(self) -> int:
+        """Always 1."""
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        """Always 0."""
+        return 0

@@ -1,0 +1,127 @@
+"""A gloo world of N CPU processes that lives for a whole test module and runs many cases.
+
+Spawning a world costs seconds (each rank imports torch); a case costs milliseconds. So a module
+starts one :class:`World` (see the ``world4``/``world8`` fixtures in ``conftest.py``) and calls
+``world.run(fn, *args)`` per case: ``fn(*args)`` runs on every rank and the per-rank return values
+come back as a list. A rank that raises fails the case with that rank's traceback; a case that
+does not finish within ``timeout`` seconds is reported as a hang and the world is restarted.
+``fn`` must be a module-level function (it is pickled by name).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, Optional
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "mp.Queue") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share the machine's few cores
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results.put((-1, rank, True, None))
+    except Exception:
+        results.put((-1, rank, False, traceback.format_exc()))
+        return
+    while True:
+        item = tasks.get()
+        if item is None:
+            return  # the process exits; the OS closes its sockets
+        case_id, fn, args, kwargs = item
+        try:
+            results.put((case_id, rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - any failure is reported to the test
+            results.put((case_id, rank, False, traceback.format_exc()))
+
+
+class World:
+    """N spawned processes joined in one gloo process group.
+
+    Args:
+        world_size: number of ranks.
+        timeout: seconds a case may take before it counts as a hang.
+    """
+
+    def __init__(self, world_size: int, timeout: float = 180.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self._case = 0
+        self._procs: list[mp.Process] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results),
+                                   daemon=True) for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        self._collect(-1, "world start")
+
+    def _collect(self, case_id: int, what: str) -> list[Any]:
+        out: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        while len(out) + len(failures) < self.world_size:
+            try:
+                cid, rank, ok, payload = self._results.get(timeout=self.timeout)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
+                self.close()
+                self._start()
+                raise AssertionError(f"{what}: ranks {missing} did not finish within {self.timeout:.0f} s (hang); "
+                                     f"the world was restarted" + "".join(f"\n--- rank {r} ---\n{tb}"
+                                                                           for r, tb in failures.items()))
+            if cid != case_id:
+                continue  # a late answer from a case that already failed
+            (out if ok else failures)[rank] = payload
+        if failures:
+            raise AssertionError(f"{what} failed on ranks {sorted(failures)}:" +
+                                 "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+        return [out[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank.
+
+        Args:
+            fn: a module-level function.
+            *args: its positional arguments (picklable).
+            **kwargs: its keyword arguments (picklable).
+
+        Returns:
+            The return value of each rank, indexed by rank.
+
+        Raises:
+            AssertionError: some rank raised (with its traceback) or the case hung.
+        """
+        self._case += 1
+        for q in self._tasks:
+            q.put((self._case, fn, args, kwargs))
+        return self._collect(self._case, getattr(fn, "__name__", "case"))
+
+    def close(self, join_timeout: Optional[float] = 2.0) -> None:
+        """Stop every rank (politely, then by force)."""
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self._procs:
+            p.join(join_timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
