@@ -4,8 +4,11 @@ Importing the package does no work: no process groups, no compilation, no enviro
 """
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.topology import GroupPlan, USPMpu, USPTopology, plan_groups
+from ds_usp.usp import (USPAttention, gather_sequence, ring_attention, shard_sequence, ulysses_attention,
+                        usp_attention)
 
 __version__ = "0.1.0"
 
 __all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupPlan", "USPMpu", "USPTopology", "plan_groups",
-           "__version__"]
+           "USPAttention", "gather_sequence", "ring_attention", "shard_sequence", "ulysses_attention",
+           "usp_attention", "__version__"]

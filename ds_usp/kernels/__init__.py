@@ -1,0 +1,180 @@
+"""Local (single-process, non-communicating) attention kernels returning output and log-sum-exp.
+
+Conventions shared by every backend:
+
+* q: (b, sq, hq, d); k, v: (b, sk, hkv, d) ("bshd"), hq % hkv == 0 (GQA/MQA: q head i uses kv
+  head i // (hq // hkv)). Inputs may be non-contiguous views.
+* lse: float32 (b, hq, sq), natural log, softmax scale included: logsumexp_k(scale * q.k).
+* causal=True is the top-left aligned lower-triangular mask and needs sq == sk;
+  causal=False is full attention and allows sq != sk.
+* ``backward`` uses the (out, lse) it is given as the final softmax statistics, so ring attention
+  can call it per KV block with the globally merged out/lse.
+
+Backends: "torch" (PyTorch fused SDPA ATen ops, CPU + CUDA), "flash_attn" (flash-attn 2.x, CUDA,
+fp16/bf16), "triton" (not implemented in this build). Select one with :func:`get_backend`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ds_usp.kernels import flash_attn as _flash_attn
+from ds_usp.kernels import torch_sdpa as _torch_sdpa
+
+__all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "get_backend"]
+
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "flash_attn", "triton")
+_TRITON_REASON = "triton: no Triton kernel in this build yet"
+
+ForwardFn = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
+BackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class AttnBackend:
+    """A local attention implementation: forward returning (out, lse) and the matching backward.
+
+    Attributes:
+        name: "torch" or "flash_attn".
+        forward_fn: kernel forward on validated inputs with a resolved float scale.
+        backward_fn: kernel backward on validated inputs with a resolved float scale.
+    """
+
+    name: str
+    forward_fn: ForwardFn = field(repr=False)
+    backward_fn: BackwardFn = field(repr=False)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """Attention output and log-sum-exp.
+
+        Args:
+            q: (b, sq, hq, d) queries.
+            k: (b, sk, hkv, d) keys, hq % hkv == 0.
+            v: (b, sk, hkv, d) values.
+            causal: top-left aligned causal mask; requires sq == sk.
+            scale: softmax scale; None means 1/sqrt(d).
+
+        Returns:
+            out (b, sq, hq, d) in q.dtype (bshd) and lse (b, hq, sq) float32.
+
+        Raises:
+            ValueError: on inconsistent shapes/dtypes/devices, or causal with sq != sk.
+        """
+        _check_qkv(q, k, v, causal)
+        return self.forward_fn(q, k, v, causal, _resolve_scale(scale, q))
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                 scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients w.r.t. q, k, v given the final output and log-sum-exp.
+
+        ``out``/``lse`` are taken as the final softmax statistics and are not recomputed from k/v,
+        so with the merged out/lse of several KV blocks this returns the block's dk/dv and its
+        contribution to dq (the dq contributions of all blocks sum to the full dq).
+
+        Args:
+            dout: (b, sq, hq, d) gradient of the output.
+            q: (b, sq, hq, d) queries.
+            k: (b, sk, hkv, d) keys.
+            v: (b, sk, hkv, d) values.
+            out: (b, sq, hq, d) attention output the statistics belong to.
+            lse: (b, hq, sq) log-sum-exp matching ``out`` (float32).
+            causal: top-left aligned causal mask; requires sq == sk.
+            scale: softmax scale; None means 1/sqrt(d).
+
+        Returns:
+            dq (b, sq, hq, d), dk (b, sk, hkv, d), dv (b, sk, hkv, d), in q.dtype, bshd; dk/dv are
+            summed over each q-head group for GQA/MQA.
+
+        Raises:
+            ValueError: on inconsistent shapes/dtypes/devices, or causal with sq != sk.
+        """
+        _check_qkv(q, k, v, causal)
+        b, sq, hq, _ = q.shape
+        for label, t in (("dout", dout), ("out", out)):
+            if t.shape != q.shape:
+                raise ValueError(f"{label} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if lse.shape != (b, hq, sq):
+            raise ValueError(f"lse must have shape (b, hq, sq) = {(b, hq, sq)}, got {tuple(lse.shape)}")
+        return self.backward_fn(dout, q, k, v, out, lse, causal, _resolve_scale(scale, q))
+
+
+def available_backends(device: torch.device | str) -> dict[str, str | None]:
+    """Which concrete backends can run on ``device``.
+
+    Args:
+        device: the device attention will run on.
+
+    Returns:
+        {"torch": ..., "flash_attn": ..., "triton": ...}, each None if usable, else the reason.
+    """
+    device = torch.device(device)
+    return {
+        "torch": _torch_sdpa.unavailable_reason(device),
+        "flash_attn": _flash_attn.unavailable_reason(device),
+        "triton": _TRITON_REASON,
+    }
+
+
+def get_backend(name: str, device: torch.device | str) -> AttnBackend:
+    """Resolve the ``usp.attn_backend`` setting to a backend for ``device``.
+
+    Args:
+        name: "auto", "torch", "flash_attn" or "triton". "auto" picks flash_attn on CUDA when
+            flash-attn imports, else torch.
+        device: the device attention will run on.
+
+    Returns:
+        The backend.
+
+    Raises:
+        ValueError: naming ``usp.attn_backend``, the value and the reason, plus the values usable
+            on ``device``, if ``name`` is unknown or cannot run there.
+    """
+    device = torch.device(device)
+    reasons = available_backends(device)
+    usable = [n for n, r in reasons.items() if r is None]
+    usable_here = ", ".join(repr(n) for n in (["auto"] if usable else []) + usable) or "none"
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"usp.attn_backend={name!r} is not a known attention backend (choose from "
+                         f"{', '.join(map(repr, BACKEND_CHOICES))}); usable on {device}: {usable_here}")
+    chosen = name
+    if name == "auto":
+        chosen = "flash_attn" if reasons["flash_attn"] is None else "torch"
+    if reasons[chosen] is not None:
+        resolved = f" (resolved to {chosen!r})" if chosen != name else ""
+        raise ValueError(f"usp.attn_backend={name!r}{resolved} cannot be used on {device}: {reasons[chosen]}; "
+                         f"usable on {device}: {usable_here}")
+    if chosen == "flash_attn":
+        return AttnBackend("flash_attn", _flash_attn.attention_forward, _flash_attn.attention_backward)
+    return AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward)
+
+
+def _resolve_scale(scale: float | None, q: Tensor) -> float:
+    """``scale`` as a float, defaulting to 1/sqrt(head_dim)."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    """Validate the bshd shapes, GQA grouping, dtypes and devices of q, k, v."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (batch, seq, heads, head_dim), got {q.dim()}-D, {k.dim()}-D, "
+                         f"{v.dim()}-D")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k/v batch and head_dim must match q: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    hkv = k.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if causal and sq != k.shape[1]:
+        raise ValueError(f"causal attention needs equal q and kv lengths, got sq={sq}, sk={k.shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")

@@ -1,0 +1,222 @@
+"""Local attention on PyTorch's fused scaled-dot-product-attention ATen ops (CPU and CUDA).
+
+All public functions take and return "bshd" tensors (batch, seq, heads, head_dim); the ATen ops
+work on "bhsd", so inputs are passed as ``transpose(1, 2)`` views (no copy) and results are
+transposed back.
+
+Facts about the ops that this module relies on (checked on torch 2.13, see tests/test_kernels.py):
+
+* CPU ``_scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``) honour arbitrary strides
+  of q/k/v/out/dout EXCEPT the last one: an input whose last dim is not unit-stride is read as if
+  it were and silently gives wrong results (the public SDPA entry point filters such inputs out
+  before dispatching here). Tensors are therefore made last-dim-contiguous first (a no-op for
+  the usual seq slices). The returned out/grads are bhsd views of bshd-contiguous memory, so
+  transposing back yields contiguous bshd tensors without a copy. lse comes back as a
+  (b, h, s)-shaped view of (b, s, h) memory; it is made contiguous (it is small).
+* The CPU ops accept hq != hkv (GQA/MQA, forward and backward, dk/dv summed over each q-head
+  group) since torch 2.9 (pytorch/pytorch#157893). Older kernels index k/v with the q-head index,
+  so on those versions kv heads are expanded before the call and dk/dv summed after.
+* CUDA ``_scaled_dot_product_flash_attention`` (fp16/bf16, head_dim % 8 == 0, head_dim <= 256,
+  sm80+) supports GQA natively and needs lse as a contiguous (b, h, sq) fp32 tensor in backward.
+* CUDA ``_scaled_dot_product_efficient_attention`` (used for everything else, notably fp32)
+  requires hq == hkv, returns lse padded along seq to a multiple of 32 (unpadded on ROCm), and
+  its backward wants ``out`` packed bshd-contiguous and lse in the padded layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["unavailable_reason", "attention_forward", "attention_backward"]
+
+_aten = torch.ops.aten
+
+# The CPU flash kernels handle hq != hkv natively from torch 2.9 on (pytorch/pytorch#157893).
+_CPU_NATIVE_GQA: bool = torch.__version__ >= "2.9"
+# The CUDA memory-efficient kernel pads its lse along seq to this multiple (not on ROCm).
+_EFFICIENT_LSE_ALIGN: int = 32
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the torch backend cannot run on ``device``.
+
+    Args:
+        device: the device attention will run on.
+
+    Returns:
+        None if the backend is usable there, else a one-line reason.
+    """
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        return None if torch.cuda.is_available() else "torch: CUDA is not available in this torch build"
+    return f"torch: no fused attention op wired up for device type {device.type!r} (cpu and cuda only)"
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention output and log-sum-exp with a fused ATen op.
+
+    Args:
+        q: (b, sq, hq, d) queries.
+        k: (b, sk, hkv, d) keys, hq % hkv == 0.
+        v: (b, sk, hkv, d) values.
+        causal: top-left aligned causal mask (callers guarantee sq == sk).
+        scale: softmax scale.
+
+    Returns:
+        out (b, sq, hq, d) in q.dtype and lse (b, hq, sq) float32, contiguous.
+
+    Raises:
+        ValueError: on a device other than cpu/cuda.
+    """
+    if q.device.type == "cuda":
+        if _cuda_use_flash(q):
+            return _cuda_flash_forward(q, k, v, causal, scale)
+        return _cuda_efficient_forward(q, k, v, causal, scale)
+    if q.device.type == "cpu":
+        return _cpu_forward(q, k, v, causal, scale, native_gqa=_CPU_NATIVE_GQA)
+    raise ValueError(unavailable_reason(q.device))
+
+
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of attention given the final output and log-sum-exp.
+
+    ``out``/``lse`` are used as given (they may be the merge over several KV blocks of which
+    k/v is one), so dk/dv are this block's gradients and dq its contribution.
+
+    Args:
+        dout: (b, sq, hq, d) gradient of the output.
+        q: (b, sq, hq, d) queries.
+        k: (b, sk, hkv, d) keys.
+        v: (b, sk, hkv, d) values.
+        out: (b, sq, hq, d) attention output the softmax statistics belong to.
+        lse: (b, hq, sq) log-sum-exp (any float dtype).
+        causal: top-left aligned causal mask (sq == sk).
+        scale: softmax scale.
+
+    Returns:
+        dq (b, sq, hq, d), dk (b, sk, hkv, d), dv (b, sk, hkv, d), all in q.dtype.
+
+    Raises:
+        ValueError: on a device other than cpu/cuda.
+    """
+    if q.device.type == "cuda":
+        if _cuda_use_flash(q):
+            return _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale)
+        return _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale)
+    if q.device.type == "cpu":
+        return _cpu_backward(dout, q, k, v, out, lse, causal, scale, native_gqa=_CPU_NATIVE_GQA)
+    raise ValueError(unavailable_reason(q.device))
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _unit_last_stride(x: Tensor) -> Tensor:
+    """``x`` itself if its last dim is unit-stride, else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _bhsd(x: Tensor) -> Tensor:
+    """View of a bshd tensor in the bhsd layout the ATen ops take, last dim unit-stride."""
+    return _unit_last_stride(x).transpose(1, 2)  # (b, s, h, d) -> (b, h, s, d)
+
+
+def _bshd(x: Tensor) -> Tensor:
+    """View of a bhsd op result back in bshd."""
+    return x.transpose(1, 2)  # (b, h, s, d) -> (b, s, h, d)
+
+
+def _expand_kv_heads(x: Tensor, groups: int) -> Tensor:
+    """Repeat each kv head ``groups`` times so q head i meets kv head i // groups."""
+    if groups == 1:
+        return x
+    return x.repeat_interleave(groups, dim=2)  # (b, sk, hkv, d) -> (b, sk, hkv * groups, d)
+
+
+def _sum_kv_groups(grad: Tensor, groups: int) -> Tensor:
+    """Inverse of :func:`_expand_kv_heads` for gradients: sum each group of expanded heads."""
+    if groups == 1:
+        return grad
+    b, s, h, d = grad.shape
+    return grad.reshape(b, s, h // groups, groups, d).sum(dim=3)  # (b, s, hkv * g, d) -> (b, s, hkv, d)
+
+
+# --------------------------------------------------------------------------------------------- CPU
+
+
+def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                 native_gqa: bool) -> tuple[Tensor, Tensor]:
+    groups = 1 if native_gqa else q.shape[2] // k.shape[2]
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        _bhsd(q), _bhsd(_expand_kv_heads(k, groups)), _bhsd(_expand_kv_heads(v, groups)), 0.0, causal,
+        scale=scale)
+    # lse: (b, hq, sq) view of (b, sq, hq) memory; fp64 inputs give an fp64 lse.
+    return _bshd(out), lse.to(torch.float32).contiguous()
+
+
+def _cpu_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                  scale: float, native_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    groups = 1 if native_gqa else q.shape[2] // k.shape[2]
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's accumulate type
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(_expand_kv_heads(k, groups)), _bhsd(_expand_kv_heads(v, groups)),
+        _bhsd(out), lse.to(lse_dtype), 0.0, causal, scale=scale)
+    return _bshd(dq), _sum_kv_groups(_bshd(dk), groups), _sum_kv_groups(_bshd(dv), groups)
+
+
+# -------------------------------------------------------------------------------------------- CUDA
+
+
+def _cuda_use_flash(q: Tensor) -> bool:
+    """Whether the CUDA FlashAttention-2 op applies (else the memory-efficient op is used)."""
+    head_dim = q.shape[-1]
+    return (q.dtype in _FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def _unused_rng_state(device: torch.device) -> Tensor:
+    """Placeholder philox seed/offset: only read by the kernels when dropout_p > 0."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    res = _aten._scaled_dot_product_flash_attention(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]  # (b, hq, sq, d), (b, hq, sq) fp32
+    return _bshd(out), lse.contiguous()
+
+
+def _cuda_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                         scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    rng = _unused_rng_state(q.device)
+    # cum_seq_q/k undefined (None) selects the dense (non-varlen) kernel; GQA is handled inside.
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.to(torch.float32).contiguous(), None, None,
+        q.shape[1], k.shape[1], 0.0, causal, rng, rng, scale=scale)
+    return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    groups = q.shape[2] // k.shape[2]
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+        _bhsd(q), _bhsd(_expand_kv_heads(k, groups)), _bhsd(_expand_kv_heads(v, groups)), None, True, 0.0, causal,
+        scale=scale)
+    # lse: (b, hq, round_up(sq, 32)) -> (b, hq, sq)
+    return _bshd(out), lse[..., : q.shape[1]].contiguous()
+
+
+def _cuda_efficient_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    groups = q.shape[2] // k.shape[2]
+    lse = lse.to(torch.float32).contiguous()
+    if torch.version.hip is None:
+        pad = -lse.shape[-1] % _EFFICIENT_LSE_ALIGN
+        lse = F.pad(lse, (0, pad))  # (b, hq, sq) -> (b, hq, round_up(sq, 32)), the layout forward returns
+    rng = _unused_rng_state(q.device)
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(_expand_kv_heads(k, groups)), _bhsd(_expand_kv_heads(v, groups)), None,
+        _bhsd(out.contiguous()), lse, rng, rng, 0.0, [True, True, True, False], causal, scale=scale)
+    return _bshd(dq), _sum_kv_groups(_bshd(dk), groups), _sum_kv_groups(_bshd(dv), groups)

@@ -1,0 +1,183 @@
+"""Ring attention over one ring group: K/V blocks travel around the ring, partial results merge by LSE.
+
+Every rank holds its "ring piece" of the sequence (see :mod:`ds_usp.layout`). At step ``t`` rank
+``r`` holds the K/V piece of ring rank ``j = (r - t) mod R`` and computes attention of (part of)
+its queries against (part of) that block, while the next block is already in flight
+(:func:`ds_usp.comm.ring_shift`, double buffered). Which part is decided in one place,
+:func:`block_plan`. The partial ``(out, lse)`` pairs are merged exactly in fp32 by
+:func:`merge_block_`. The backward walks the same schedule with the merged ``(out, lse)`` and
+passes the fp32 dK/dV accumulator of each block around the ring until it is back with its owner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ds_usp.comm import ring_shift
+from ds_usp.kernels import AttnBackend
+from ds_usp.layout import ring_block_valid_len
+
+ALL = slice(None)
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """Everything the ring needs to know about the ring and the sequence.
+
+    Attributes:
+        group: the ring process group (None when ``size`` is 1).
+        ranks: global ranks of the ring in ring order.
+        rank: this rank's position in the ring.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        seq_len: real global length (padding excluded).
+        padded_len: padded global length.
+    """
+
+    group: Any
+    ranks: tuple[int, ...]
+    rank: int
+    layout: str
+    seq_len: int
+    padded_len: int
+
+    @property
+    def size(self) -> int:
+        """Ranks in the ring (R)."""
+        return len(self.ranks)
+
+
+def block_plan(spec: RingSpec, src: int, piece_len: int, causal: bool) -> Optional[tuple[slice, slice, bool]]:
+    """Which queries of this rank attend to which keys of ring rank ``src``'s piece, and how.
+
+    Args:
+        spec: the ring.
+        src: ring rank whose K/V piece is at hand.
+        piece_len: tokens per ring piece.
+        causal: causal attention.
+
+    Returns:
+        ``(query slice, key slice, causal mask?)`` along the piece's sequence dimension, or
+        ``None`` when no query of this rank sees any key of that block.
+    """
+    me = spec.rank
+    if not causal:
+        # Every query sees every real key; padding (a suffix of the piece) is cut off.
+        n_valid = ring_block_valid_len(spec.seq_len, spec.padded_len, spec.size, src, spec.layout)
+        if n_valid == 0:
+            return None
+        return ALL, (ALL if n_valid == piece_len else slice(0, n_valid)), False
+    # Causal: padding sits after every real query, so no real query sees it and no trimming is needed.
+    if src == me:
+        return ALL, ALL, True
+    if spec.layout == "contiguous":
+        return (ALL, ALL, False) if src < me else None
+    half = piece_len // 2
+    if src < me:  # both my chunks come after src's first chunk and before its second
+        return ALL, slice(0, half), False
+    return slice(half, None), ALL, False  # only my second chunk sees src, and it sees all of it
+
+
+def merge_block_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """Fold one block's partial attention into the running result, in place, exactly.
+
+    ``out = (out * e^lse + block_out * e^block_lse) / e^new_lse`` with ``new_lse = logaddexp``;
+    rows whose both LSEs are ``-inf`` (no key seen yet) stay zero, never NaN.
+
+    Args:
+        out: running output, fp32 ``(b, s, h, d)``; updated in place.
+        lse: running LSE, fp32 ``(b, h, s)``; updated in place.
+        block_out: the block's output ``(b, s, h, d)``, any float dtype.
+        block_lse: the block's LSE, fp32 ``(b, h, s)``.
+    """
+    new_lse = torch.logaddexp(lse, block_lse)
+    ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
+    # (b, h, s) -> (b, s, h, 1) to scale (b, s, h, d) rows
+    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).add_(block_out.float() * w_new)
+    lse.copy_(new_lse)
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
+                  backend: AttnBackend) -> tuple[Tensor, Tensor]:
+    b, s, h, d = q.shape
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])  # 2 x (b, s, hkv, d) -> (2, b, s, hkv, d): one message per step
+    for step in range(spec.size):
+        wait = ring_shift(kv, spec.group, spec.ranks, spec.rank) if step < spec.size - 1 else None
+        plan = block_plan(spec, (spec.rank - step) % spec.size, s, causal)
+        if plan is not None:
+            qs, ks, masked = plan
+            block_out, block_lse = backend.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], masked, scale)
+            merge_block_(out[:, qs], lse[:, :, qs], block_out, block_lse)
+        if wait is not None:
+            kv = wait()
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: RingSpec,
+                   causal: bool, scale: float, backend: AttnBackend) -> tuple[Tensor, Tensor, Tensor]:
+    s = q.shape[1]
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv = torch.stack([k, v])  # (2, b, s, hkv, d)
+    wait_dkv = None
+    for step in range(spec.size):
+        wait_kv = ring_shift(kv, spec.group, spec.ranks, spec.rank) if step < spec.size - 1 else None
+        plan = block_plan(spec, (spec.rank - step) % spec.size, s, causal)
+        # fp32 dK/dV accumulator of the block at hand: fresh for my own block, else from the previous rank
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device) if wait_dkv is None else wait_dkv()
+        if plan is not None:
+            qs, ks, masked = plan
+            dq_b, dk_b, dv_b = backend.backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
+                                                lse[:, :, qs], masked, scale)
+            dq[:, qs] += dq_b
+            dkv[0][:, ks] += dk_b
+            dkv[1][:, ks] += dv_b
+        if spec.size > 1:
+            wait_dkv = ring_shift(dkv, spec.group, spec.ranks, spec.rank)
+        if wait_kv is not None:
+            kv = wait_kv()
+    if wait_dkv is not None:
+        dkv = wait_dkv()  # my own block's accumulator, back after a full circle
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
+                backend: AttnBackend) -> Tensor:
+        out, lse = _ring_forward(q, k, v, spec, causal, scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (spec, causal, scale, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention_piece(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
+                         backend: AttnBackend) -> Tensor:
+    """Attention of this rank's ring piece of queries against the whole sequence held by the ring.
+
+    This is the ring step of USP; the public entries are in :mod:`ds_usp.usp`.
+
+    Args:
+        q: ``(b, s, hq, d)``, this rank's ring piece.
+        k: ``(b, s, hkv, d)``.
+        v: ``(b, s, hkv, d)``.
+        spec: the ring and the sequence layout.
+        causal: causal attention.
+        scale: softmax scale.
+        backend: the local attention kernel.
+
+    Returns:
+        ``(b, s, hq, d)`` in ``q.dtype``; differentiable with respect to q, k and v.
+    """
+    return _RingAttention.apply(q, k, v, spec, causal, scale, backend)

@@ -1,0 +1,234 @@
+"""USP attention: Ulysses all-to-all inside, ring across; plus sequence sharding helpers.
+
+    topo = ds_usp.USPTopology.build(ulysses_degree=2, ring_degree=2)
+    q_loc = ds_usp.shard_sequence(q, topo, dim=1, layout="zigzag")
+    out_loc = ds_usp.usp_attention(q_loc, k_loc, v_loc, topo, causal=True, layout="zigzag")
+    out = ds_usp.gather_sequence(out_loc, topo, dim=1, layout="zigzag")
+
+Tensors are ``(batch, seq, heads, head_dim)``. When the global length is not a multiple of the
+layout's shard count, :func:`shard_sequence` pads it at the end; pass the real length as
+``seq_len=`` to :func:`usp_attention` and :func:`gather_sequence` so padding is masked out and cut.
+All inputs are checked before any collective runs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ds_usp.comm import gather_seq
+from ds_usp.kernels import get_backend
+from ds_usp.layout import check_layout, padded_length, resolve_seq_len, shard_positions
+from ds_usp.ring import RingSpec, ring_attention_piece
+from ds_usp.topology import USPTopology
+from ds_usp.ulysses import check_heads, out_head_to_seq, qkv_seq_to_head
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seq, heads, head_dim), got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if x.dtype not in DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local sequence length "
+                         f"and head_dim")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[1] == 0:
+        raise ValueError("the local sequence is empty")
+    check_heads(q.shape[2], k.shape[2], topo.ulysses_degree)
+
+
+def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bool = True,
+                  layout: str = "zigzag", softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
+                  attn_backend: str = "auto") -> Tensor:
+    """Exact attention over a sequence sharded across ``topo``'s sequence-parallel group.
+
+    Args:
+        q: ``(b, s_local, hq, d)``, this rank's shard (from :func:`shard_sequence` with ``layout``).
+        k: ``(b, s_local, hkv, d)``; ``hq % hkv == 0`` (GQA/MQA).
+        v: ``(b, s_local, hkv, d)``.
+        topo: the USP topology (any ``ulysses_degree x ring_degree``).
+        causal: causal (lower-triangular) attention over global positions.
+        layout: ``"contiguous"`` or ``"zigzag"``, as the inputs were sharded.
+        softmax_scale: defaults to ``1/sqrt(head_dim)``.
+        seq_len: real global length when the sequence was padded by :func:`shard_sequence`;
+            ``None`` means ``s_local * U * R`` (no padding).
+        attn_backend: local kernel: ``"auto"``, ``"torch"``, ``"flash_attn"`` (``"triton"`` is not built yet).
+
+    Returns:
+        ``(b, s_local, hq, d)`` in the input dtype: this rank's shard of the output.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout or ``seq_len``,
+            raised before any communication.
+    """
+    _check_qkv(q, k, v, topo)
+    check_layout(layout)
+    real_len, padded = resolve_seq_len(seq_len, q.shape[1], topo.ulysses_degree, topo.ring_degree, layout)
+    backend = get_backend(attn_backend, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    spec = RingSpec(group=topo.ring_group, ranks=topo.ring_ranks, rank=topo.ring_rank, layout=layout,
+                    seq_len=real_len, padded_len=padded)
+    qh, kh, vh = qkv_seq_to_head(q, k, v, topo.ulysses_group, topo.ulysses_degree)  # (b, s_local*U, h/U, d)
+    out = ring_attention_piece(qh, kh, vh, spec, causal, scale, backend)
+    return out_head_to_seq(out, topo.ulysses_group, topo.ulysses_degree)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwargs) -> Tensor:
+    """DeepSpeed-Ulysses attention: :func:`usp_attention` on a topology with ``ring_degree == 1``.
+
+    Args:
+        q: see :func:`usp_attention`.
+        k: see :func:`usp_attention`.
+        v: see :func:`usp_attention`.
+        topo: a topology with ring degree 1.
+        **kwargs: as for :func:`usp_attention`.
+
+    Returns:
+        This rank's shard of the output.
+
+    Raises:
+        ValueError: the topology has a ring, or any :func:`usp_attention` error.
+    """
+    if topo.ring_degree != 1:
+        raise ValueError(f"ulysses_attention needs ring_degree 1, the topology has {topo.ring_degree}; "
+                         f"use usp_attention")
+    return usp_attention(q, k, v, topo, **kwargs)
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwargs) -> Tensor:
+    """Ring attention: :func:`usp_attention` on a topology with ``ulysses_degree == 1``.
+
+    Args:
+        q: see :func:`usp_attention`.
+        k: see :func:`usp_attention`.
+        v: see :func:`usp_attention`.
+        topo: a topology with Ulysses degree 1.
+        **kwargs: as for :func:`usp_attention`.
+
+    Returns:
+        This rank's shard of the output.
+
+    Raises:
+        ValueError: the topology has a Ulysses degree above 1, or any :func:`usp_attention` error.
+    """
+    if topo.ulysses_degree != 1:
+        raise ValueError(f"ring_attention needs ulysses_degree 1, the topology has {topo.ulysses_degree}; "
+                         f"use usp_attention")
+    return usp_attention(q, k, v, topo, **kwargs)
+
+
+def _check_dim(x: Tensor, dim: int) -> int:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"expected a tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim ({dim}) is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def shard_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "zigzag") -> Tensor:
+    """This rank's shard of a full-sequence tensor (no communication).
+
+    The sequence is padded with zeros at its end to a multiple of ``U*R`` (contiguous) or ``2*U*R``
+    (zigzag); pass the real length as ``seq_len`` to :func:`usp_attention`/:func:`gather_sequence`.
+
+    Args:
+        x: the full tensor, identical on every rank of the SP group.
+        topo: the topology.
+        dim: the sequence dimension.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+
+    Returns:
+        The shard, ``x.shape[dim]`` padded and divided by ``U*R`` along ``dim``; differentiable.
+
+    Raises:
+        ValueError: bad ``dim`` or ``layout``, or an empty sequence.
+    """
+    dim = _check_dim(x, dim)
+    check_layout(layout)
+    n = x.shape[dim]
+    if n == 0:
+        raise ValueError("cannot shard an empty sequence")
+    padded = padded_length(n, topo.ulysses_degree, topo.ring_degree, layout)
+    if padded != n:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = padded - n
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    idx = shard_positions(padded, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout).to(x.device)
+    return x.index_select(dim, idx)
+
+
+def gather_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "zigzag",
+                    seq_len: Optional[int] = None) -> Tensor:
+    """Reassemble the full sequence from every SP rank's shard (inverse of :func:`shard_sequence`).
+
+    The backward keeps this rank's shard of the gradient: exact when every rank uses the gathered
+    tensor the same way (e.g. computes the same loss on it).
+
+    Args:
+        x: this rank's shard.
+        topo: the topology.
+        dim: the sequence dimension.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        seq_len: real global length, to cut the padding off (``None``: keep every position).
+
+    Returns:
+        The full tensor, in global position order.
+
+    Raises:
+        ValueError: bad ``dim``, ``layout`` or ``seq_len``.
+    """
+    dim = _check_dim(x, dim)
+    check_layout(layout)
+    real_len, padded = resolve_seq_len(seq_len, x.shape[dim], topo.ulysses_degree, topo.ring_degree, layout)
+    full = gather_seq(x, topo.sp_group, dim) if topo.sp_size > 1 else x  # shards in SP-rank order
+    order = torch.cat([shard_positions(padded, topo.ulysses_degree, topo.ring_degree, p, layout)
+                       for p in range(topo.sp_size)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(padded)
+    return full.index_select(dim, inverse[:real_len].to(x.device))
+
+
+class USPAttention(nn.Module):
+    """``nn.Module`` form of :func:`usp_attention` (no parameters).
+
+    Args:
+        topo: the topology.
+        causal: causal attention.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        softmax_scale: defaults to ``1/sqrt(head_dim)``.
+        attn_backend: local kernel choice.
+    """
+
+    def __init__(self, topo: USPTopology, causal: bool = True, layout: str = "zigzag",
+                 softmax_scale: Optional[float] = None, attn_backend: str = "auto") -> None:
+        super().__init__()
+        check_layout(layout)
+        self.topo, self.causal, self.layout = topo, causal, layout
+        self.softmax_scale, self.attn_backend = softmax_scale, attn_backend
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, seq_len: Optional[int] = None) -> Tensor:
+        """Attention of this rank's shards; see :func:`usp_attention`.
+
+        Args:
+            q: ``(b, s_local, hq, d)``.
+            k: ``(b, s_local, hkv, d)``.
+            v: ``(b, s_local, hkv, d)``.
+            seq_len: real global length when padded.
+
+        Returns:
+            ``(b, s_local, hq, d)``.
+        """
+        return usp_attention(q, k, v, self.topo, causal=self.causal, layout=self.layout,
+                             softmax_scale=self.softmax_scale, seq_len=seq_len, attn_backend=self.attn_backend)
