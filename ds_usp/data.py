@@ -1,0 +1,166 @@
+"""Sequence sharding of training batches and the sequence-parallel loss.
+
+A batch of full sequences (identical on every rank of a sequence-parallel group; DeepSpeed's data
+sampler already gives every SP rank of a replica the same batch) becomes this rank's shard:
+
+* labels are shifted on the full sequence *before* sharding (``shift_labels[t] = labels[t + 1]``),
+  so no target is lost at shard boundaries;
+* positions stay global (RoPE needs them);
+* the sequence is padded at its end to the layout's multiple (pad token, label ``-100``), which a
+  causal model never attends to.
+
+:func:`sp_cross_entropy` returns this rank's share of the token-weighted mean loss of the whole
+SP group, so that summing over the SP ranks gives the single-device loss, and each rank's
+``backward`` yields exactly the single-device gradients once DeepSpeed sums them (it sums over
+sequence x data ranks and divides by the data-parallel size only).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from ds_usp.layout import check_layout, padded_length
+from ds_usp.topology import USPTopology
+from ds_usp.usp import shard_sequence
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: Tensor) -> Tensor:
+    """Next-token targets of a full sequence: ``out[:, t] = labels[:, t + 1]``, the last one ignored.
+
+    Args:
+        labels: ``(b, S)`` token ids (``-100`` = ignored).
+
+    Returns:
+        ``(b, S)`` shifted labels.
+    """
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
+def _pad(x: Tensor, length: int, value: Any) -> Tensor:
+    if x.shape[1] == length:
+        return x
+    return torch.cat([x, x.new_full((x.shape[0], length - x.shape[1]), value)], dim=1)
+
+
+def shard_batch(batch: Mapping[str, Tensor], topo: USPTopology, layout: str = "zigzag",
+                pad_token_id: int = 0) -> dict[str, Tensor]:
+    """This rank's shard of a batch of full sequences.
+
+    Args:
+        batch: ``input_ids`` ``(b, S)`` (required); optional ``labels`` ``(b, S)`` (default: the
+            input ids), ``position_ids`` ``(b, S)`` (default ``0..S-1``), ``attention_mask`` (must be
+            all ones: padding inside a sequence is not supported, pack sequences instead).
+        topo: the topology.
+        layout: ``"contiguous"`` or ``"zigzag"``; must match the attention's layout.
+        pad_token_id: token used to pad the sequence end.
+
+    Returns:
+        ``{"input_ids", "position_ids", "shift_labels"}``, each ``(b, padded_S / (U*R))``. Feed the
+        first two to the model and ``shift_labels`` to :func:`sp_cross_entropy`.
+
+    Raises:
+        ValueError: missing or malformed keys, an attention mask with zeros, or a bad layout.
+    """
+    check_layout(layout)
+    if "input_ids" not in batch:
+        raise ValueError(f"batch has no 'input_ids' (keys: {sorted(batch)})")
+    ids = batch["input_ids"]
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be an integer tensor (batch, seq), got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+    b, s = ids.shape
+    if s == 0:
+        raise ValueError("input_ids holds an empty sequence")
+    for key in ("labels", "position_ids", "attention_mask"):
+        if key in batch and batch[key] is not None and tuple(batch[key].shape) != (b, s):
+            raise ValueError(f"{key} has shape {tuple(batch[key].shape)}, expected {(b, s)} like input_ids")
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool((mask != 0).all()):
+        raise ValueError("attention_mask has zeros: sequence parallelism needs full sequences; pack documents "
+                         "into full-length sequences (use labels=-100 to ignore tokens) instead of padding")
+    labels = batch.get("labels")
+    labels = ids if labels is None else labels
+    positions = batch.get("position_ids")
+    positions = torch.arange(s, device=ids.device).expand(b, s) if positions is None else positions
+    total = padded_length(s, topo.ulysses_degree, topo.ring_degree, layout)
+    # Positions of the padding continue the sequence; they are never seen by a real (causal) query.
+    pad_pos = torch.arange(s, total, device=ids.device).expand(b, total - s)
+    full = {
+        "input_ids": _pad(ids.long(), total, pad_token_id),
+        "position_ids": torch.cat([positions.long(), pad_pos], dim=1),
+        "shift_labels": _pad(shift_labels(labels.long()), total, IGNORE_INDEX),
+    }
+    return {k: shard_sequence(v, topo, dim=1, layout=layout) for k, v in full.items()}
+
+
+class USPDataLoader:
+    """Wrap a DataLoader of full-sequence batches so that it yields this rank's shards.
+
+    Args:
+        loader: any iterable of batches (dicts with ``input_ids`` and optional ``labels``...).
+        topo: the topology.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        pad_token_id: token used to pad the sequence end.
+    """
+
+    def __init__(self, loader: Any, topo: USPTopology, layout: str = "zigzag", pad_token_id: int = 0) -> None:
+        check_layout(layout)
+        self.loader, self.topo, self.layout, self.pad_token_id = loader, topo, layout, pad_token_id
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        for batch in self.loader:
+            yield shard_batch(batch, self.topo, self.layout, self.pad_token_id)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def sp_cross_entropy(logits: Tensor, shift_labels: Tensor, topo: USPTopology) -> Tensor:
+    """This rank's share of the token-weighted mean cross-entropy over the whole SP group.
+
+    ``sum over SP ranks`` of the returned values equals the single-device mean loss of the full
+    sequences, however unevenly the ignored (``-100``) labels fall over ranks; call ``backward``
+    (or ``engine.backward``) on it directly. Use :func:`sp_loss_value` for the value to log.
+
+    Args:
+        logits: ``(b, s_local, vocab)``.
+        shift_labels: ``(b, s_local)`` from :func:`shard_batch`.
+        topo: the topology.
+
+    Returns:
+        A scalar tensor (fp32).
+
+    Raises:
+        ValueError: shapes disagree.
+    """
+    if logits.shape[:2] != shift_labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree")
+    # (b, s, V) -> (b*s, V)
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    count = (shift_labels != IGNORE_INDEX).sum().to(torch.float32)
+    if topo.sp_size > 1:
+        dist.all_reduce(count, group=topo.sp_group)
+    return loss_sum / count.clamp_min(1.0)
+
+
+def sp_loss_value(loss: Tensor, topo: USPTopology) -> float:
+    """The full loss of this rank's sequence-parallel group (for logging), from each rank's share.
+
+    Args:
+        loss: this rank's :func:`sp_cross_entropy`.
+        topo: the topology.
+
+    Returns:
+        The sum over the SP group, as a Python float.
+    """
+    t = loss.detach().float().clone()
+    if topo.sp_size > 1:
+        dist.all_reduce(t, group=topo.sp_group)
+    return float(t)

@@ -1,0 +1,111 @@
+"""``ds_usp.initialize``: ``deepspeed.initialize`` with Unified Sequence Parallelism.
+
+It reads the ``"sequence_parallel"`` keys from the same JSON DeepSpeed reads, initializes
+distributed if needed, builds the :class:`~ds_usp.topology.USPTopology`, attaches it to a
+HuggingFace model that uses ``attn_implementation="usp"``, and hands DeepSpeed the topology's
+``mpu``, so that ZeRO-1/2/3 partition and reduce over the sequence x data-parallel ranks while the
+batch size and the data sampler count replicas only.
+
+Gradient scaling: DeepSpeed sums gradients over the sequence x data-parallel group and divides by
+the data-parallel size (``seq_dp_world_size / sequence_parallel_size``). With the per-rank loss of
+:func:`ds_usp.data.sp_cross_entropy` (each rank's share of the replica's token-weighted mean),
+that sum is exactly the gradient of the mean over replicas of each replica's loss: the same
+gradient as single-device training on the same global batch. A per-rank *mean* loss (what a model
+computes on its own) would instead weight tokens by the rank they landed on; that is the wrong
+scaling users report with Ulysses, and the reason the SP loss exists.
+
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ds_usp.config import USPConfig, load_usp_config
+from ds_usp.hf import USPContext, attach
+from ds_usp.log import log_info
+from ds_usp.topology import USPTopology
+
+
+@dataclass(frozen=True)
+class USPState:
+    """What ``ds_usp.initialize`` built, available as ``engine.usp``.
+
+    Attributes:
+        config: the validated sequence-parallel config.
+        topo: the topology (``None`` when sequence parallelism is off).
+        layout: the batch sharding layout that matches ``config.ring_impl``.
+    """
+
+    config: USPConfig
+    topo: Optional[USPTopology]
+    layout: str
+
+
+def _model_heads(model: Any) -> tuple[Optional[int], Optional[int]]:
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, config: Any = None, config_params: Any = None,
+               dist_init_required: Optional[bool] = None, collate_fn: Any = None, **kwargs: Any) -> tuple:
+    """Drop-in for ``deepspeed.initialize`` that adds USP when the config asks for it.
+
+    Args:
+        args: as for ``deepspeed.initialize`` (``args.deepspeed_config`` is read when ``config`` is None).
+        model: the model.
+        optimizer: optional client optimizer.
+        model_parameters: parameters to optimize.
+        training_data: optional dataset (DeepSpeed's loader splits it over replicas, not SP ranks).
+        lr_scheduler: optional scheduler.
+        config: DeepSpeed config, a path or a dict (the same file the user passes to ``deepspeed``).
+        config_params: alias of ``config`` (DeepSpeed's older name).
+        dist_init_required: as for ``deepspeed.initialize``.
+        collate_fn: as for ``deepspeed.initialize``.
+        **kwargs: passed on to ``deepspeed.initialize`` (``mpu`` may not be given: USP provides it).
+
+    Returns:
+        ``deepspeed.initialize``'s ``(engine, optimizer, training_dataloader, lr_scheduler)``;
+        ``engine.usp`` is a :class:`USPState` with the topology.
+
+    Raises:
+        ValueError: invalid sequence-parallel config (named key), or an ``mpu`` was passed with USP on.
+    """
+    import deepspeed
+
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise ValueError("no DeepSpeed config: pass config=... or args.deepspeed_config")
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    world = torch.distributed.get_world_size()
+    heads, kv_heads = _model_heads(model)
+    usp_cfg = load_usp_config(source, world, num_heads=heads, num_kv_heads=kv_heads)
+
+    topo = None
+    if usp_cfg.enabled:
+        if kwargs.get("mpu") is not None:
+            raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
+        topo = USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree)
+        kwargs["mpu"] = topo.mpu
+        if model is not None:
+            attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend))
+        if topo.rank == 0:
+            log_info(f"sequence_parallel={usp_cfg.mode}: ulysses_degree={usp_cfg.ulysses_degree} x "
+                     f"ring_degree={usp_cfg.ring_degree}, data_parallel={usp_cfg.data_parallel_size}, "
+                     f"layout={usp_cfg.layout} (world {world}, {os.environ.get('LOCAL_WORLD_SIZE', '?')} per node)")
+    engine, opt, loader, sched = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                                      model_parameters=model_parameters,
+                                                      training_data=training_data, lr_scheduler=lr_scheduler,
+                                                      config=config, config_params=config_params,
+                                                      dist_init_required=dist_init_required, collate_fn=collate_fn,
+                                                      **kwargs)
+    engine.usp = USPState(config=usp_cfg, topo=topo, layout=usp_cfg.layout)
+    return engine, opt, loader, sched

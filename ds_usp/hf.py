@@ -1,0 +1,102 @@
+"""HuggingFace transformers integration: a ``"usp"`` attention implementation.
+
+    ds_usp.hf.register_usp_attention()            # once, before building the model
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="usp")
+    engine, *_ = ds_usp.initialize(model=model, config="ds.json", ...)   # attaches the topology
+
+Every attention layer of the model then runs :func:`ds_usp.usp_attention` on this rank's shard of
+the sequence. The model itself is unchanged; the topology is attached to its modules by
+:func:`attach` (``ds_usp.initialize`` calls it), so nothing is kept in module globals of ds-usp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from ds_usp.topology import USPTopology
+from ds_usp.usp import usp_attention
+
+ATTN_NAME = "usp"
+_CONTEXT_ATTR = "_usp_context"
+
+
+@dataclass(frozen=True)
+class USPContext:
+    """What the attention layers of a model need to run USP.
+
+    Attributes:
+        topo: the topology.
+        layout: ``"contiguous"`` or ``"zigzag"`` (how batches are sharded).
+        attn_backend: local kernel choice.
+    """
+
+    topo: USPTopology
+    layout: str
+    attn_backend: str = "auto"
+
+
+def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     attention_mask: Optional[Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                     is_causal: Optional[bool] = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers attention-interface function running USP.
+
+    Args:
+        module: the attention layer (carries the :class:`USPContext` set by :func:`attach`).
+        query: ``(b, hq, s_local, d)`` as transformers passes it.
+        key: ``(b, hkv, s_local, d)``.
+        value: ``(b, hkv, s_local, d)``.
+        attention_mask: must be ``None`` (sequences are causal and padded at the end by ds_usp.data).
+        dropout: must be 0.
+        scaling: softmax scale.
+        is_causal: overrides ``module.is_causal``.
+        **kwargs: other transformers arguments (ignored).
+
+    Returns:
+        ``((b, s_local, hq, d), None)``.
+
+    Raises:
+        RuntimeError: the model was not attached to a topology.
+        ValueError: an attention mask or dropout was given.
+    """
+    ctx = getattr(module, _CONTEXT_ATTR, None)
+    if ctx is None:
+        raise RuntimeError('this model uses attn_implementation="usp" but has no USP topology: wrap it with '
+                           "ds_usp.initialize(...) or call ds_usp.hf.attach(model, context) first")
+    if attention_mask is not None:
+        raise ValueError("usp attention does not take an attention mask: pack sequences instead of padding them "
+                         "(ds_usp.data pads only at the end of the sequence, which causal attention never sees)")
+    if dropout:
+        raise ValueError(f"usp attention does not support attention dropout ({dropout}); set attention_dropout=0")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # (b, h, s, d) -> (b, s, h, d): ds-usp's layout
+    out = usp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
+                        causal=bool(causal), layout=ctx.layout, softmax_scale=scaling, attn_backend=ctx.attn_backend)
+    return out, None
+
+
+def register_usp_attention() -> str:
+    """Register :func:`usp_hf_attention` with transformers as ``attn_implementation="usp"`` (idempotent).
+
+    Returns:
+        The implementation name, ``"usp"``.
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, usp_hf_attention)
+    return ATTN_NAME
+
+
+def attach(model: nn.Module, context: USPContext) -> None:
+    """Give every module of ``model`` the USP context its ``"usp"`` attention layers read.
+
+    Args:
+        model: the (HuggingFace) model.
+        context: the topology and layout.
+    """
+    for m in model.modules():
+        setattr(m, _CONTEXT_ATTR, context)
