@@ -82,7 +82,18 @@ class USPConfig:
         return "zigzag" if self.ring_impl == "zigzag" else "contiguous"
 
 
-def _read(ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> Mapping[str, Any]:
+def read_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> Mapping[str, Any]:
+    """Read a DeepSpeed config given as a path or a dict.
+
+    Args:
+        ds_config: a JSON file path or an already-parsed dict.
+
+    Returns:
+        The config as a mapping.
+
+    Raises:
+        USPConfigError: missing file, invalid JSON or a wrong type.
+    """
     if isinstance(ds_config, Mapping):
         return ds_config
     if isinstance(ds_config, (str, os.PathLike)):
@@ -193,7 +204,7 @@ def load_usp_config(
     Raises:
         USPConfigError: (a ``ValueError``) naming the key, the value and what would be valid.
     """
-    cfg = _read(ds_config)
+    cfg = read_ds_config(ds_config)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise USPConfigError(f"world_size ({world_size!r}) must be a positive integer")
 

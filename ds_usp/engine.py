@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from ds_usp.config import USPConfig, load_usp_config
+from ds_usp.config import USPConfig, load_usp_config, read_ds_config
 from ds_usp.hf import USPContext, attach
 from ds_usp.log import log_info
 from ds_usp.topology import USPTopology
@@ -42,6 +42,53 @@ class USPState:
     config: USPConfig
     topo: Optional[USPTopology]
     layout: str
+
+
+_ZERO3_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+
+
+def _fix_zero3_sequence_parallel_scaling(optimizer: Any, sp_size: int) -> None:
+    """Make ZeRO-3's reduce-scatter average over replicas only (see the module docstring).
+
+    Args:
+        optimizer: the engine's ZeRO-3 optimizer.
+        sp_size: the sequence-parallel size.
+
+    Raises:
+        RuntimeError: this DeepSpeed has no such method, so the fix cannot be applied.
+    """
+    scatter = getattr(optimizer, _ZERO3_SCATTER, None)
+    if scatter is None:
+        raise RuntimeError(f"ds_usp cannot correct ZeRO-3 gradient scaling with this DeepSpeed version "
+                           f"({type(optimizer).__name__} has no {_ZERO3_SCATTER}); use ZeRO-1/2 or the "
+                           f"DeepSpeed version ds_usp is tested with")
+
+    def scatter_then_rescale(params: Any, communication_data_type: Any) -> Any:
+        parts = scatter(params, communication_data_type)
+        for part in parts:
+            part.mul_(sp_size)  # it divided by sp * dp; the mean over replicas divides by dp
+        return parts
+
+    setattr(optimizer, _ZERO3_SCATTER, scatter_then_rescale)
+
+
+def _partition_for_zero3(model: Any, source: Any, topo: USPTopology) -> None:
+    """Partition ``model`` over the sequence x data-parallel group when the config asks for ZeRO-3.
+
+    Args:
+        model: the model (left alone when its parameters are already ZeRO-3 parameters).
+        source: the DeepSpeed config (path or dict).
+        topo: the topology.
+    """
+    import deepspeed
+
+    cfg = read_ds_config(source)
+    if cfg.get("zero_optimization", {}).get("stage", 0) != 3:
+        return
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return
+    deepspeed.zero.Init(module=model, data_parallel_group=topo.sp_dp_group, config_dict_or_path=dict(cfg),
+                        mpu=topo.mpu)
 
 
 def _model_heads(model: Any) -> tuple[Optional[int], Optional[int]]:
@@ -97,6 +144,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         kwargs["mpu"] = topo.mpu
         if model is not None:
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend))
+            _partition_for_zero3(model, source, topo)
         if topo.rank == 0:
             log_info(f"sequence_parallel={usp_cfg.mode}: ulysses_degree={usp_cfg.ulysses_degree} x "
                      f"ring_degree={usp_cfg.ring_degree}, data_parallel={usp_cfg.data_parallel_size}, "
@@ -107,5 +155,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                       config=config, config_params=config_params,
                                                       dist_init_required=dist_init_required, collate_fn=collate_fn,
                                                       **kwargs)
+    if topo is not None and topo.sp_size > 1 and engine.zero_optimization_stage() == 3:
+        if engine.zero_quantized_gradients():
+            raise ValueError("zero_optimization.zero_quantized_gradients is not supported with ZeRO-3 and "
+                             '"sequence_parallel" (its gradient averaging is not verified); turn one of them off')
+        _fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)
     engine.usp = USPState(config=usp_cfg, topo=topo, layout=usp_cfg.layout)
     return engine, opt, loader, sched
