@@ -1,0 +1,177 @@
+"""Train a small Llama on long sequences with Unified Sequence Parallelism.
+
+    deepspeed --num_gpus 4 examples/train_llama.py --deepspeed_config ds_configs/cpu_demo.json
+
+* model: a HuggingFace Llama built from a config with random weights (nothing is downloaded),
+  its attention running through ``ds_usp.usp_attention`` (``attn_implementation="usp"``);
+* data: the docstrings of Python's standard library (they ship with every Python), byte-level
+  tokenized (no tokenizer download), packed into sequences of ``--seq-len`` tokens;
+* every rank of a sequence-parallel group gets the same sequences and keeps its shard of them;
+  the loss is the token-weighted mean over the whole sequence (``ds_usp.sp_cross_entropy``);
+* progress bar (loss, tokens/s, layout), JSON-lines log, checkpoints every ``--save-every``
+  steps, ``--resume`` from the latest one, and ``loss.png`` at the end when matplotlib is present.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import os
+import pkgutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import ds_usp
+
+STDLIB_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime",
+                  "decimal", "email", "functools", "heapq", "http", "inspect", "itertools", "json", "logging",
+                  "multiprocessing", "pathlib", "pickle", "random", "re", "shutil", "socket", "sqlite3",
+                  "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest",
+                  "urllib", "uuid", "zipfile")
+VOCAB = 256  # bytes
+
+
+def stdlib_corpus() -> bytes:
+    """Docstrings of a fixed list of standard-library modules and their members, in a fixed order."""
+    texts = []
+    for name in STDLIB_MODULES:
+        mod = importlib.import_module(name)
+        mods = [mod]
+        if hasattr(mod, "__path__"):
+            for info in sorted(pkgutil.iter_modules(mod.__path__), key=lambda i: i.name):
+                if info.name.startswith("_"):  # e.g. unittest.__main__ would run unittest
+                    continue
+                try:
+                    mods.append(importlib.import_module(f"{name}.{info.name}"))
+                except Exception:  # noqa: BLE001 - optional submodules (e.g. platform-specific) are skipped
+                    continue
+        for m in mods:
+            texts.append(inspect.getdoc(m) or "")
+            for _, obj in sorted(inspect.getmembers(m), key=lambda kv: kv[0]):
+                if getattr(obj, "__module__", None) == m.__name__:
+                    texts.append(inspect.getdoc(obj) or "")
+    return "\n\n".join(t for t in texts if t).encode("utf-8")
+
+
+def packed_sequences(corpus: bytes, seq_len: int) -> torch.Tensor:
+    """Byte-level tokens packed into ``(n, seq_len)`` rows."""
+    tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+    n = tokens.numel() // seq_len
+    return tokens[: n * seq_len].view(n, seq_len)
+
+
+def build_model(args: argparse.Namespace):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(4096, args.seq_len),
+                      attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=ds_usp.hf.register_usp_attention())
+
+
+def plot(log_path: Path, out: Path) -> bool:
+    """Draw the loss curve from the JSON-lines log; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(rows[-1]["layout"] if rows else "")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with the sequence_parallel keys")
+    parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/train_llama", help="log, checkpoints and loss.png go here")
+    parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    model = build_model(args)
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=args.deepspeed_config)
+    topo, layout = engine.usp.topo, engine.usp.layout
+    if topo is None:
+        raise SystemExit('this example trains with sequence parallelism: set "sequence_parallel" in the config')
+    data = packed_sequences(stdlib_corpus(), args.seq_len)
+    out = Path(args.out)
+    log_path = out / "log.jsonl"
+    start = 0
+    if args.resume:
+        path, state = engine.load_checkpoint(str(out / "checkpoints"))
+        if path is None:
+            raise SystemExit(f"--resume: no checkpoint under {out / 'checkpoints'}")
+        start = state["step"]
+    elif topo.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+    micro = engine.train_micro_batch_size_per_gpu()
+    split = f"U={topo.ulysses_degree} R={topo.ring_degree} dp={topo.dp_size} ({layout})"
+    if topo.rank == 0:
+        print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (per rank under ZeRO), "
+              f"{data.shape[0]} sequences of {args.seq_len} tokens, {split}", flush=True)
+
+    from tqdm import tqdm
+
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=topo.rank != 0, unit="step")
+    for step in bar:
+        t0 = time.perf_counter()
+        first = (step * topo.dp_size + topo.dp_rank) * micro  # same data order on every run and layout
+        rows = torch.arange(first, first + micro) % data.shape[0]
+        shard = ds_usp.shard_batch({"input_ids": data[rows]}, topo, layout=layout)
+        logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
+        engine.backward(loss)
+        engine.step()
+        value = torch.tensor(ds_usp.sp_loss_value(loss, topo))
+        if topo.dp_size > 1:
+            dist.all_reduce(value, group=topo.dp_group)
+        value = float(value) / topo.dp_size
+        tokens_per_s = micro * topo.dp_size * args.seq_len / (time.perf_counter() - t0)
+        if topo.rank == 0:
+            bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_s:.0f}", layout=split)
+            with log_path.open("a") as f:
+                f.write(json.dumps({"step": step + 1, "loss": value, "tokens_per_s": tokens_per_s,
+                                    "layout": split}) + "\n")
+        if not math.isfinite(value):
+            raise SystemExit(f"loss is {value} at step {step + 1}")
+        if args.save_every and (step + 1) % args.save_every == 0:
+            engine.save_checkpoint(str(out / "checkpoints"), client_state={"step": step + 1})
+    if topo.rank == 0:
+        rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+        if rows:
+            print(f"loss {rows[0]['loss']:.3f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.3f} "
+                  f"(step {rows[-1]['step']}); log: {log_path}")
+        if plot(log_path, out / "loss.png"):
+            print(f"loss curve: {out / 'loss.png'}")
+
+
+if __name__ == "__main__":
+    main()
