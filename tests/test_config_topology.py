@@ -263,3 +263,19 @@ def test_deepspeed_initialize_accepts_the_keys(world4, tmp_path_factory):
     for stage in (1, 3):
         losses = world4.run(deepspeed_accepts_the_config, d, stage)
         assert len(set(losses)) == 1
+
+
+CONFIG_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent / "ds_configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    raw = json.loads(path.read_text())
+    assert isinstance(raw.get("_comment"), str) and "\n" not in raw["_comment"] and raw["_comment"]
+    sp = raw["sequence_parallel_size"]
+    c = load_usp_config(path, world_size=sp, local_world_size=min(sp, 8), num_heads=32, num_kv_heads=8)
+    assert c.enabled and c.ulysses_degree * c.ring_degree == sp
+    assert c.ulysses_degree <= 8  # the all-to-all never leaves a node of 8
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    DeepSpeedConfig(str(path))  # DeepSpeed itself accepts the file (and ignores the USP keys)
