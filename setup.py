@@ -1,5 +1,37 @@
-"""ds-usp: Unified Sequence Parallelism (Ulysses x Ring attention) for DeepSpeed."""
+"""ds-usp: Unified Sequence Parallelism (Ulysses x Ring attention) for DeepSpeed.
+
+The native op (``ops/``) is JIT-built on first use. ``DS_BUILD_USP=1`` prebuilds it at install time,
+DeepSpeed's ``DS_BUILD_<OP>`` convention; torch and deepspeed must then be importable by the build:
+
+    DS_BUILD_USP=1 pip install --no-build-isolation .
+"""
+import os
+
 from setuptools import find_packages, setup
+
+
+def _prebuilt_native_op() -> dict:
+    """setup() arguments that prebuild the native op when DS_BUILD_USP=1; none otherwise."""
+    if os.environ.get("DS_BUILD_USP", "0") != "1":
+        return {}
+    import importlib.util
+
+    from torch.utils.cpp_extension import BuildExtension
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "op_builder", "usp.py")
+    spec = importlib.util.spec_from_file_location("ds_usp_op_builder", path)
+    builders = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builders)
+    cpu, cuda = builders.USPCPUBuilder(), builders.USPCUDABuilder()
+    if not cpu.is_compatible():
+        raise RuntimeError(f"DS_BUILD_USP=1 but the ds-usp native op cannot be built: {cpu.error_log}")
+    exts = [cpu.builder()]
+    if cuda.is_compatible():  # a CUDA torch and nvcc: also build the CUDA variant
+        exts.append(cuda.builder())
+    else:
+        print(f"DS_BUILD_USP=1: building the CPU variant only ({cuda.error_log})")
+    return {"ext_modules": exts, "cmdclass": {"build_ext": BuildExtension}}
+
 
 setup(
     name="ds-usp",
@@ -10,7 +42,10 @@ setup(
     # torch is pinned by the install command on CPU machines (torch==2.13.0); any torch>=2.3 works.
     install_requires=["torch>=2.3", "deepspeed>=0.16", "pydantic>=2"],
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6"],
+        "hf": ["transformers>=4.51"],  # attn_implementation="usp" (tested with 5.23)
+        "demo": ["transformers>=4.51", "matplotlib>=3.7"],  # examples/train_llama.py with its loss.png
+        "dev": ["pytest>=7", "hypothesis>=6", "transformers>=4.51"],
         "gpu": ["flash-attn>=2.5", "triton>=3.0"],
     },
+    **_prebuilt_native_op(),
 )

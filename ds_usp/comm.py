@@ -1,7 +1,9 @@
 """The collectives of USP, one function each. Groups are always passed in.
 
 * :func:`seq_to_head` / :func:`head_to_seq`: the Ulysses all-to-all, autograd-aware (each one's
-  backward is the other).
+  backward is the other). With a native ops object (:mod:`ds_usp.native`) the packing into and out
+  of the send/recv buffers runs in the native op; :func:`packed_seq_to_head` sends several tensors
+  (q, k, v with kv replication) through one all-to-all that way.
 * :func:`gather_seq`: all-gather of sequence shards, autograd-aware (backward keeps this rank's
   slice: the gathered tensor is assumed to feed the same computation on every rank).
 * :func:`ring_shift`: non-blocking send to the next ring rank and receive from the previous one,
@@ -9,82 +11,129 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from ds_usp.native import NativeOps
 
-def _seq_to_head(x: Tensor, group: Any) -> Tensor:
-    world = dist.get_world_size(group)
-    b, s, h, d = x.shape
-    # (b, s, h, d) -> (b, s, U, h/U, d) -> (U, b, s, h/U, d): chunk i goes to Ulysses rank i
-    send = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+
+def _all_to_all(send: Tensor, group: Any) -> Tensor:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _seq_to_head(x: Tensor, group: Any, ops: Optional["NativeOps"] = None) -> Tensor:
+    world = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    if ops is not None:  # native packing: one pass straight into the send buffer
+        send = ops.pack_seq_to_head([x], [1], world)  # (b, s, h, d) -> (U, b, s, h/U, d)
+        return ops.unpack_seq_to_head(_all_to_all(send, group), [h // world])[0]  # -> (b, U*s, h/U, d)
+    # (b, s, h, d) -> (b, s, U, h/U, d) -> (U, b, s, h/U, d): chunk i goes to Ulysses rank i
+    send = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = _all_to_all(send, group)
     # (U, b, s, h/U, d) -> (b, U, s, h/U, d) -> (b, U*s, h/U, d): chunk i is rank i's sequence shard
     return recv.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d)
 
 
-def _head_to_seq(x: Tensor, group: Any) -> Tensor:
+def _head_to_seq(x: Tensor, group: Any, ops: Optional["NativeOps"] = None) -> Tensor:
     world = dist.get_world_size(group)
     b, big_s, h, d = x.shape
     s = big_s // world
+    if ops is not None:  # native packing: one pass each way
+        send = ops.pack_head_to_seq([x], world)  # (b, U*s, h/U, d) -> (U, b, s, h/U, d)
+        return ops.unpack_head_to_seq(_all_to_all(send, group), [h], [1])[0]  # -> (b, s, h, d)
     # (b, U*s, h/U, d) -> (b, U, s, h/U, d) -> (U, b, s, h/U, d): chunk i goes back to rank i
     send = x.reshape(b, world, s, h, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    recv = _all_to_all(send, group)
     # (U, b, s, h/U, d) -> (b, s, U, h/U, d) -> (b, s, h, d): chunk i is head group i
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s, world * h, d)
 
 
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _seq_to_head(x, group)
+class _UlyssesAllToAll(torch.autograd.Function):
+    """The all-to-all in one direction (``to_heads``); its backward is the other direction."""
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _head_to_seq(grad, ctx.group), None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _head_to_seq(x, group)
+    def forward(ctx: Any, x: Tensor, group: Any, ops: Optional["NativeOps"], to_heads: bool) -> Tensor:
+        ctx.group, ctx.ops, ctx.to_heads = group, ops, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, group, ops)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _seq_to_head(grad, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return (_head_to_seq if ctx.to_heads else _seq_to_head)(grad, ctx.group, ctx.ops), None, None, None
 
 
-def seq_to_head(x: Tensor, group: Any) -> Tensor:
+class _PackedSeqToHead(torch.autograd.Function):
+    """Native-op twin of ``cat -> seq_to_head -> split`` for several tensors (q, k, v) with kv replication."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, ops: "NativeOps", reps: tuple[int, ...], *xs: Tensor) -> tuple[Tensor, ...]:
+        world = dist.get_world_size(group)
+        heads = [x.shape[2] * r // world for x, r in zip(xs, reps)]
+        ctx.group, ctx.ops, ctx.reps, ctx.heads = group, ops, reps, heads
+        send = ops.pack_seq_to_head(xs, reps, world)  # n x (b, s, h_i, d) -> (U, b, s, sum h_i*r_i/U, d)
+        return tuple(ops.unpack_seq_to_head(_all_to_all(send, group), heads))  # -> n x (b, U*s, h_i*r_i/U, d)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        world = dist.get_world_size(ctx.group)
+        ref = next(g for g in grads if g is not None)
+        grads = [g if g is not None else ref.new_zeros(ref.shape[0], ref.shape[1], h, ref.shape[3])
+                 for g, h in zip(grads, ctx.heads)]
+        send = ctx.ops.pack_head_to_seq(grads, world)  # n x (b, U*s, h_i', d) -> (U, b, s, sum h_i', d)
+        dxs = ctx.ops.unpack_head_to_seq(_all_to_all(send, ctx.group), ctx.heads, ctx.reps)  # -> n x (b, s, h_i, d)
+        return (None, None, None, *dxs)
+
+
+def packed_seq_to_head(xs: Sequence[Tensor], reps: Sequence[int], group: Any, ops: "NativeOps") -> tuple[Tensor, ...]:
+    """Several tensors through one Ulysses all-to-all with the native packing, autograd-aware.
+
+    Same numbers as replicating heads with ``repeat_interleave``, interleaving the tensors per
+    destination rank, :func:`seq_to_head` and splitting (the twin in
+    :func:`ds_usp.ulysses.qkv_seq_to_head`); the backward sums the replicas' gradients.
+
+    Args:
+        xs: ``(b, s, h_i, d)`` tensors of one dtype (e.g. q, k, v).
+        reps: per tensor, the head replication factor (1: none).
+        group: the Ulysses process group (size U); ``h_i * reps_i`` divisible by U.
+        ops: the native op.
+
+    Returns:
+        One ``(b, U*s, h_i * reps_i / U, d)`` tensor per input.
+    """
+    return _PackedSeqToHead.apply(group, ops, tuple(reps), *xs)
+
+
+def seq_to_head(x: Tensor, group: Any, ops: Optional["NativeOps"] = None) -> Tensor:
     """Ulysses all-to-all: trade sequence shards for head shards.
 
     Args:
         x: ``(b, s, h, d)``, this rank's sequence shard with all heads; ``h`` divisible by the group size.
         group: the Ulysses process group (size U).
+        ops: the native op for the packing, or None for the PyTorch twin.
 
     Returns:
         ``(b, U*s, h/U, d)``: the U shards of the group concatenated in rank order, head group ``rank``.
     """
-    return _SeqToHead.apply(x, group)
+    return _UlyssesAllToAll.apply(x, group, ops, True)
 
 
-def head_to_seq(x: Tensor, group: Any) -> Tensor:
+def head_to_seq(x: Tensor, group: Any, ops: Optional["NativeOps"] = None) -> Tensor:
     """Inverse of :func:`seq_to_head`.
 
     Args:
         x: ``(b, U*s, h/U, d)``.
         group: the Ulysses process group (size U).
+        ops: the native op for the packing, or None for the PyTorch twin.
 
     Returns:
         ``(b, s, h, d)``: this rank's sequence shard with all heads.
     """
-    return _HeadToSeq.apply(x, group)
+    return _UlyssesAllToAll.apply(x, group, ops, False)
 
 
 class _GatherSeq(torch.autograd.Function):

@@ -143,7 +143,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         topo = USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree)
         kwargs["mpu"] = topo.mpu
         if model is not None:
-            attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend))
+            attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
+                                     native_op=usp_cfg.native_op))
             _partition_for_zero3(model, source, topo)
         if topo.rank == 0:
             log_info(f"sequence_parallel={usp_cfg.mode}: ulysses_degree={usp_cfg.ulysses_degree} x "

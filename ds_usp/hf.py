@@ -11,7 +11,7 @@ the sequence. The model itself is unchanged; the topology is attached to its mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch import Tensor, nn
 
@@ -29,12 +29,14 @@ class USPContext:
     Attributes:
         topo: the topology.
         layout: ``"contiguous"`` or ``"zigzag"`` (how batches are sharded).
-        attn_backend: local kernel choice.
+        attn_backend: local kernel choice (``usp.attn_backend``).
+        native_op: ``usp.native_op``: ``"auto"``, ``True`` or ``False``.
     """
 
     topo: USPTopology
     layout: str
     attn_backend: str = "auto"
+    native_op: Union[bool, str] = "auto"
 
 
 def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -72,7 +74,8 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # (b, h, s, d) -> (b, s, h, d): ds-usp's layout
     out = usp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
-                        causal=bool(causal), layout=ctx.layout, softmax_scale=scaling, attn_backend=ctx.attn_backend)
+                        causal=bool(causal), layout=ctx.layout, softmax_scale=scaling, attn_backend=ctx.attn_backend,
+                        native_op=ctx.native_op)
     return out, None
 
 

@@ -11,7 +11,7 @@ passes the fp32 dK/dV accumulator of each block around the ring until it is back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
@@ -19,6 +19,9 @@ from torch import Tensor
 from ds_usp.comm import ring_shift
 from ds_usp.kernels import AttnBackend
 from ds_usp.layout import ring_block_valid_len
+
+if TYPE_CHECKING:
+    from ds_usp.native import NativeOps
 
 ALL = slice(None)
 
@@ -102,7 +105,8 @@ def merge_block_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor)
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
-                  backend: AttnBackend) -> tuple[Tensor, Tensor]:
+                  backend: AttnBackend, ops: Optional["NativeOps"] = None) -> tuple[Tensor, Tensor]:
+    merge = merge_block_ if ops is None else ops.merge_block_  # the native merge or its twin
     b, s, h, d = q.shape
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
@@ -113,14 +117,21 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool,
         if plan is not None:
             qs, ks, masked = plan
             block_out, block_lse = backend.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], masked, scale)
-            merge_block_(out[:, qs], lse[:, :, qs], block_out, block_lse)
+            merge(out[:, qs], lse[:, :, qs], block_out, block_lse)
         if wait is not None:
             kv = wait()
     return out.to(q.dtype), lse
 
 
+def _accumulate_(acc: Tensor, x: Tensor) -> None:
+    """``acc += x`` (fp32 accumulator, any float ``x``): the twin of ``NativeOps.accumulate_``."""
+    acc += x
+
+
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: RingSpec,
-                   causal: bool, scale: float, backend: AttnBackend) -> tuple[Tensor, Tensor, Tensor]:
+                   causal: bool, scale: float, backend: AttnBackend,
+                   ops: Optional["NativeOps"] = None) -> tuple[Tensor, Tensor, Tensor]:
+    accumulate_ = _accumulate_ if ops is None else ops.accumulate_  # the native accumulation or its twin
     s = q.shape[1]
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = torch.stack([k, v])  # (2, b, s, hkv, d)
@@ -134,9 +145,9 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             qs, ks, masked = plan
             dq_b, dk_b, dv_b = backend.backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                                 lse[:, :, qs], masked, scale)
-            dq[:, qs] += dq_b
-            dkv[0][:, ks] += dk_b
-            dkv[1][:, ks] += dv_b
+            accumulate_(dq[:, qs], dq_b)
+            accumulate_(dkv[0][:, ks], dk_b)
+            accumulate_(dkv[1][:, ks], dv_b)
         if spec.size > 1:
             wait_dkv = ring_shift(dkv, spec.group, spec.ranks, spec.rank)
         if wait_kv is not None:
@@ -149,21 +160,21 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
-                backend: AttnBackend) -> Tensor:
-        out, lse = _ring_forward(q, k, v, spec, causal, scale, backend)
+                backend: AttnBackend, ops: Optional["NativeOps"]) -> Tensor:
+        out, lse = _ring_forward(q, k, v, spec, causal, scale, backend, ops)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (spec, causal, scale, backend)
+        ctx.args = (spec, causal, scale, backend, ops)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention_piece(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
-                         backend: AttnBackend) -> Tensor:
+                         backend: AttnBackend, ops: Optional["NativeOps"] = None) -> Tensor:
     """Attention of this rank's ring piece of queries against the whole sequence held by the ring.
 
     This is the ring step of USP; the public entries are in :mod:`ds_usp.usp`.
@@ -176,8 +187,10 @@ def ring_attention_piece(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal
         causal: causal attention.
         scale: softmax scale.
         backend: the local attention kernel.
+        ops: the native op for the LSE merge and the gradient accumulation, or None for the
+            PyTorch twins (:func:`merge_block_`, ``+=``).
 
     Returns:
         ``(b, s, hq, d)`` in ``q.dtype``; differentiable with respect to q, k and v.
     """
-    return _RingAttention.apply(q, k, v, spec, causal, scale, backend)
+    return _RingAttention.apply(q, k, v, spec, causal, scale, backend, ops)

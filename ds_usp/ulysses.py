@@ -7,12 +7,15 @@ replicas' gradients back. Nothing repeated ever travels around the ring.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
-from ds_usp.comm import head_to_seq, seq_to_head
+from ds_usp.comm import head_to_seq, packed_seq_to_head, seq_to_head
+
+if TYPE_CHECKING:
+    from ds_usp.native import NativeOps
 
 
 def check_heads(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:
@@ -36,7 +39,8 @@ def check_heads(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:
                          f"kv heads must be a multiple or a divisor of ulysses_degree")
 
 
-def qkv_seq_to_head(q: Tensor, k: Tensor, v: Tensor, group: Any, ulysses_degree: int) -> tuple[Tensor, Tensor, Tensor]:
+def qkv_seq_to_head(q: Tensor, k: Tensor, v: Tensor, group: Any, ulysses_degree: int,
+                    ops: Optional["NativeOps"] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Turn sequence-sharded q, k, v into head-sharded ones with a single all-to-all.
 
     Args:
@@ -45,6 +49,8 @@ def qkv_seq_to_head(q: Tensor, k: Tensor, v: Tensor, group: Any, ulysses_degree:
         v: ``(b, s, hkv, d)``.
         group: the Ulysses group.
         ulysses_degree: U (its size).
+        ops: the native op, which replicates, interleaves and packs in one pass straight into the
+            send buffer (same numbers); None for the PyTorch code below (its twin).
 
     Returns:
         ``(b, U*s, hq/U, d)`` and twice ``(b, U*s, max(hkv/U, 1), d)``.
@@ -54,6 +60,11 @@ def qkv_seq_to_head(q: Tensor, k: Tensor, v: Tensor, group: Any, ulysses_degree:
     u = ulysses_degree
     b, s, hq, d = q.shape
     hkv = k.shape[2]
+    if ops is not None:
+        rep = 1 if hkv % u == 0 else u // hkv
+        # 3 x (b, s, h_i, d) -> (U, b, s, (hq + 2 hk)/U, d) -> all-to-all -> 3 x (b, U*s, h_i/U, d)
+        qh, kh, vh = packed_seq_to_head([q, k, v], [1, rep, rep], group, ops)
+        return qh, kh, vh
     if hkv % u != 0:  # U % hkv == 0 (checked): give each rank its own copy of the one kv head it needs
         k = k.repeat_interleave(u // hkv, dim=2)  # (b, s, hkv, d) -> (b, s, U, d)
         v = v.repeat_interleave(u // hkv, dim=2)
@@ -65,15 +76,16 @@ def qkv_seq_to_head(q: Tensor, k: Tensor, v: Tensor, group: Any, ulysses_degree:
     return heads.split([hq // u, hk // u, hk // u], dim=2)
 
 
-def out_head_to_seq(out: Tensor, group: Any, ulysses_degree: int) -> Tensor:
+def out_head_to_seq(out: Tensor, group: Any, ulysses_degree: int, ops: Optional["NativeOps"] = None) -> Tensor:
     """Turn the head-sharded attention output back into this rank's sequence shard.
 
     Args:
         out: ``(b, U*s, hq/U, d)``.
         group: the Ulysses group.
         ulysses_degree: U.
+        ops: the native op for the packing, or None for the PyTorch twin.
 
     Returns:
         ``(b, s, hq, d)``.
     """
-    return out if ulysses_degree == 1 else head_to_seq(out, group)
+    return out if ulysses_degree == 1 else head_to_seq(out, group, ops)

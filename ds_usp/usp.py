@@ -13,7 +13,7 @@ All inputs are checked before any collective runs.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ds_usp.comm import gather_seq
 from ds_usp.kernels import get_backend
 from ds_usp.layout import check_layout, padded_length, resolve_seq_len, shard_positions
+from ds_usp.native import check_native_op, resolve_native_op
 from ds_usp.ring import RingSpec, ring_attention_piece
 from ds_usp.topology import USPTopology
 from ds_usp.ulysses import check_heads, out_head_to_seq, qkv_seq_to_head
@@ -51,7 +52,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology) -> None:
 
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bool = True,
                   layout: str = "zigzag", softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
-                  attn_backend: str = "auto") -> Tensor:
+                  attn_backend: str = "auto", native_op: Union[bool, str] = "auto") -> Tensor:
     """Exact attention over a sequence sharded across ``topo``'s sequence-parallel group.
 
     Args:
@@ -65,24 +66,29 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         seq_len: real global length when the sequence was padded by :func:`shard_sequence`;
             ``None`` means ``s_local * U * R`` (no padding).
         attn_backend: local kernel: ``"auto"``, ``"torch"``, ``"flash_attn"`` (``"triton"`` is not built yet).
+        native_op: ``usp.native_op``: ``"auto"`` uses the native op (:mod:`ds_usp.native`) for the
+            packing, merge and accumulation when it builds and else the PyTorch code, with one
+            warning; ``True`` requires it; ``False`` never builds it. Same numbers either way.
 
     Returns:
         ``(b, s_local, hq, d)`` in the input dtype: this rank's shard of the output.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout or ``seq_len``,
-            raised before any communication.
+        ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``seq_len`` or
+            ``native_op``, raised before any communication.
+        ds_usp.native.NativeOpUnavailable: ``native_op=True`` and the op cannot be built or loaded.
     """
     _check_qkv(q, k, v, topo)
     check_layout(layout)
     real_len, padded = resolve_seq_len(seq_len, q.shape[1], topo.ulysses_degree, topo.ring_degree, layout)
     backend = get_backend(attn_backend, q.device)
+    ops = resolve_native_op(native_op, q.device)  # NativeOps or None (the PyTorch twins)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     spec = RingSpec(group=topo.ring_group, ranks=topo.ring_ranks, rank=topo.ring_rank, layout=layout,
                     seq_len=real_len, padded_len=padded)
-    qh, kh, vh = qkv_seq_to_head(q, k, v, topo.ulysses_group, topo.ulysses_degree)  # (b, s_local*U, h/U, d)
-    out = ring_attention_piece(qh, kh, vh, spec, causal, scale, backend)
-    return out_head_to_seq(out, topo.ulysses_group, topo.ulysses_degree)
+    qh, kh, vh = qkv_seq_to_head(q, k, v, topo.ulysses_group, topo.ulysses_degree, ops)  # (b, s_local*U, h/U, d)
+    out = ring_attention_piece(qh, kh, vh, spec, causal, scale, backend, ops)
+    return out_head_to_seq(out, topo.ulysses_group, topo.ulysses_degree, ops)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwargs) -> Tensor:
@@ -209,14 +215,17 @@ class USPAttention(nn.Module):
         layout: ``"contiguous"`` or ``"zigzag"``.
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         attn_backend: local kernel choice.
+        native_op: ``"auto"``, ``True`` or ``False`` (see :func:`usp_attention`).
     """
 
     def __init__(self, topo: USPTopology, causal: bool = True, layout: str = "zigzag",
-                 softmax_scale: Optional[float] = None, attn_backend: str = "auto") -> None:
+                 softmax_scale: Optional[float] = None, attn_backend: str = "auto",
+                 native_op: Union[bool, str] = "auto") -> None:
         super().__init__()
         check_layout(layout)
+        check_native_op(native_op)
         self.topo, self.causal, self.layout = topo, causal, layout
-        self.softmax_scale, self.attn_backend = softmax_scale, attn_backend
+        self.softmax_scale, self.attn_backend, self.native_op = softmax_scale, attn_backend, native_op
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, seq_len: Optional[int] = None) -> Tensor:
         """Attention of this rank's shards; see :func:`usp_attention`.
@@ -231,4 +240,5 @@ class USPAttention(nn.Module):
             ``(b, s_local, hq, d)``.
         """
         return usp_attention(q, k, v, self.topo, causal=self.causal, layout=self.layout,
-                             softmax_scale=self.softmax_scale, seq_len=seq_len, attn_backend=self.attn_backend)
+                             softmax_scale=self.softmax_scale, seq_len=seq_len, attn_backend=self.attn_backend,
+                             native_op=self.native_op)

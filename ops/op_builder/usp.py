@@ -1,0 +1,168 @@
+"""DeepSpeed op builders for the ds-usp native op (ring LSE merge, Ulysses packing, fp32 accumulation).
+
+Two variants, as DeepSpeed does it for ops that run on both: :class:`USPCPUBuilder` (a
+``CPUOpBuilder``: C++ kernels, OpenMP, ``-march=native``) and :class:`USPCUDABuilder` (a
+``CUDAOpBuilder``: the same frontend and CPU kernels plus the ``.cu`` kernels, built with
+``-DUSP_WITH_CUDA``). Both return absolute source paths, so DeepSpeed's ``jit_load`` finds them
+wherever this checkout lives.
+
+* ``builder.load()`` returns the prebuilt module when it imports (``DS_BUILD_USP=1 pip install
+  --no-build-isolation .`` puts it in ``ds_usp/``), else JIT-builds with ninja into torch's
+  extension cache (``~/.cache/torch_extensions``, rebuilt only when a source changes).
+* ``builder.is_compatible()`` checks for the compilers and sets ``error_log`` to the reason.
+* ``builder.builder()`` returns the setuptools extension for the prebuild.
+
+This file imports nothing from ``ds_usp`` (the native op sits below the algorithms).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc" / "usp"
+BUILD_VAR = "DS_BUILD_USP"
+
+
+def _cxx_problem() -> str | None:
+    """Why no C++ compiler can be used (torch's extension build runs ``$CXX``, default ``c++``), or None."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler: {cxx!r} (from $CXX, default 'c++') was not found"
+    return None
+
+
+class _USPBuilderMixin:
+    """What both variants share: sources, flags, prebuilt-first loading."""
+
+    BUILD_VAR = BUILD_VAR
+
+    def include_paths(self) -> list[str]:
+        """Absolute include directories."""
+        return [str(CSRC / "includes")]
+
+    def _common_sources(self) -> list[str]:
+        return [str(CSRC / "usp_frontend.cpp"), str(CSRC / "cpu" / "usp_cpu.cpp")]
+
+    def _extra_cxx(self) -> list[str]:
+        # -ffp-contract=off: a*b + c*d rounds like the PyTorch twin's separate mul/add, no fused FMA.
+        return ["-fopenmp", "-ffp-contract=off"]
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        """The prebuilt module if it imports, else the JIT build (ninja, cached).
+
+        Args:
+            verbose: print the compiler output of a JIT build.
+
+        Returns:
+            The extension module.
+
+        Raises:
+            RuntimeError: the op cannot be built here (see ``error_log``) or the build failed.
+        """
+        try:
+            return importlib.import_module(self.absolute_name())
+        except ImportError:
+            pass
+        return self.jit_load(verbose)
+
+    def prebuilt(self) -> bool:
+        """Whether a prebuilt module (``DS_BUILD_USP=1 pip install``) is importable."""
+        try:
+            importlib.import_module(self.absolute_name())
+            return True
+        except ImportError:
+            return False
+
+
+class USPCPUBuilder(_USPBuilderMixin, CPUOpBuilder):
+    """CPU variant: C++ kernels with OpenMP and vectorized inner loops."""
+
+    NAME = "ds_usp_cpu"
+
+    def __init__(self) -> None:
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self) -> str:
+        """Import path of the prebuilt module."""
+        return "ds_usp._usp_cpu"
+
+    def sources(self) -> list[str]:
+        """Absolute source paths."""
+        return self._common_sources()
+
+    def cxx_args(self) -> list[str]:
+        """DeepSpeed's CPU flags (-O3, -march, SIMD width, -fopenmp) plus ours."""
+        return super().cxx_args() + ["-ffp-contract=off"]
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        """A C++ compiler is present (``error_log`` says which is missing otherwise)."""
+        problem = _cxx_problem()
+        if problem is not None:
+            self.error_log = problem
+            return False
+        return super().is_compatible(verbose)
+
+
+class USPCUDABuilder(_USPBuilderMixin, CUDAOpBuilder):
+    """CUDA variant: the CPU kernels plus the ``.cu`` kernels (the frontend dispatches on the device)."""
+
+    NAME = "ds_usp_cuda"
+
+    def __init__(self) -> None:
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self) -> str:
+        """Import path of the prebuilt module."""
+        return "ds_usp._usp_cuda"
+
+    def sources(self) -> list[str]:
+        """Absolute source paths."""
+        return self._common_sources() + [str(CSRC / "cuda" / "usp_cuda.cu")]
+
+    def cxx_args(self) -> list[str]:
+        """DeepSpeed's CUDA-op host flags plus OpenMP, no FP contraction and ``USP_WITH_CUDA``."""
+        return super().cxx_args() + self._extra_cxx() + ["-DUSP_WITH_CUDA"]
+
+    def nvcc_args(self) -> list[str]:
+        """DeepSpeed's nvcc flags without ``--use_fast_math`` (the merge must round like the twin)."""
+        return [a for a in super().nvcc_args() if a != "--use_fast_math"]
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        """A C++ compiler and nvcc (CUDA_HOME) are present (``error_log`` says what is missing otherwise)."""
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        problem = _cxx_problem()
+        if problem is None and torch.version.cuda is None:
+            problem = f"torch {torch.__version__} is a build without CUDA (install the torch that matches your CUDA)"
+        if problem is None and not (CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))):
+            problem = "no CUDA compiler: nvcc was not found under CUDA_HOME (set CUDA_HOME)"
+        if problem is not None:
+            self.error_log = problem
+            return False
+        return super().is_compatible(verbose)
+
+
+def builder_for(device_type: str) -> USPCPUBuilder | USPCUDABuilder:
+    """The builder variant for a device type.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        A fresh builder.
+
+    Raises:
+        ValueError: any other device type.
+    """
+    if device_type == "cpu":
+        return USPCPUBuilder()
+    if device_type == "cuda":
+        return USPCUDABuilder()
+    raise ValueError(f"the ds-usp native op has no kernels for device type {device_type!r} (cpu and cuda only)")
