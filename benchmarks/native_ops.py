@@ -98,8 +98,8 @@ def bench_kernels(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     print(f"# kernels: b={b} s_local={s} h={h} d={d} U={u}, torch threads={torch.get_num_threads()}, "
           f"iters={args.iters} (median), op={ops}")
-    print(f"| kernel | dtype | MB moved | twin ms | native ms | speedup | native GB/s | copy GB/s | % copy |")
-    print(f"|---|---|---|---|---|---|---|---|---|")
+    print("| kernel | dtype | MB moved | twin ms | native ms | speedup | native GB/s | copy GB/s | % copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
     def row(name: str, dtype_name: str, nbytes: int, twin: Callable[[], object], nat: Callable[[], object],
             out_bytes: int = 0) -> None:
         """One table row; ``out_bytes`` > 0: the op allocates an output of that size (the ceiling does too)."""

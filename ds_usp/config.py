@@ -133,6 +133,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def ranks_per_node(world_size: int) -> int:
+    """Ranks on this node, as the launcher says: ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (deepspeed).
+
+    Args:
+        world_size: the fallback when no launcher variable is set (a single node).
+
+    Returns:
+        The number of ranks per node.
+    """
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return world_size
+
+
 def kv_heads_compatible(num_kv_heads: int, ulysses_degree: int) -> bool:
     """Whether ``num_kv_heads`` KV heads can be spread over ``ulysses_degree`` ranks.
 
@@ -192,8 +207,9 @@ def load_usp_config(
     Args:
         ds_config: the DeepSpeed JSON config, as a path or an already-parsed dict.
         world_size: total number of ranks.
-        local_world_size: ranks per node; ``None`` reads the launcher's ``LOCAL_WORLD_SIZE``
-            (falling back to ``world_size``). Only used when the degrees are chosen automatically.
+        local_world_size: ranks per node; ``None`` reads the launcher's ``LOCAL_WORLD_SIZE`` or
+            ``LOCAL_SIZE`` (falling back to ``world_size``). Only used when the degrees are chosen
+            automatically.
         num_heads: query heads of the model, when known (checked against ``ulysses_degree``).
         num_kv_heads: key/value heads of the model, when known.
 
@@ -260,7 +276,7 @@ def load_usp_config(
     chosen = False
     if u is None and r is None:
         if local_world_size is None:
-            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            local_world_size = ranks_per_node(world_size)
         u, r = choose_degrees(sp, local_world_size, num_heads, num_kv_heads)
         chosen = True
         log_info(f"usp degrees chosen automatically: ulysses_degree={u} x ring_degree={r} "

@@ -17,13 +17,12 @@ scaling users report with Ulysses, and the reason the SP loss exists.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from ds_usp.config import USPConfig, load_usp_config, read_ds_config
+from ds_usp.config import USPConfig, load_usp_config, ranks_per_node, read_ds_config
 from ds_usp.hf import USPContext, attach
 from ds_usp.log import log_info
 from ds_usp.topology import USPTopology
@@ -149,7 +148,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if topo.rank == 0:
             log_info(f"sequence_parallel={usp_cfg.mode}: ulysses_degree={usp_cfg.ulysses_degree} x "
                      f"ring_degree={usp_cfg.ring_degree}, data_parallel={usp_cfg.data_parallel_size}, "
-                     f"layout={usp_cfg.layout} (world {world}, {os.environ.get('LOCAL_WORLD_SIZE', '?')} per node)")
+                     f"layout={usp_cfg.layout} (world {world}, {ranks_per_node(world)} per node)")
     engine, opt, loader, sched = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                                       model_parameters=model_parameters,
                                                       training_data=training_data, lr_scheduler=lr_scheduler,

@@ -87,6 +87,17 @@ def test_modes_and_defaults():
     assert full.sequence_parallel_size == 4 and full.attn_backend == "torch" and full.native_op is False
 
 
+def test_ranks_per_node_from_either_launcher(monkeypatch):
+    cfg = {"sequence_parallel": "usp"}
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert load_usp_config(cfg, 4, num_heads=8).ulysses_degree == 4  # no launcher: one node
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher, 2 ranks per node
+    assert (load_usp_config(cfg, 4, num_heads=8).ulysses_degree, load_usp_config(cfg, 4).ring_degree) == (2, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun's name wins
+    assert load_usp_config(cfg, 4).ulysses_degree == 1
+
+
 def test_automatic_degrees_follow_the_paper(caplog):
     # Ulysses inside a node (4 ranks per node), ring across nodes.
     assert choose_degrees(16, 4) == (4, 4)
