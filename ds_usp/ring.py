@@ -108,6 +108,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool,
                   backend: AttnBackend, ops: Optional["NativeOps"] = None) -> tuple[Tensor, Tensor]:
     merge = merge_block_ if ops is None else ops.merge_block_  # the native merge or its twin
     b, s, h, d = q.shape
+    if spec.size == 1:  # one block: the kernel's (out, lse) is the answer; no accumulator, no merge
+        _, ks, masked = block_plan(spec, spec.rank, s, causal)  # own block: every query takes part
+        return backend.forward(q, k[:, ks], v[:, ks], masked, scale)
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])  # 2 x (b, s, hkv, d) -> (2, b, s, hkv, d): one message per step
@@ -133,6 +136,14 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    ops: Optional["NativeOps"] = None) -> tuple[Tensor, Tensor, Tensor]:
     accumulate_ = _accumulate_ if ops is None else ops.accumulate_  # the native accumulation or its twin
     s = q.shape[1]
+    if spec.size == 1:  # one block, gradients straight from the kernel
+        _, ks, masked = block_plan(spec, spec.rank, s, causal)
+        dq, dk_b, dv_b = backend.backward(dout, q, k[:, ks], v[:, ks], out, lse, masked, scale)
+        if ks == ALL:
+            return dq, dk_b, dv_b
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # padded keys get no gradient
+        dk[:, ks], dv[:, ks] = dk_b, dv_b
+        return dq, dk, dv
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = torch.stack([k, v])  # (2, b, s, hkv, d)
     wait_dkv = None
