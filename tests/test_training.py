@@ -167,3 +167,41 @@ def test_usp_training_equals_single_process(world4, tmp_path_factory, references
         torch.testing.assert_close(torch.tensor(results[rank][0]), torch.tensor(results[0][0]))  # all ranks agree
     _compare(results[0], references[dp], f"ZeRO-{stage} U={u} R={r} dp={dp}")
     assert results[0][0][-1] < results[0][0][0]  # and it learns
+
+
+def hf_family_matches(family: str) -> float:
+    """One forward+backward of a tiny Qwen2 / Mistral through attn_implementation="usp" (2x2, zigzag)."""
+    import transformers
+
+    import ds_usp
+    from ds_usp.hf import USPContext, attach
+
+    ds_usp.hf.register_usp_attention()
+    cfg_cls, kw = {"qwen2": (transformers.Qwen2Config, {}), "mistral": (transformers.MistralConfig,
+                                                                            {"sliding_window": None})}[family]
+    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **kw)
+    batch = _batch(3)
+    torch.manual_seed(0)
+    ref_model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    ref = ref_model(**batch).loss
+    ref.backward()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="usp", dtype=torch.float32)
+    topo = ds_usp.USPTopology.build(2, 2)
+    attach(model, USPContext(topo=topo, layout="zigzag"))
+    shard = ds_usp.shard_batch(batch, topo, layout="zigzag")
+    loss = ds_usp.sp_cross_entropy(model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits,
+                                   shard["shift_labels"], topo)
+    loss.backward()
+    torch.testing.assert_close(torch.tensor(ds_usp.sp_loss_value(loss, topo)), ref.detach(), **TOL)
+    for (name, p), (_, rp) in zip(model.named_parameters(), ref_model.named_parameters()):
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g, group=topo.sp_group)  # what DeepSpeed sums over the SP ranks
+        torch.testing.assert_close(g, rp.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{family} {name}: {m}")
+    return float(ref)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_hf_families(world4, family):
+    assert len(set(world4.run(hf_family_matches, family))) == 1
