@@ -101,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with the sequence_parallel keys")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
