@@ -65,15 +65,11 @@ def _time_interleaved(fns: list[Callable[[], object]], iters: int, warmup: int) 
 
 
 def _twin_pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: int) -> torch.Tensor:
-    b, s, _, d = q.shape
-    hkv = k.shape[2]
-    if hkv % u != 0:
-        k = k.repeat_interleave(u // hkv, dim=2)  # (b, s, hkv, d) -> (b, s, U, d)
-        v = v.repeat_interleave(u // hkv, dim=2)
-    # 3 x (b, s, U, h_i/U, d) -> (b, s, H', d)
-    packed = torch.cat([x.reshape(b, s, u, x.shape[2] // u, d) for x in (q, k, v)], dim=3).reshape(b, s, -1, d)
-    # (b, s, H', d) -> (b, s, U, H'/U, d) -> (U, b, s, H'/U, d)
-    return packed.reshape(b, s, u, -1, d).permute(2, 0, 1, 3, 4).contiguous()
+    """The twin's send buffer: ds_usp.ulysses.interleave_qkv, then ds_usp.comm.seq_to_head_send_buffer."""
+    from ds_usp.comm import seq_to_head_send_buffer
+    from ds_usp.ulysses import interleave_qkv
+
+    return seq_to_head_send_buffer(interleave_qkv(q, k, v, u), u)
 
 
 def _twin_unpack_grads(recv: torch.Tensor, heads: list[int], hkv: int, rep: int) -> list[torch.Tensor]:

@@ -27,15 +27,28 @@ def _all_to_all(send: Tensor, group: Any) -> Tensor:
     return recv
 
 
+def seq_to_head_send_buffer(x: Tensor, world: int) -> Tensor:
+    """The PyTorch packing of :func:`seq_to_head` (the native op's twin): chunk ``i`` goes to Ulysses rank ``i``.
+
+    Args:
+        x: ``(b, s, h, d)`` with ``h`` divisible by ``world``.
+        world: the Ulysses degree U.
+
+    Returns:
+        The contiguous send buffer ``(U, b, s, h/U, d)``.
+    """
+    b, s, h, d = x.shape
+    # (b, s, h, d) -> (b, s, U, h/U, d) -> (U, b, s, h/U, d)
+    return x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+
+
 def _seq_to_head(x: Tensor, group: Any, ops: Optional["NativeOps"] = None) -> Tensor:
     world = dist.get_world_size(group)
     b, s, h, d = x.shape
     if ops is not None:  # native packing: one pass straight into the send buffer
         send = ops.pack_seq_to_head([x], [1], world)  # (b, s, h, d) -> (U, b, s, h/U, d)
         return ops.unpack_seq_to_head(_all_to_all(send, group), [h // world])[0]  # -> (b, U*s, h/U, d)
-    # (b, s, h, d) -> (b, s, U, h/U, d) -> (U, b, s, h/U, d): chunk i goes to Ulysses rank i
-    send = x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = _all_to_all(send, group)
+    recv = _all_to_all(seq_to_head_send_buffer(x, world), group)
     # (U, b, s, h/U, d) -> (b, U, s, h/U, d) -> (b, U*s, h/U, d): chunk i is rank i's sequence shard
     return recv.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d)
 

@@ -58,22 +58,37 @@ def qkv_seq_to_head(q: Tensor, k: Tensor, v: Tensor, group: Any, ulysses_degree:
     if ulysses_degree == 1:
         return q, k, v
     u = ulysses_degree
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
+    hq, hkv = q.shape[2], k.shape[2]
     if ops is not None:
         rep = 1 if hkv % u == 0 else u // hkv
         # 3 x (b, s, h_i, d) -> (U, b, s, (hq + 2 hk)/U, d) -> all-to-all -> 3 x (b, U*s, h_i/U, d)
         qh, kh, vh = packed_seq_to_head([q, k, v], [1, rep, rep], group, ops)
         return qh, kh, vh
+    hk = hkv if hkv % u == 0 else u  # kv heads after replication
+    heads = seq_to_head(interleave_qkv(q, k, v, u), group)  # (b, U*s, (hq + 2 hk)/U, d)
+    return heads.split([hq // u, hk // u, hk // u], dim=2)
+
+
+def interleave_qkv(q: Tensor, k: Tensor, v: Tensor, ulysses_degree: int) -> Tensor:
+    """Replicate kv heads as far as needed and interleave q, k, v per destination rank (the PyTorch twin).
+
+    Args:
+        q: ``(b, s, hq, d)``.
+        k: ``(b, s, hkv, d)``.
+        v: ``(b, s, hkv, d)``.
+        ulysses_degree: U; ``hkv % U == 0`` or ``U % hkv == 0``.
+
+    Returns:
+        ``(b, s, hq + 2 hk, d)`` where head block ``i`` of size ``(hq + 2 hk)/U`` is rank ``i``'s q, k, v.
+    """
+    u = ulysses_degree
+    b, s, _, d = q.shape
+    hkv = k.shape[2]
     if hkv % u != 0:  # U % hkv == 0 (checked): give each rank its own copy of the one kv head it needs
         k = k.repeat_interleave(u // hkv, dim=2)  # (b, s, hkv, d) -> (b, s, U, d)
         v = v.repeat_interleave(u // hkv, dim=2)
-    hk = k.shape[2]
-    # Interleave per destination rank so one all-to-all carries all three:
     # 3 x (b, s, U, h_i/U, d) -> (b, s, U, (hq + 2 hk)/U, d) -> (b, s, hq + 2 hk, d)
-    packed = torch.cat([x.reshape(b, s, u, x.shape[2] // u, d) for x in (q, k, v)], dim=3).reshape(b, s, -1, d)
-    heads = seq_to_head(packed, group)  # (b, U*s, (hq + 2 hk)/U, d)
-    return heads.split([hq // u, hk // u, hk // u], dim=2)
+    return torch.cat([x.reshape(b, s, u, x.shape[2] // u, d) for x in (q, k, v)], dim=3).reshape(b, s, -1, d)
 
 
 def out_head_to_seq(out: Tensor, group: Any, ulysses_degree: int, ops: Optional["NativeOps"] = None) -> Tensor:

@@ -125,17 +125,11 @@ def test_accumulate_bitwise(ops, dtype):
 
 
 def _twin_pack(q, k, v, u):
-    """The twin's send buffer: ulysses.qkv_seq_to_head's replication + interleave, then comm._seq_to_head."""
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    if hkv % u != 0:
-        k = k.repeat_interleave(u // hkv, dim=2)  # (b, s, hkv, d) -> (b, s, U, d)
-        v = v.repeat_interleave(u // hkv, dim=2)
-    # 3 x (b, s, U, h_i/U, d) -> (b, s, H', d)
-    packed = torch.cat([x.reshape(b, s, u, x.shape[2] // u, d) for x in (q, k, v)], dim=3).reshape(b, s, -1, d)
-    h = packed.shape[2]
-    # (b, s, H', d) -> (U, b, s, H'/U, d)
-    return packed.reshape(b, s, u, h // u, d).permute(2, 0, 1, 3, 4).contiguous()
+    """The twin's send buffer: ds_usp.ulysses.interleave_qkv, then ds_usp.comm.seq_to_head_send_buffer."""
+    from ds_usp.comm import seq_to_head_send_buffer
+    from ds_usp.ulysses import interleave_qkv
+
+    return seq_to_head_send_buffer(interleave_qkv(q, k, v, u), u)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
