@@ -116,6 +116,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=args.deepspeed_config)
     topo, layout = engine.usp.topo, engine.usp.layout
     if topo is None:
@@ -135,7 +136,7 @@ def main() -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     split = f"U={topo.ulysses_degree} R={topo.ring_degree} dp={topo.dp_size} ({layout})"
     if topo.rank == 0:
-        print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (per rank under ZeRO), "
+        print(f"{n_params / 1e6:.2f}M parameters, "
               f"{data.shape[0]} sequences of {args.seq_len} tokens, {split}", flush=True)
 
     from tqdm import tqdm
