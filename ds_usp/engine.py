@@ -18,7 +18,7 @@ scaling users report with Ulysses, and the reason the SP loss exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -35,12 +35,15 @@ class USPState:
     Attributes:
         config: the validated sequence-parallel config.
         topo: the topology (``None`` when sequence parallelism is off).
-        layout: the batch sharding layout that matches ``config.ring_impl``.
     """
 
     config: USPConfig
     topo: Optional[USPTopology]
-    layout: str
+
+    @property
+    def layout(self) -> str:
+        """The batch sharding layout that matches ``config.ring_impl``."""
+        return self.config.layout
 
 
 _ZERO3_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -71,22 +74,19 @@ def _fix_zero3_sequence_parallel_scaling(optimizer: Any, sp_size: int) -> None:
     setattr(optimizer, _ZERO3_SCATTER, scatter_then_rescale)
 
 
-def _partition_for_zero3(model: Any, source: Any, topo: USPTopology) -> None:
-    """Partition ``model`` over the sequence x data-parallel group when the config asks for ZeRO-3.
+def _partition_for_zero3(model: Any, ds_config: Mapping[str, Any], topo: USPTopology) -> None:
+    """Partition ``model`` for ZeRO-3 over the sequence x data-parallel group (see the module docstring).
 
     Args:
         model: the model (left alone when its parameters are already ZeRO-3 parameters).
-        source: the DeepSpeed config (path or dict).
+        ds_config: the parsed DeepSpeed config (ZeRO stage 3).
         topo: the topology.
     """
     import deepspeed
 
-    cfg = read_ds_config(source)
-    if cfg.get("zero_optimization", {}).get("stage", 0) != 3:
-        return
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return
-    deepspeed.zero.Init(module=model, data_parallel_group=topo.sp_dp_group, config_dict_or_path=dict(cfg),
+    deepspeed.zero.Init(module=model, data_parallel_group=topo.sp_dp_group, config_dict_or_path=dict(ds_config),
                         mpu=topo.mpu)
 
 
@@ -133,7 +133,13 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     world = torch.distributed.get_world_size()
     heads, kv_heads = _model_heads(model)
-    usp_cfg = load_usp_config(source, world, num_heads=heads, num_kv_heads=kv_heads)
+    raw = read_ds_config(source)
+    usp_cfg = load_usp_config(raw, world, num_heads=heads, num_kv_heads=kv_heads)
+    zero = raw.get("zero_optimization", {})
+    zero3_sp = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and zero.get("stage", 0) == 3
+    if zero3_sp and zero.get("zero_quantized_gradients", False):
+        raise ValueError("zero_optimization.zero_quantized_gradients is not supported with ZeRO-3 and "
+                         '"sequence_parallel" (its gradient averaging is not verified); turn one of them off')
 
     topo = None
     if usp_cfg.enabled:
@@ -144,7 +150,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if model is not None:
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
                                      native_op=usp_cfg.native_op))
-            _partition_for_zero3(model, source, topo)
+            if zero3_sp:
+                _partition_for_zero3(model, raw, topo)
         if topo.rank == 0:
             log_info(f"sequence_parallel={usp_cfg.mode}: ulysses_degree={usp_cfg.ulysses_degree} x "
                      f"ring_degree={usp_cfg.ring_degree}, data_parallel={usp_cfg.data_parallel_size}, "
@@ -155,10 +162,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                       config=config, config_params=config_params,
                                                       dist_init_required=dist_init_required, collate_fn=collate_fn,
                                                       **kwargs)
-    if topo is not None and topo.sp_size > 1 and engine.zero_optimization_stage() == 3:
-        if engine.zero_quantized_gradients():
-            raise ValueError("zero_optimization.zero_quantized_gradients is not supported with ZeRO-3 and "
-                             '"sequence_parallel" (its gradient averaging is not verified); turn one of them off')
+    if zero3_sp:
         _fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)
-    engine.usp = USPState(config=usp_cfg, topo=topo, layout=usp_cfg.layout)
+    engine.usp = USPState(config=usp_cfg, topo=topo)
     return engine, opt, loader, sched
