@@ -42,12 +42,6 @@ def shift_labels(labels: Tensor) -> Tensor:
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
-def _pad(x: Tensor, length: int, value: Any) -> Tensor:
-    if x.shape[1] == length:
-        return x
-    return torch.cat([x, x.new_full((x.shape[0], length - x.shape[1]), value)], dim=1)
-
-
 def shard_batch(batch: Mapping[str, Tensor], topo: USPTopology, layout: str = "zigzag",
                 pad_token_id: int = 0) -> dict[str, Tensor]:
     """This rank's shard of a batch of full sequences.
@@ -88,15 +82,15 @@ def shard_batch(batch: Mapping[str, Tensor], topo: USPTopology, layout: str = "z
     labels = ids if labels is None else labels
     positions = batch.get("position_ids")
     positions = torch.arange(s, device=ids.device).expand(b, s) if positions is None else positions
-    total = padded_length(s, topo.ulysses_degree, topo.ring_degree, layout)
     # Positions of the padding continue the sequence; they are never seen by a real (causal) query.
-    pad_pos = torch.arange(s, total, device=ids.device).expand(b, total - s)
-    full = {
-        "input_ids": _pad(ids.long(), total, pad_token_id),
-        "position_ids": torch.cat([positions.long(), pad_pos], dim=1),
-        "shift_labels": _pad(shift_labels(labels.long()), total, IGNORE_INDEX),
+    total = padded_length(s, topo.ulysses_degree, topo.ring_degree, layout)
+    positions = torch.cat([positions.long(), torch.arange(s, total, device=ids.device).expand(b, total - s)], dim=1)
+    return {
+        "input_ids": shard_sequence(ids.long(), topo, dim=1, layout=layout, pad_value=pad_token_id),
+        "position_ids": shard_sequence(positions, topo, dim=1, layout=layout),
+        "shift_labels": shard_sequence(shift_labels(labels.long()), topo, dim=1, layout=layout,
+                                       pad_value=IGNORE_INDEX),
     }
-    return {k: shard_sequence(v, topo, dim=1, layout=layout) for k, v in full.items()}
 
 
 class USPDataLoader:

@@ -143,17 +143,19 @@ def _check_dim(x: Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def shard_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "zigzag") -> Tensor:
+def shard_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "zigzag",
+                   pad_value: float = 0) -> Tensor:
     """This rank's shard of a full-sequence tensor (no communication).
 
-    The sequence is padded with zeros at its end to a multiple of ``U*R`` (contiguous) or ``2*U*R``
-    (zigzag); pass the real length as ``seq_len`` to :func:`usp_attention`/:func:`gather_sequence`.
+    The sequence is padded with ``pad_value`` at its end to a multiple of ``U*R`` (contiguous) or
+    ``2*U*R`` (zigzag); pass the real length as ``seq_len`` to :func:`usp_attention`/:func:`gather_sequence`.
 
     Args:
         x: the full tensor, identical on every rank of the SP group.
         topo: the topology.
         dim: the sequence dimension.
         layout: ``"contiguous"`` or ``"zigzag"``.
+        pad_value: the value of the padding (e.g. a pad token id, or -100 for labels).
 
     Returns:
         The shard, ``x.shape[dim]`` padded and divided by ``U*R`` along ``dim``; differentiable.
@@ -170,7 +172,7 @@ def shard_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "zi
     if padded != n:
         pad_shape = list(x.shape)
         pad_shape[dim] = padded - n
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
     idx = shard_positions(padded, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout).to(x.device)
     return x.index_select(dim, idx)
 
