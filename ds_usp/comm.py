@@ -8,10 +8,15 @@
   slice: the gathered tensor is assumed to feed the same computation on every rank).
 * :func:`ring_shift`: non-blocking send to the next ring rank and receive from the previous one,
   returning a ``wait`` callable (the ring algorithm computes while it is in flight).
+* :func:`all_reduce_sum_` and :func:`all_gather_rows`: small collectives (the SP loss, cross-rank checks).
+
+A collective that fails (a peer rank died, or stalled past the group's timeout) raises
+:class:`USPCommError` naming the collective and the ranks of its group.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,9 +26,28 @@ if TYPE_CHECKING:
     from ds_usp.native import NativeOps
 
 
+class USPCommError(RuntimeError):
+    """A USP collective failed: a rank of its group died, stalled past the timeout, or called another collective."""
+
+
+@contextmanager
+def _named(what: str, group: Any) -> Iterator[None]:
+    """Re-raise a failing collective's error as :class:`USPCommError` that names it and its group's ranks."""
+    try:
+        yield
+    except USPCommError:
+        raise
+    except RuntimeError as e:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        raise USPCommError(f"the {what} over ranks {ranks} failed on rank {dist.get_rank()}: {e}\n"
+                           f"A rank of this group died, stalled longer than the group timeout "
+                           f"(usp.timeout_seconds), or called a different collective; see the other ranks' logs.") from e
+
+
 def _all_to_all(send: Tensor, group: Any) -> Tensor:
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with _named("Ulysses all-to-all", group):
+        dist.all_to_all_single(recv, send, group=group)
     return recv
 
 
@@ -154,9 +178,7 @@ class _GatherSeq(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, group: Any, dim: int) -> Tensor:
         world = dist.get_world_size(group)
         ctx.rank, ctx.dim, ctx.n = dist.get_rank(group), dim, x.shape[dim]
-        parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        return torch.cat(all_gather_rows(x.contiguous(), group, "sequence all-gather"), dim=dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
@@ -198,11 +220,64 @@ def ring_shift(send: Tensor, group: Any, ring_ranks: Sequence[int], ring_rank: i
     recv = torch.empty_like(send)
     ops = [dist.P2POp(dist.isend, send, ring_ranks[(ring_rank + 1) % n], group),
            dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - 1) % n], group)]
-    works = dist.batch_isend_irecv(ops)
+    with _named("ring send/recv", group):
+        works = dist.batch_isend_irecv(ops)
 
     def wait() -> Tensor:
-        for w in works:
-            w.wait()
+        with _named("ring send/recv", group):
+            for w in works:
+                w.wait()
         return recv
 
     return wait
+
+
+def all_reduce_sum_(x: Tensor, group: Any, what: str) -> Tensor:
+    """Sum ``x`` over ``group`` in place.
+
+    Args:
+        x: the tensor (same shape on every rank).
+        group: the process group.
+        what: a name for error messages (e.g. ``"SP loss all-reduce"``).
+
+    Returns:
+        ``x``.
+
+    Raises:
+        USPCommError: the collective failed.
+    """
+    with _named(what, group):
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def group_device(group: Any) -> torch.device:
+    """The device a small tensor must be on to go through ``group`` (a CUDA device for NCCL, else CPU).
+
+    Args:
+        group: the process group.
+
+    Returns:
+        The device.
+    """
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def all_gather_rows(x: Tensor, group: Any, what: str) -> list[Tensor]:
+    """Every rank's ``x`` (same shape everywhere), in group-rank order.
+
+    Args:
+        x: this rank's tensor.
+        group: the process group.
+        what: a name for error messages.
+
+    Returns:
+        One tensor per rank of ``group``.
+
+    Raises:
+        USPCommError: the collective failed.
+    """
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    with _named(what, group):
+        dist.all_gather(parts, x, group=group)
+    return parts

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from ds_usp.log import log_info, log_warning
 
 SP_MODES = ("usp", "ulysses", "ring")
 RING_IMPLS = ("basic", "zigzag")
 ATTN_BACKENDS = ("auto", "torch", "flash_attn", "triton")
+DEFAULT_TIMEOUT_SECONDS = 600  # a collective that waits longer than this means a peer died or stalled
 
 
 class USPConfigError(ValueError):
@@ -41,6 +42,7 @@ class _USPBlock(BaseModel):
     ring_impl: Literal["basic", "zigzag"] = "zigzag"
     attn_backend: Literal["auto", "torch", "flash_attn", "triton"] = "auto"
     native_op: Union[Literal["auto"], StrictBool] = "auto"
+    timeout_seconds: Union[StrictInt, StrictFloat] = Field(default=DEFAULT_TIMEOUT_SECONDS, gt=0, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class USPConfig:
         ring_impl: ``"basic"`` (contiguous shards) or ``"zigzag"`` (causal load balance).
         attn_backend: local attention kernel choice.
         native_op: ``"auto"``, ``True`` or ``False``.
+        timeout_seconds: timeout of every collective on the USP process groups.
         degrees_chosen_automatically: True when the degrees were not given and were chosen here.
     """
 
@@ -69,6 +72,7 @@ class USPConfig:
     ring_impl: str = "zigzag"
     attn_backend: str = "auto"
     native_op: Union[str, bool] = "auto"
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     degrees_chosen_automatically: bool = False
 
     @property
@@ -114,6 +118,7 @@ _VALID = {
     "ring_impl": "one of " + ", ".join(map(repr, RING_IMPLS)),
     "attn_backend": "one of " + ", ".join(map(repr, ATTN_BACKENDS)),
     "native_op": "'auto', true or false",
+    "timeout_seconds": "a positive number of seconds",
 }
 
 
@@ -192,6 +197,25 @@ def choose_degrees(
             continue
         best = max(best, u)
     return best, sequence_parallel_size // best
+
+
+def process_group_timeout(ds_config: Mapping[str, Any]) -> float:
+    """``usp.timeout_seconds`` of a parsed config, or the default when absent or invalid.
+
+    It never raises, so that every rank can create its process groups with it before
+    :func:`load_usp_config` reports a bad config the same way on every rank.
+
+    Args:
+        ds_config: the parsed DeepSpeed config.
+
+    Returns:
+        Seconds.
+    """
+    block = ds_config.get("usp")
+    try:
+        return float(_USPBlock(**block).timeout_seconds) if isinstance(block, Mapping) else DEFAULT_TIMEOUT_SECONDS
+    except ValidationError:
+        return DEFAULT_TIMEOUT_SECONDS
 
 
 def load_usp_config(
@@ -297,4 +321,4 @@ def load_usp_config(
     return USPConfig(mode=mode, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
                      ring_degree=r, data_parallel_size=world_size // sp, ring_impl=block.ring_impl,
                      attn_backend=block.attn_backend, native_op=block.native_op,
-                     degrees_chosen_automatically=chosen)
+                     timeout_seconds=float(block.timeout_seconds), degrees_chosen_automatically=chosen)

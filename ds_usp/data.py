@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from ds_usp.comm import all_gather_rows, all_reduce_sum_, group_device
 from ds_usp.layout import check_layout, padded_length
 from ds_usp.topology import USPTopology
 from ds_usp.usp import shard_sequence
@@ -42,6 +42,36 @@ def shift_labels(labels: Tensor) -> Tensor:
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
+def check_same_batch(tensors: list[Tensor], topo: USPTopology) -> None:
+    """Check that every rank of the SP group holds the same full batch (one small all-gather of checksums).
+
+    A data loader that gives the ranks of one sequence different samples would make them train on a
+    patchwork of sequences without any error; this makes it loud.
+
+    Args:
+        tensors: the batch's tensors (same shapes on every rank).
+        topo: the topology.
+
+    Raises:
+        ValueError: on every rank of the group, naming the ranks that hold another batch.
+    """
+    if topo.sp_size == 1:
+        return
+    sums = []
+    for t in tensors:
+        flat = t.reshape(-1).long()
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device)
+        sums += [t.numel(), *t.shape, int(flat.sum()), int((flat * weights).sum())]  # order-sensitive checksum
+    rows = all_gather_rows(torch.tensor(sums, device=group_device(topo.sp_group)), topo.sp_group, "batch check")
+    ranks = list(topo.sp_ranks)
+    odd = [ranks[i] for i, row in enumerate(rows) if not torch.equal(row, rows[0])]
+    if odd:
+        raise ValueError(f"the ranks of one sequence-parallel group {ranks} got different batches (ranks {odd} differ "
+                         f"from rank {ranks[0]}): every rank of a sequence-parallel group must get the same batch "
+                         f"of full sequences; split the data over replicas only (DeepSpeed's loader does, or a "
+                         f"DistributedSampler with num_replicas=dp_size and rank=dp_rank)")
+
+
 def shard_batch(batch: Mapping[str, Tensor], topo: USPTopology, layout: str = "zigzag",
                 pad_token_id: int = 0) -> dict[str, Tensor]:
     """This rank's shard of a batch of full sequences.
@@ -59,7 +89,8 @@ def shard_batch(batch: Mapping[str, Tensor], topo: USPTopology, layout: str = "z
         first two to the model and ``shift_labels`` to :func:`sp_cross_entropy`.
 
     Raises:
-        ValueError: missing or malformed keys, an attention mask with zeros, or a bad layout.
+        ValueError: missing or malformed keys, an attention mask with zeros, a bad layout, or ranks
+            of the SP group holding different batches (see :func:`check_same_batch`).
     """
     check_layout(layout)
     if "input_ids" not in batch:
@@ -82,6 +113,7 @@ def shard_batch(batch: Mapping[str, Tensor], topo: USPTopology, layout: str = "z
     labels = ids if labels is None else labels
     positions = batch.get("position_ids")
     positions = torch.arange(s, device=ids.device).expand(b, s) if positions is None else positions
+    check_same_batch([ids, labels, positions], topo)
     # Positions of the padding continue the sequence; they are never seen by a real (causal) query.
     total = padded_length(s, topo.ulysses_degree, topo.ring_degree, layout)
     positions = torch.cat([positions.long(), torch.arange(s, total, device=ids.device).expand(b, total - s)], dim=1)
@@ -140,7 +172,7 @@ def sp_cross_entropy(logits: Tensor, shift_labels: Tensor, topo: USPTopology) ->
                                ignore_index=IGNORE_INDEX, reduction="sum")
     count = (shift_labels != IGNORE_INDEX).sum().to(torch.float32)
     if topo.sp_size > 1:
-        dist.all_reduce(count, group=topo.sp_group)
+        all_reduce_sum_(count, topo.sp_group, "SP loss all-reduce")
     return loss_sum / count.clamp_min(1.0)
 
 
@@ -156,5 +188,5 @@ def sp_loss_value(loss: Tensor, topo: USPTopology) -> float:
     """
     t = loss.detach().float().clone()
     if topo.sp_size > 1:
-        dist.all_reduce(t, group=topo.sp_group)
+        all_reduce_sum_(t, topo.sp_group, "SP loss all-reduce")
     return float(t)

@@ -17,12 +17,19 @@ scaling users report with Ulysses, and the reason the SP loss exists.
 """
 from __future__ import annotations
 
+import datetime
+import functools
+import json
+import os
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
-from ds_usp.config import USPConfig, load_usp_config, ranks_per_node, read_ds_config
+from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
+                           read_ds_config)
 from ds_usp.hf import USPContext, attach
 from ds_usp.log import log_info
 from ds_usp.topology import USPTopology
@@ -90,6 +97,65 @@ def _partition_for_zero3(model: Any, ds_config: Mapping[str, Any], topo: USPTopo
                         mpu=topo.mpu)
 
 
+def _versions() -> dict[str, str]:
+    found = {}
+    for pkg in ("ds_usp", "deepspeed", "torch"):
+        try:
+            found[pkg] = version(pkg.replace("_", "-"))
+        except PackageNotFoundError:
+            found[pkg] = "not installed as a package"
+    return found
+
+
+def check_same_everywhere(facts: Mapping[str, Any]) -> None:
+    """Compare ``facts`` across every rank (one small collective) and raise the same error everywhere if they differ.
+
+    Two ranks that read different configs or run different library versions would otherwise build
+    different groups or shapes and deadlock later, far from the cause.
+
+    Args:
+        facts: JSON-serializable values that must be equal on every rank (config keys, versions, ...).
+
+    Raises:
+        USPConfigError: on every rank, naming each differing fact and which ranks hold which value.
+    """
+    if dist.get_world_size() == 1:
+        return
+    if dist.get_backend() == "nccl":  # all_gather_object sends through this rank's GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    mine = {key: json.dumps(val, sort_keys=True, default=str) for key, val in facts.items()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    diffs = []
+    for key in mine:
+        holders: dict[str, list[int]] = {}
+        for rank, theirs in enumerate(everyone):
+            holders.setdefault(theirs.get(key, "<missing>"), []).append(rank)
+        if len(holders) > 1:
+            diffs.append(f"{key}: " + "; ".join(f"ranks {ranks} have {val}" for val, ranks in holders.items()))
+    if diffs:
+        raise USPConfigError("the ranks disagree, so they would deadlock or compute different things: "
+                             + " | ".join(diffs) + ". Launch every rank with the same DeepSpeed config file, "
+                             "model and library versions.")
+
+
+def _name_step_on_failure(engine: Any) -> None:
+    """Add the rank, the engine method and the training step to any error raised by forward/backward/step."""
+    for name in ("forward", "backward", "step"):
+        method = getattr(engine, name)
+
+        @functools.wraps(method)
+        def wrapped(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+            try:
+                return _method(*args, **kwargs)
+            except Exception as e:
+                e.add_note(f"ds_usp: raised on rank {dist.get_rank()} in engine.{_name}() during training step "
+                           f"{engine.global_steps + 1}")
+                raise
+
+        setattr(engine, name, wrapped)
+
+
 def _model_heads(model: Any) -> tuple[Optional[int], Optional[int]]:
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None)
@@ -120,7 +186,13 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         ``engine.usp`` is a :class:`USPState` with the topology.
 
     Raises:
-        ValueError: invalid sequence-parallel config (named key), or an ``mpu`` was passed with USP on.
+        ValueError: invalid sequence-parallel config (named key), ranks that disagree on the
+            config, the model's head counts or the library versions (the same error on every
+            rank), or an ``mpu`` was passed with USP on.
+
+    When it initializes distributed itself, the default process group gets ``usp.timeout_seconds``
+    too; the USP groups always do. Errors raised later by ``engine.forward/backward/step`` carry a
+    note with the rank and the training step.
     """
     import deepspeed
 
@@ -129,11 +201,23 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         source = getattr(args, "deepspeed_config", None)
     if source is None:
         raise ValueError("no DeepSpeed config: pass config=... or args.deepspeed_config")
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    world = torch.distributed.get_world_size()
+    try:
+        raw, unreadable = read_ds_config(source), None
+    except USPConfigError as e:  # raised below on every rank, once all ranks know
+        raw, unreadable = {}, e
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                                   timeout=datetime.timedelta(seconds=process_group_timeout(raw)))
+    world = dist.get_world_size()
     heads, kv_heads = _model_heads(model)
-    raw = read_ds_config(source)
+    check_same_everywhere({
+        "config": str(unreadable) if unreadable else {key: raw.get(key) for key in
+                                                      ("sequence_parallel", "sequence_parallel_size", "usp")},
+        "model heads": [heads, kv_heads],
+        "versions": _versions(),
+    })
+    if unreadable:
+        raise unreadable
     usp_cfg = load_usp_config(raw, world, num_heads=heads, num_kv_heads=kv_heads)
     zero = raw.get("zero_optimization", {})
     zero3_sp = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and zero.get("stage", 0) == 3
@@ -145,7 +229,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if usp_cfg.enabled:
         if kwargs.get("mpu") is not None:
             raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
-        topo = USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree)
+        topo = USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree,
+                                 timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds))
         kwargs["mpu"] = topo.mpu
         if model is not None:
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
@@ -165,4 +250,5 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if zero3_sp:
         _fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)
     engine.usp = USPState(config=usp_cfg, topo=topo)
+    _name_step_on_failure(engine)
     return engine, opt, loader, sched

@@ -10,8 +10,9 @@ rank holds ``padded_len / N`` tokens:
 
 Either way, the Ulysses all-to-all reassembles on every member of ring rank ``r`` exactly the
 "ring piece" of ``r`` in increasing position order, which is what the ring algorithm relies on.
-Padded tokens sit after every real token, so under a causal mask no real query sees them; for
-non-causal attention the ring trims each K/V block to its valid prefix (:func:`ring_block_valid_len`).
+Padded tokens sit after every real token, and the real tokens of every ring piece form a prefix of
+it (:func:`ring_block_valid_len`); the ring trims padded queries and keys off each block, so padding
+gets zero output and zero gradient and never changes a real token's result.
 """
 from __future__ import annotations
 

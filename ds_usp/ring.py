@@ -52,8 +52,16 @@ class RingSpec:
         return len(self.ranks)
 
 
+def _prefix(n: int, piece_len: int) -> slice:
+    return ALL if n == piece_len else slice(0, n)
+
+
 def block_plan(spec: RingSpec, src: int, piece_len: int, causal: bool) -> Optional[tuple[slice, slice, bool]]:
     """Which queries of this rank attend to which keys of ring rank ``src``'s piece, and how.
+
+    Padding (a suffix of a piece, see :func:`ring_block_valid_len`) takes part neither as query nor
+    as key: padded query rows are left out, so their output is zero, their LSE ``-inf`` and their
+    gradients zero.
 
     Args:
         spec: the ring.
@@ -66,21 +74,23 @@ def block_plan(spec: RingSpec, src: int, piece_len: int, causal: bool) -> Option
         ``None`` when no query of this rank sees any key of that block.
     """
     me = spec.rank
+    n_q = ring_block_valid_len(spec.seq_len, spec.padded_len, spec.size, me, spec.layout)
+    if n_q == 0:
+        return None  # this rank holds only padding
+    real_q = _prefix(n_q, piece_len)
     if not causal:
-        # Every query sees every real key; padding (a suffix of the piece) is cut off.
-        n_valid = ring_block_valid_len(spec.seq_len, spec.padded_len, spec.size, src, spec.layout)
-        if n_valid == 0:
-            return None
-        return ALL, (ALL if n_valid == piece_len else slice(0, n_valid)), False
-    # Causal: padding sits after every real query, so no real query sees it and no trimming is needed.
+        n_k = ring_block_valid_len(spec.seq_len, spec.padded_len, spec.size, src, spec.layout)
+        return (real_q, _prefix(n_k, piece_len), False) if n_k else None
+    # Causal: every key a real query can see precedes it, so it is real; only the diagonal block needs trimming.
     if src == me:
-        return ALL, ALL, True
+        return real_q, real_q, True
     if spec.layout == "contiguous":
-        return (ALL, ALL, False) if src < me else None
+        return (real_q, ALL, False) if src < me else None
     half = piece_len // 2
     if src < me:  # both my chunks come after src's first chunk and before its second
-        return ALL, slice(0, half), False
-    return slice(half, None), ALL, False  # only my second chunk sees src, and it sees all of it
+        return real_q, slice(0, half), False
+    # only my second chunk sees src, and it sees all of it
+    return (slice(half, n_q), ALL, False) if n_q > half else None
 
 
 def merge_block_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -109,8 +119,14 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool,
     merge = merge_block_ if ops is None else ops.merge_block_  # the native merge or its twin
     b, s, h, d = q.shape
     if spec.size == 1:  # one block: the kernel's (out, lse) is the answer; no accumulator, no merge
-        _, ks, masked = block_plan(spec, spec.rank, s, causal)  # own block: every query takes part
-        return backend.forward(q, k[:, ks], v[:, ks], masked, scale)
+        qs, ks, masked = block_plan(spec, spec.rank, s, causal)  # a real token is in every sequence
+        block_out, block_lse = backend.forward(q[:, qs], k[:, ks], v[:, ks], masked, scale)
+        if qs == ALL:
+            return block_out, block_lse
+        out = torch.zeros_like(q)  # padded query rows: zero output, -inf LSE
+        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        out[:, qs], lse[:, :, qs] = block_out, block_lse
+        return out, lse
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])  # 2 x (b, s, hkv, d) -> (2, b, s, hkv, d): one message per step
@@ -137,12 +153,13 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     accumulate_ = _accumulate_ if ops is None else ops.accumulate_  # the native accumulation or its twin
     s = q.shape[1]
     if spec.size == 1:  # one block, gradients straight from the kernel
-        _, ks, masked = block_plan(spec, spec.rank, s, causal)
-        dq, dk_b, dv_b = backend.backward(dout, q, k[:, ks], v[:, ks], out, lse, masked, scale)
-        if ks == ALL:
-            return dq, dk_b, dv_b
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # padded keys get no gradient
-        dk[:, ks], dv[:, ks] = dk_b, dv_b
+        qs, ks, masked = block_plan(spec, spec.rank, s, causal)
+        dq_b, dk_b, dv_b = backend.backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs],
+                                            masked, scale)
+        if qs == ALL and ks == ALL:
+            return dq_b, dk_b, dv_b
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)  # padding gets no gradient
+        dq[:, qs], dk[:, ks], dv[:, ks] = dq_b, dk_b, dv_b
         return dq, dk, dv
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = torch.stack([k, v])  # (2, b, s, hkv, d)

@@ -143,6 +143,8 @@ class USPTopology:
         ulysses_group, ring_group, sp_group, dp_group, sp_dp_group: this rank's process groups.
         model_parallel_group: a group of this rank alone (the model is replicated, not split),
             handed to DeepSpeed through :attr:`mpu`.
+        agreed_signatures: input signatures of ``usp_attention`` that every rank of the SP group
+            has already been checked to share (so the check runs once per signature).
     """
 
     plan: GroupPlan
@@ -153,6 +155,7 @@ class USPTopology:
     dp_group: Any = field(repr=False)
     sp_dp_group: Any = field(repr=False)
     model_parallel_group: Any = field(repr=False)
+    agreed_signatures: set = field(default_factory=set, repr=False, compare=False)
 
     @classmethod
     def build(cls, ulysses_degree: int, ring_degree: int, *,

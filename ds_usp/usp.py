@@ -13,14 +13,16 @@ All inputs are checked before any collective runs.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from ds_usp.comm import gather_seq
+from ds_usp.comm import all_gather_rows, gather_seq
 from ds_usp.kernels import get_backend
-from ds_usp.layout import check_layout, padded_length, resolve_seq_len, shard_positions
+from ds_usp.layout import LAYOUTS, check_layout, padded_length, resolve_seq_len, shard_positions
 from ds_usp.native import check_native_op, resolve_native_op
 from ds_usp.ring import RingSpec, ring_attention_piece
 from ds_usp.topology import USPTopology
@@ -48,6 +50,68 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology) -> None:
     if q.shape[1] == 0:
         raise ValueError("the local sequence is empty")
     check_heads(q.shape[2], k.shape[2], topo.ulysses_degree)
+    check_device(q.device, topo)
+
+
+def check_device(device: torch.device, topo: USPTopology) -> None:
+    """Refuse tensors the USP groups' backend cannot move (NCCL needs CUDA tensors, gloo CPU ones).
+
+    Args:
+        device: the tensors' device.
+        topo: the topology.
+
+    Raises:
+        ValueError: the device does not match the process groups' backend.
+    """
+    if topo.sp_size == 1:
+        return
+    backend = dist.get_backend(topo.sp_group)
+    wanted = {"nccl": "cuda", "gloo": "cpu"}.get(backend)
+    if wanted is not None and device.type != wanted:
+        raise ValueError(f"the tensors are on {device}, but the sequence-parallel groups use {backend}, which "
+                         f"needs {wanted} tensors; move them with .to('{wanted}') or initialize "
+                         f"distributed with the other backend")
+
+
+_SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "dtype", "causal", "layout",
+              "seq_len", "softmax_scale")
+
+
+def _check_same_across_ranks(q: Tensor, k: Tensor, topo: USPTopology, causal: bool, layout: str, seq_len: int,
+                             scale: float) -> None:
+    """Check once per input signature that every rank of the SP group calls with the same one.
+
+    A mismatch would otherwise deadlock or garble the all-to-all and the ring. The check is one
+    small all-gather the first time a signature is seen on this topology (later calls with the
+    same shapes cost nothing). A rank whose shapes change while the others reuse a signature they
+    already checked is caught by the group timeout instead.
+    """
+    if topo.sp_size == 1:
+        return
+    sig = (*q.shape[:3], k.shape[2], q.shape[3], DTYPES.index(q.dtype), int(causal), LAYOUTS.index(layout), seq_len,
+           struct.unpack("<q", struct.pack("<d", scale))[0])
+    if sig in topo.agreed_signatures:
+        return
+    rows = [tuple(r.tolist()) for r in all_gather_rows(torch.tensor(sig, device=q.device), topo.sp_group,
+                                                          "usp_attention input check")]
+    bad = [i for i, name in enumerate(_SIGNATURE) if len({r[i] for r in rows}) > 1]
+    if bad:
+        def show(i: int, x: int) -> str:
+            if _SIGNATURE[i] == "dtype":
+                return str(DTYPES[x]).replace("torch.", "")
+            if _SIGNATURE[i] == "layout":
+                return LAYOUTS[x]
+            if _SIGNATURE[i] == "softmax_scale":
+                return f"{struct.unpack('<d', struct.pack('<q', x))[0]:g}"
+            return str(bool(x)) if _SIGNATURE[i] == "causal" else str(x)
+
+        ranks = list(topo.sp_ranks)
+        diffs = "; ".join(_SIGNATURE[i] + ": " + ", ".join(f"rank {ranks[p]}={show(i, r[i])}" for p, r in enumerate(rows))
+                          for i in bad)
+        raise ValueError(f"usp_attention was called with different inputs on the ranks of one sequence-parallel "
+                         f"group ({diffs}); every rank must pass its shard of the same sequences (shard them with "
+                         f"ds_usp.shard_sequence / ds_usp.shard_batch) with the same arguments")
+    topo.agreed_signatures.add(sig)
 
 
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bool = True,
@@ -74,16 +138,25 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         ``(b, s_local, hq, d)`` in the input dtype: this rank's shard of the output.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``seq_len`` or
-            ``native_op``, raised before any communication.
+        ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``causal``,
+            ``softmax_scale``, ``seq_len`` or ``native_op``, raised before any communication; or
+            ranks of the SP group that pass different shapes or arguments (checked once per
+            signature with one small all-gather, the same error on every rank).
         ds_usp.native.NativeOpUnavailable: ``native_op=True`` and the op cannot be built or loaded.
     """
     _check_qkv(q, k, v, topo)
     check_layout(layout)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal ({causal!r}) must be True or False")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale ({softmax_scale!r}) must be a positive finite number or None "
+                         f"(None: 1/sqrt(head_dim))")
     real_len, padded = resolve_seq_len(seq_len, q.shape[1], topo.ulysses_degree, topo.ring_degree, layout)
     backend = get_backend(attn_backend, q.device)
     ops = resolve_native_op(native_op, q.device)  # NativeOps or None (the PyTorch twins)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    _check_same_across_ranks(q, k, topo, causal, layout, real_len, scale)
     spec = RingSpec(group=topo.ring_group, ranks=topo.ring_ranks, rank=topo.ring_rank, layout=layout,
                     seq_len=real_len, padded_len=padded)
     qh, kh, vh = qkv_seq_to_head(q, k, v, topo.ulysses_group, topo.ulysses_degree, ops)  # (b, s_local*U, h/U, d)

@@ -1,0 +1,297 @@
+"""Reliability floor on a 4-rank gloo world: bad inputs refused before any collective, ranks that
+disagree refused on every rank, padding and masked rows exact, and a property-based comparison
+with the single-process reference (hypothesis).
+
+"Before any collective" is checked by making the bad call on rank 0 alone: had it entered a
+collective, rank 0 would wait for partners that never come and the harness would report a hang;
+the next case then runs a correct call on every rank, which would garble if anything were pending.
+docs/reliability.md lists what is checked here; its counts come from the tables in this file.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dist_harness import World
+
+_TOPOS: dict = {}  # per worker process: one topology per (U, R), built on first use
+
+
+def _topo(u: int, r: int):
+    from ds_usp import USPTopology
+
+    if (u, r) not in _TOPOS:
+        _TOPOS[(u, r)] = USPTopology.build(u, r)
+    return _TOPOS[(u, r)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World(4, timeout=120)
+    yield w
+    w.close()
+
+
+def _qkv(b=1, s=8, hq=4, hkv=4, d=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, s, hq, d, generator=g).to(dtype), torch.randn(b, s, hkv, d, generator=g).to(dtype),
+            torch.randn(b, s, hkv, d, generator=g).to(dtype))
+
+
+# ---- bad inputs: (entry, what is wrong, call, expected message fragment) ----------------------------------------
+
+def _attn(u, r, **kw):
+    """A usp_attention call on a (u, r) topology with some inputs or arguments replaced."""
+    import ds_usp
+
+    q, k, v = _qkv(**{key: kw.pop(key) for key in ("b", "s", "hq", "hkv", "d", "dtype") if key in kw})
+    q, k, v = kw.pop("q", q), kw.pop("k", k), kw.pop("v", v)
+    return lambda: ds_usp.usp_attention(q, k, v, _topo(u, r), **kw)
+
+
+def _bad_attention_calls():
+    q, k, v = _qkv()
+    return [
+        ("usp_attention", "3-D q", _attn(2, 2, q=q[0]), "must be a 4-D tensor"),
+        ("usp_attention", "q not a tensor", _attn(2, 2, q=q.tolist()), "must be a 4-D tensor"),
+        ("usp_attention", "integer dtype", _attn(2, 2, q=q.long(), k=k.long(), v=v.long()), "supported: float32"),
+        ("usp_attention", "k and v shapes differ", _attn(2, 2, v=v[:, :, :2]), "must have the same shape"),
+        ("usp_attention", "q and k batch differ", _attn(2, 2, q=torch.cat([q, q])), "must agree in batch"),
+        ("usp_attention", "q and k head_dim differ", _attn(2, 2, q=q[..., :4]), "must agree in batch"),
+        ("usp_attention", "q, k, v dtypes differ", _attn(2, 2, q=q.double().float().bfloat16()), "share a dtype"),
+        ("usp_attention", "q, k, v on different devices", _attn(2, 2, q=q.to("meta")), "on one device"),
+        ("usp_attention", "device the groups cannot move", _attn(2, 2, q=q.to("meta"), k=k.to("meta"),
+                                                                 v=v.to("meta")), "needs cpu tensors"),
+        ("usp_attention", "empty local sequence", _attn(2, 2, s=0), "local sequence is empty"),
+        ("usp_attention", "q heads not a multiple of kv heads", _attn(2, 2, hq=4, hkv=3), "multiple of kv heads"),
+        ("usp_attention", "q heads not divisible by U", _attn(4, 1, hq=6, hkv=6), "divisible by ulysses_degree"),
+        ("usp_attention", "kv heads incompatible with U", _attn(4, 1, hq=12, hkv=3), "are incompatible"),
+        ("usp_attention", "unknown layout", _attn(2, 2, layout="striped"), "layout ('striped') must be one of"),
+        ("usp_attention", "local length does not fit zigzag", _attn(2, 2, s=3, layout="zigzag"),
+         "not a multiple of 8"),
+        ("usp_attention", "seq_len does not match the shards", _attn(2, 2, seq_len=5), "does not match the local"),
+        ("usp_attention", "seq_len not a positive integer", _attn(2, 2, seq_len=0), "must be a positive integer"),
+        ("usp_attention", "causal not a bool", _attn(2, 2, causal="yes"), "causal ('yes') must be True or False"),
+        ("usp_attention", "softmax_scale not positive", _attn(2, 2, softmax_scale=-1.0), "positive finite number"),
+        ("usp_attention", "softmax_scale NaN", _attn(2, 2, softmax_scale=math.nan), "positive finite number"),
+        ("usp_attention", "unknown native_op", _attn(2, 2, native_op="sometimes"), "native_op='sometimes' is invalid"),
+        ("usp_attention", "unknown attn_backend", _attn(2, 2, attn_backend="cudnn"), "not a known attention backend"),
+    ]
+
+
+def _bad_shard_calls():
+    import ds_usp
+
+    topo = _topo(2, 2)
+    x = torch.randn(1, 16, 4, 8)
+    ids = torch.randint(0, 10, (2, 16))
+    return [
+        ("shard_sequence", "not a tensor", lambda: ds_usp.shard_sequence([1, 2], topo), "expected a tensor"),
+        ("shard_sequence", "dim out of range", lambda: ds_usp.shard_sequence(x, topo, dim=4), "out of range"),
+        ("shard_sequence", "empty sequence", lambda: ds_usp.shard_sequence(x[:, :0], topo), "empty sequence"),
+        ("shard_sequence", "unknown layout", lambda: ds_usp.shard_sequence(x, topo, layout="rows"), "must be one of"),
+        ("shard_batch", "no input_ids", lambda: ds_usp.shard_batch({"labels": ids}, topo), "has no 'input_ids'"),
+        ("shard_batch", "float input_ids", lambda: ds_usp.shard_batch({"input_ids": ids.float()}, topo),
+         "must be an integer tensor"),
+        ("shard_batch", "1-D input_ids", lambda: ds_usp.shard_batch({"input_ids": ids[0]}, topo),
+         "must be an integer tensor"),
+        ("shard_batch", "labels of another shape", lambda: ds_usp.shard_batch({"input_ids": ids, "labels": ids[:, :8]},
+                                                                              topo), "labels has shape"),
+        ("shard_batch", "padding in attention_mask",
+         lambda: ds_usp.shard_batch({"input_ids": ids, "attention_mask": torch.tril(torch.ones_like(ids))}, topo),
+         "attention_mask has zeros"),
+        ("shard_batch", "unknown layout", lambda: ds_usp.shard_batch({"input_ids": ids}, topo, layout="x"),
+         "must be one of"),
+        ("sp_cross_entropy", "logits and labels disagree",
+         lambda: ds_usp.sp_cross_entropy(torch.randn(1, 4, 10), torch.zeros(1, 5, dtype=torch.long), topo),
+         "disagree"),
+    ]
+
+
+def bad_inputs_on_rank0() -> list[str]:
+    """Every bad call raises ValueError with its message on rank 0 while the other ranks call nothing."""
+    import ds_usp  # noqa: F401 - imported before the topologies
+
+    for u, r in ((2, 2), (4, 1)):
+        _topo(u, r)  # group creation is collective: every rank builds the topologies first
+    if dist.get_rank() != 0:
+        return []
+    tried = []
+    for entry, what, call, fragment in _bad_attention_calls() + _bad_shard_calls():
+        with pytest.raises(ValueError, match=None) as info:
+            call()
+        assert fragment in str(info.value), f"{entry} / {what}: {info.value}"
+        tried.append(f"{entry}: {what}")
+    return tried
+
+
+def correct_call_after_bad_ones() -> float:
+    """A correct call on every rank right after the bad ones: nothing stray is pending in any group."""
+    import ds_usp
+
+    topo = _topo(2, 2)
+    q, k, v = _qkv(s=16, seed=3)
+    out = ds_usp.usp_attention(*(ds_usp.shard_sequence(x, topo) for x in (q, k, v)), topo)
+    full = ds_usp.gather_sequence(out, topo)
+    ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(full, ref, atol=1e-5, rtol=1e-5)
+    return float(full.sum())
+
+
+def test_bad_inputs_are_refused_before_any_collective(world):
+    tried = world.run(bad_inputs_on_rank0)[0]
+    assert len(tried) == len(set(tried)) == 33, tried
+    world.run(correct_call_after_bad_ones)
+
+
+# ---- ranks that disagree -------------------------------------------------------------------------------------------
+
+def mismatched_attention_inputs(kind: str) -> str:
+    """Rank 2 calls usp_attention differently from the others; every rank must raise the same error."""
+    import ds_usp
+
+    topo = _topo(2, 2)
+    q, k, v = _qkv(s=40 if kind == "length" and dist.get_rank() == 2 else 32)
+    scale = 0.5 if kind == "scale" and dist.get_rank() == 2 else None
+    with pytest.raises(ValueError) as info:
+        ds_usp.usp_attention(*(ds_usp.shard_sequence(x, topo) for x in (q, k, v)), topo, softmax_scale=scale)
+    return str(info.value)
+
+
+def mismatched_batches() -> str:
+    """Rank 1 got another batch than its SP partners: shard_batch refuses it on every rank."""
+    import ds_usp
+
+    ids = torch.arange(24).reshape(2, 12) + (1 if dist.get_rank() == 1 else 0)
+    with pytest.raises(ValueError) as info:
+        ds_usp.shard_batch({"input_ids": ids}, _topo(2, 2))
+    return str(info.value)
+
+
+def mismatched_configs() -> str:
+    """Rank 3 reads a different usp block: ds_usp.initialize refuses it on every rank, before building groups."""
+    import ds_usp
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "sequence_parallel": "usp", "usp": {"ulysses_degree": 2, "ring_degree": 2,
+                                               "ring_impl": "basic" if dist.get_rank() == 3 else "zigzag"}}
+    with pytest.raises(ValueError) as info:
+        ds_usp.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+    return str(info.value)
+
+
+def test_ranks_that_disagree_get_the_same_error_everywhere(world):
+    for kind in ("length", "scale"):
+        msgs = world.run(mismatched_attention_inputs, kind)
+        assert len(set(msgs)) == 1 and "different inputs on the ranks of one sequence-parallel group" in msgs[0], msgs
+    msgs = world.run(mismatched_attention_inputs, "length")
+    assert "local sequence length: rank 0=8, rank 1=8, rank 2=10, rank 3=8" in msgs[0], msgs[0]
+    msgs = world.run(mismatched_batches)
+    assert len(set(msgs)) == 1 and "ranks [1] differ" in msgs[0] and "same batch" in msgs[0], msgs
+    msgs = world.run(mismatched_configs)
+    assert len(set(msgs)) == 1 and "the ranks disagree" in msgs[0] and "ranks [3] have" in msgs[0], msgs
+    world.run(correct_call_after_bad_ones)  # the world is still healthy
+
+
+# ---- numerics at the edges -------------------------------------------------------------------------------------------
+
+def _reference(q, k, v, dout, causal, scale=None):
+    """fp32 SDPA over the full real sequence, kv heads repeated: out, dq, dk, dv."""
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = (x.float().clone().requires_grad_() for x in (q, k, v))
+    # (b, s, h, d) -> (b, h, s, d) for SDPA, and back
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
+                                         v.repeat_interleave(rep, 2).transpose(1, 2), is_causal=causal,
+                                         scale=scale).transpose(1, 2)
+    out.backward(dout.float())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def compare_with_reference(u: int, r: int, b: int, seq: int, hq: int, hkv: int, d: int, causal: bool, layout: str,
+                           dtype_name: str, magnitude: float, seed: int) -> None:
+    """USP vs the single-process reference for one case; padding rows must be exactly zero (out and grads)."""
+    import ds_usp
+    from ds_usp.layout import padded_length, shard_positions
+
+    dtype = getattr(torch, dtype_name)
+    topo = _topo(u, r)
+    q, k, v = _qkv(b, seq, hq, hkv, d, torch.float32, seed)
+    q = (q * magnitude).to(dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    dout = torch.randn(b, seq, hq, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    ql, kl, vl = (ds_usp.shard_sequence(x, topo, layout=layout).requires_grad_() for x in (q, k, v))
+    out = ds_usp.usp_attention(ql, kl, vl, topo, causal=causal, layout=layout, seq_len=seq)
+    # a gradient on the padded rows too: it must not leak into any real token's gradient
+    (out.float() * ds_usp.shard_sequence(dout, topo, layout=layout, pad_value=1.0).float()).sum().backward()
+    pad = shard_positions(padded_length(seq, u, r, layout), u, r, topo.sp_rank, layout) >= seq
+    for name, t in (("out", out), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad)):
+        assert torch.isfinite(t).all(), f"{name} has NaN/Inf"
+        assert t.dtype == dtype, name
+        assert (t[:, pad] == 0).all(), f"{name} is not zero on padded rows"
+    got = [ds_usp.gather_sequence(t.detach(), topo, layout=layout, seq_len=seq)
+           for t in (out, ql.grad, kl.grad, vl.grad)]
+    ref = _reference(q, k, v, dout, causal)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for name, g, want in zip(("out", "dq", "dk", "dv"), got, ref):
+        scale = want.abs().max().clamp_min(1.0)  # gradients of large logits are large: compare relative to them
+        torch.testing.assert_close(g.float() / scale, want / scale, **tol, msg=lambda m: f"{name}: {m}")
+
+
+EDGE_CASES = [
+    # (u, r, b, seq, hq, hkv, d, causal, layout, dtype, magnitude): why
+    (2, 2, 1, 3, 4, 4, 8, True, "zigzag", "float32", 1.0),       # fewer tokens than ranks: whole shards of padding
+    (1, 4, 1, 3, 4, 1, 8, False, "zigzag", "float32", 1.0),      # same, non-causal ring, MQA
+    (4, 1, 2, 13, 8, 2, 8, False, "contiguous", "float32", 1.0),  # padding with a single ring block
+    (2, 2, 1, 1, 4, 2, 8, True, "contiguous", "float32", 1.0),   # one token
+    (1, 4, 1, 37, 4, 4, 8, True, "zigzag", "float32", 60.0),     # huge logits: the LSE merge must not overflow
+    (2, 2, 1, 37, 4, 4, 8, False, "zigzag", "bfloat16", 1.0),    # bf16 with padding (fp32 LSE inside)
+    (1, 4, 2, 29, 4, 2, 8, True, "contiguous", "float16", 20.0),  # fp16 with large logits
+]
+
+
+def run_edge_cases() -> int:
+    for i, case in enumerate(EDGE_CASES):
+        compare_with_reference(*case, seed=i)
+    return len(EDGE_CASES)
+
+
+def test_padding_and_edge_numerics(world):
+    assert world.run(run_edge_cases) == [len(EDGE_CASES)] * 4
+
+
+def test_low_precision_keeps_fp32_lse_and_accumulators():
+    """The ring's running LSE and output are fp32 whatever the input dtype (single process, two-block ring)."""
+    from ds_usp.kernels import get_backend
+    from ds_usp.ring import RingSpec, _ring_forward
+
+    q, k, v = _qkv(s=8, dtype=torch.bfloat16)
+    spec = RingSpec(group=None, ranks=(0,), rank=0, layout="contiguous", seq_len=5, padded_len=8)
+    out, lse = _ring_forward(q, k, v, spec, True, 0.3, get_backend("torch", q.device))
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.isneginf(lse[:, :, 5:]).all() and (out[:, 5:] == 0).all()  # padded rows: no key seen
+
+
+# ---- property-based comparison -------------------------------------------------------------------------------------
+
+@st.composite
+def usp_cases(draw):
+    u, r = draw(st.sampled_from([(4, 1), (2, 2), (1, 4)]))
+    hq = u * draw(st.sampled_from([1, 2]))
+    hkv = draw(st.sampled_from([h for h in range(1, hq + 1) if hq % h == 0 and (h % u == 0 or u % h == 0)]))
+    return dict(u=u, r=r, b=draw(st.integers(1, 2)), seq=draw(st.integers(1, 70)), hq=hq, hkv=hkv,
+                d=draw(st.sampled_from([4, 8, 16])), causal=draw(st.booleans()),
+                layout=draw(st.sampled_from(["contiguous", "zigzag"])),
+                dtype_name=draw(st.sampled_from(["float32", "float32", "bfloat16"])), magnitude=1.0,
+                seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=usp_cases())
+def test_property_usp_matches_reference(world, case):
+    world.run(compare_with_reference, **case)
