@@ -12,12 +12,12 @@ DeepSpeed ignores the keys it does not know, so the same file keeps working with
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
+import hjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from ds_usp.log import log_info, log_warning
@@ -105,10 +105,11 @@ def read_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> Map
         if not path.is_file():
             raise USPConfigError(f"DeepSpeed config file {str(path)!r} does not exist")
         try:
-            # DeepSpeed reads its configs with hjson-compatible json; plain json covers the keys we own.
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise USPConfigError(f"DeepSpeed config file {str(path)!r} is not valid JSON: {e}") from e
+            # The same parser DeepSpeed uses (hjson: comments and trailing commas are fine), so a file
+            # DeepSpeed accepts is read identically here.
+            return hjson.loads(path.read_text(), object_pairs_hook=dict)
+        except hjson.HjsonDecodeError as e:
+            raise USPConfigError(f"DeepSpeed config file {str(path)!r} is not valid JSON/hjson: {e}") from e
     raise USPConfigError(f"ds_config must be a path or a dict, got {type(ds_config).__name__}")
 
 
@@ -199,8 +200,8 @@ def choose_degrees(
     return best, sequence_parallel_size // best
 
 
-def process_group_timeout(ds_config: Mapping[str, Any]) -> float:
-    """``usp.timeout_seconds`` of a parsed config, or the default when absent or invalid.
+def process_group_timeout(ds_config: Mapping[str, Any]) -> Optional[float]:
+    """``usp.timeout_seconds`` of a parsed config (default when absent or invalid), None when SP is off.
 
     It never raises, so that every rank can create its process groups with it before
     :func:`load_usp_config` reports a bad config the same way on every rank.
@@ -209,12 +210,14 @@ def process_group_timeout(ds_config: Mapping[str, Any]) -> float:
         ds_config: the parsed DeepSpeed config.
 
     Returns:
-        Seconds.
+        Seconds, or None when ``"sequence_parallel"`` is not set (DeepSpeed's own default applies).
     """
-    block = ds_config.get("usp")
+    if ds_config.get("sequence_parallel") is None:
+        return None
+    block = ds_config.get("usp", {})
     try:
         return float(_USPBlock(**block).timeout_seconds) if isinstance(block, Mapping) else DEFAULT_TIMEOUT_SECONDS
-    except ValidationError:
+    except (ValidationError, TypeError):
         return DEFAULT_TIMEOUT_SECONDS
 
 
@@ -276,6 +279,9 @@ def load_usp_config(
     except ValidationError as e:
         raise USPConfigError(_explain(e)) from None
 
+    if block.attn_backend == "triton":
+        raise USPConfigError("usp.attn_backend ('triton') is not available: this version of ds-usp has no Triton "
+                             "kernel yet; use 'auto', 'torch' or 'flash_attn'")
     u, r = block.ulysses_degree, block.ring_degree
     if mode == "ulysses":
         if r not in (None, 1):
@@ -311,6 +317,11 @@ def load_usp_config(
     elif r is None:
         r = sp // u
 
+    if num_heads is not None and num_heads % u != 0 and mode == "ulysses":
+        raise USPConfigError(f'"sequence_parallel": "ulysses" puts all {sp} sequence-parallel ranks in one Ulysses '
+                             f'group, but {sp} does not divide the number of attention heads ({num_heads}); use '
+                             f'"sequence_parallel": "usp" (the rest becomes ring) or a sequence_parallel_size that '
+                             f'divides {num_heads}')
     if num_heads is not None and num_heads % u != 0:
         raise USPConfigError(f"usp.ulysses_degree ({u}) must divide the number of attention heads ({num_heads}); "
                              f"valid values: {', '.join(str(d) for d in _divisors(sp) if num_heads % d == 0)}")

@@ -139,6 +139,13 @@ def check_same_everywhere(facts: Mapping[str, Any]) -> None:
                              "model and library versions.")
 
 
+def _degrees_left_out(raw: Mapping[str, Any]) -> bool:
+    """Whether load_usp_config will choose the degrees (and so read the ranks per node)."""
+    block = raw.get("usp", {})
+    return raw.get("sequence_parallel") == "usp" and isinstance(block, Mapping) and not (
+        {"ulysses_degree", "ring_degree"} & set(block))
+
+
 def _name_step_on_failure(engine: Any) -> None:
     """Add the rank, the engine method and the training step to any error raised by forward/backward/step."""
     for name in ("forward", "backward", "step"):
@@ -206,14 +213,17 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     except USPConfigError as e:  # raised below on every rank, once all ranks know
         raw, unreadable = {}, e
     if not dist.is_initialized():
+        timeout = process_group_timeout(raw)
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                                   timeout=datetime.timedelta(seconds=process_group_timeout(raw)))
+                                   **({} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}))
     world = dist.get_world_size()
     heads, kv_heads = _model_heads(model)
     check_same_everywhere({
         "config": str(unreadable) if unreadable else {key: raw.get(key) for key in
                                                       ("sequence_parallel", "sequence_parallel_size", "usp")},
         "model heads": [heads, kv_heads],
+        # the automatic degree choice reads the ranks per node: nodes of different sizes would choose differently
+        "ranks per node": ranks_per_node(world) if _degrees_left_out(raw) else "not used",
         "versions": _versions(),
     })
     if unreadable:

@@ -153,7 +153,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         raise ValueError(f"softmax_scale ({softmax_scale!r}) must be a positive finite number or None "
                          f"(None: 1/sqrt(head_dim))")
     real_len, padded = resolve_seq_len(seq_len, q.shape[1], topo.ulysses_degree, topo.ring_degree, layout)
-    backend = get_backend(attn_backend, q.device)
+    backend = get_backend(attn_backend, q.device, q.dtype)
     ops = resolve_native_op(native_op, q.device)  # NativeOps or None (the PyTorch twins)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     _check_same_across_ranks(q, k, topo, causal, layout, real_len, scale)

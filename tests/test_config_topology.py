@@ -41,6 +41,14 @@ BAD_CONFIGS = [
     ({"sequence_parallel": "usp", "usp": {"ulysess_degree": 2}}, 4,
      "usp.ulysess_degree is not a known key; valid keys are: ulysses_degree, ring_degree"),
     ({"sequence_parallel": "usp", "usp": [2, 2]}, 4, "usp ([2, 2]) must be a JSON object"),
+    ({"sequence_parallel": "usp", "usp": {"attn_backend": "triton"}}, 4,
+     "usp.attn_backend ('triton') is not available: this version of ds-usp has no Triton kernel yet"),
+    ({"sequence_parallel": "usp", "usp": {"timeout_seconds": 0}}, 4,
+     "usp.timeout_seconds (0) is invalid: must be a positive number of seconds"),
+    ({"sequence_parallel": "usp", "usp": {"timeout_seconds": float("inf")}}, 4,
+     "usp.timeout_seconds (inf) is invalid: must be a positive number of seconds"),
+    ({"sequence_parallel": "usp", "usp": {"timeout_seconds": "10"}}, 4,
+     "usp.timeout_seconds ('10') is invalid: must be a positive number of seconds"),
 ]
 
 
@@ -59,6 +67,19 @@ def test_head_constraints_are_checked_when_heads_are_known():
     cfg8 = {"sequence_parallel": "usp", "sequence_parallel_size": 8, "usp": {"ulysses_degree": 4}}
     with pytest.raises(USPConfigError, match=r"incompatible with 6 kv heads"):
         load_usp_config(cfg8, 8, num_heads=24, num_kv_heads=6)
+    with pytest.raises(USPConfigError, match=r'"ulysses" puts all 8 sequence-parallel ranks in one Ulysses group, but 8 '
+                                             r'does not divide the number of attention heads \(4\); use "sequence_parallel": "usp"'):
+        load_usp_config({"sequence_parallel": "ulysses"}, 8, num_heads=4)
+
+
+def test_timeout_default_and_value():
+    from ds_usp.config import DEFAULT_TIMEOUT_SECONDS, process_group_timeout
+
+    cfg = {"sequence_parallel": "usp", "usp": {"timeout_seconds": 42}}
+    assert load_usp_config(cfg, 4).timeout_seconds == 42.0 == process_group_timeout(cfg)
+    assert load_usp_config({"sequence_parallel": "usp"}, 4).timeout_seconds == DEFAULT_TIMEOUT_SECONDS == 600
+    assert process_group_timeout({"sequence_parallel": "usp", "usp": {"timeout_seconds": -1}}) == 600  # refused later
+    assert process_group_timeout({}) is None  # sequence parallelism off: DeepSpeed's own default
 
 
 def test_file_path_and_missing_file(tmp_path):
@@ -72,6 +93,10 @@ def test_file_path_and_missing_file(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(USPConfigError, match="not valid JSON"):
         load_usp_config(str(tmp_path / "bad.json"), 4)
+    # what DeepSpeed accepts (hjson: comments, trailing commas) is read the same way
+    (tmp_path / "hjson.json").write_text('{"sequence_parallel": "ring", // ring only\n "usp": {"ring_impl": "basic",},}')
+    c = load_usp_config(str(tmp_path / "hjson.json"), 4)
+    assert (c.ulysses_degree, c.ring_degree, c.ring_impl) == (1, 4, "basic")
 
 
 def test_modes_and_defaults():

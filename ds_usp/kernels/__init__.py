@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -120,13 +121,14 @@ def available_backends(device: torch.device | str) -> dict[str, str | None]:
     }
 
 
-def get_backend(name: str, device: torch.device | str) -> AttnBackend:
-    """Resolve the ``usp.attn_backend`` setting to a backend for ``device``.
+def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dtype] = None) -> AttnBackend:
+    """Resolve the ``usp.attn_backend`` setting to a backend for ``device`` and ``dtype``.
 
     Args:
         name: "auto", "torch", "flash_attn" or "triton". "auto" picks flash_attn on CUDA when
-            flash-attn imports, else torch.
+            flash-attn imports and the dtype is fp16/bf16 (all it supports), else torch.
         device: the device attention will run on.
+        dtype: the inputs' dtype (None: not known yet, not checked).
 
     Returns:
         The backend.
@@ -142,6 +144,9 @@ def get_backend(name: str, device: torch.device | str) -> AttnBackend:
     if name not in BACKEND_CHOICES:
         raise ValueError(f"usp.attn_backend={name!r} is not a known attention backend (choose from "
                          f"{', '.join(map(repr, BACKEND_CHOICES))}); usable on {device}: {usable_here}")
+    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
+    if reasons["flash_attn"] is None and not half:
+        reasons["flash_attn"] = f"flash-attn supports float16 and bfloat16 only, the inputs are {dtype}"
     chosen = name
     if name == "auto":
         chosen = "flash_attn" if reasons["flash_attn"] is None else "torch"
