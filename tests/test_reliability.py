@@ -56,6 +56,8 @@ def _attn(u, r, **kw):
 
 
 def _bad_attention_calls():
+    import ds_usp
+
     q, k, v = _qkv()
     return [
         ("usp_attention", "3-D q", _attn(2, 2, q=q[0]), "must be a 4-D tensor"),
@@ -82,6 +84,10 @@ def _bad_attention_calls():
         ("usp_attention", "softmax_scale NaN", _attn(2, 2, softmax_scale=math.nan), "positive finite number"),
         ("usp_attention", "unknown native_op", _attn(2, 2, native_op="sometimes"), "native_op='sometimes' is invalid"),
         ("usp_attention", "unknown attn_backend", _attn(2, 2, attn_backend="cudnn"), "not a known attention backend"),
+        ("ulysses_attention", "a topology with a ring", lambda: ds_usp.ulysses_attention(q, k, v, _topo(2, 2)),
+         "ulysses_attention needs ring_degree 1"),
+        ("ring_attention", "a topology with Ulysses", lambda: ds_usp.ring_attention(q, k, v, _topo(2, 2)),
+         "ring_attention needs ulysses_degree 1"),
     ]
 
 
@@ -108,6 +114,8 @@ def _bad_shard_calls():
          "attention_mask has zeros"),
         ("shard_batch", "unknown layout", lambda: ds_usp.shard_batch({"input_ids": ids}, topo, layout="x"),
          "must be one of"),
+        ("gather_sequence", "seq_len not a positive integer", lambda: ds_usp.gather_sequence(x, topo, seq_len=0),
+         "seq_len (0) must be a positive integer"),
         ("sp_cross_entropy", "logits and labels disagree",
          lambda: ds_usp.sp_cross_entropy(torch.randn(1, 4, 10), torch.zeros(1, 5, dtype=torch.long), topo),
          "disagree"),
@@ -146,7 +154,7 @@ def correct_call_after_bad_ones() -> float:
 
 def test_bad_inputs_are_refused_before_any_collective(world):
     tried = world.run(bad_inputs_on_rank0)[0]
-    assert len(tried) == len(set(tried)) == 33, tried
+    assert len(tried) == len(set(tried)) == 36, tried
     world.run(correct_call_after_bad_ones)
 
 
