@@ -10,6 +10,12 @@
   the loss is the token-weighted mean over the whole sequence (``ds_usp.sp_cross_entropy``);
 * progress bar (loss, tokens/s, layout), JSON-lines log, checkpoints every ``--save-every``
   steps, ``--resume`` from the latest one, and ``loss.png`` at the end when matplotlib is present.
+
+A step is one optimizer step (``gradient_accumulation_steps`` micro batches on each replica).
+Optimizer step ``s`` trains on the sequences ``s * B ... s * B + B - 1`` with ``B`` the global batch,
+whatever the layout, so ``--resume`` continues exactly where the saved run was (the step comes
+from the checkpoint), also on another ``(U, R, dp)`` layout with the same global batch; see
+docs/reliability.md, "Checkpoints".
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import ds_usp
+from ds_usp.checkpoint import CheckpointMismatchError, load_checkpoint
 
 STDLIB_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime",
                   "decimal", "email", "functools", "heapq", "http", "inspect", "itertools", "json", "logging",
@@ -101,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with the sequence_parallel keys")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps in all (a resumed run included)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -126,14 +133,18 @@ def main() -> None:
     log_path = out / "log.jsonl"
     start = 0
     if args.resume:
-        path, state = engine.load_checkpoint(str(out / "checkpoints"))
-        if path is None:
-            raise SystemExit(f"--resume: no checkpoint under {out / 'checkpoints'}")
-        start = state["step"]
-    elif topo.rank == 0:
+        try:  # ds_usp's check first: a clear error for another world size or ZeRO stage, or no checkpoint
+            load_checkpoint(engine, str(out / "checkpoints"))
+        except (FileNotFoundError, CheckpointMismatchError) as e:
+            raise SystemExit(f"--resume: {e}")
+        start = engine.global_steps  # optimizer steps done: the data position follows from it
+    if topo.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("")
-    micro = engine.train_micro_batch_size_per_gpu()
+        # a resumed run rewrites the steps after its checkpoint (a crash may have logged some)
+        logged = log_path.read_text().splitlines() if args.resume and log_path.exists() else []
+        log_path.write_text("".join(f"{r}\n" for r in logged if r.strip() and json.loads(r)["step"] <= start))
+    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    global_batch = micro * accumulation * topo.dp_size  # sequences per optimizer step
     split = f"U={topo.ulysses_degree} R={topo.ring_degree} dp={topo.dp_size} ({layout})"
     if topo.rank == 0:
         print(f"{n_params / 1e6:.2f}M parameters, "
@@ -144,18 +155,22 @@ def main() -> None:
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=topo.rank != 0, unit="step")
     for step in bar:
         t0 = time.perf_counter()
-        first = (step * topo.dp_size + topo.dp_rank) * micro  # same data order on every run and layout
-        rows = torch.arange(first, first + micro) % data.shape[0]
-        shard = ds_usp.shard_batch({"input_ids": data[rows]}, topo, layout=layout)
-        logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-        loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
-        engine.backward(loss)
-        engine.step()
-        value = torch.tensor(ds_usp.sp_loss_value(loss, topo))
+        total = 0.0
+        for acc in range(accumulation):  # DeepSpeed steps the optimizer after the last one
+            # same samples per optimizer step on every run and layout with this global batch
+            first = step * global_batch + (acc * topo.dp_size + topo.dp_rank) * micro
+            rows = torch.arange(first, first + micro) % data.shape[0]
+            shard = ds_usp.shard_batch({"input_ids": data[rows]}, topo, layout=layout)
+            logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
+            engine.backward(loss)
+            engine.step()
+            total += ds_usp.sp_loss_value(loss, topo)
+        value = torch.tensor(total)
         if topo.dp_size > 1:
             dist.all_reduce(value, group=topo.dp_group)
-        value = float(value) / topo.dp_size
-        tokens_per_s = micro * topo.dp_size * args.seq_len / (time.perf_counter() - t0)
+        value = float(value) / (accumulation * topo.dp_size)
+        tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
         if topo.rank == 0:
             bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_s:.0f}", layout=split)
             with log_path.open("a") as f:
