@@ -275,10 +275,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     info.add_argument("--universal", action="store_true", help="read the universal checkpoint ('latest_universal')")
     conv.add_argument("--workers", type=int, default=1, help="processes for extracting/merging shards")
     args = parser.parse_args(argv)
-    if args.command == "info":
-        print(read_checkpoint(args.load_dir, args.tag, universal=args.universal).describe())
-    else:
-        print(f"universal checkpoint: {convert_to_universal(args.load_dir, args.tag, workers=args.workers)}")
+    try:
+        if args.command == "info":
+            print(read_checkpoint(args.load_dir, args.tag, universal=args.universal).describe())
+        else:
+            print(f"universal checkpoint: {convert_to_universal(args.load_dir, args.tag, workers=args.workers)}")
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}")
 
 
 if __name__ == "__main__":
