@@ -339,3 +339,16 @@ class USPMpu:
     def get_model_parallel_rank(self) -> int:
         """Always 0."""
         return 0
+
+    # DeepSpeed's ZeRO-1/2 universal-checkpoint loader asks for the tensor-parallel names directly.
+    def get_tensor_model_parallel_group(self) -> Any:
+        """This rank alone (same as the model-parallel group)."""
+        return self.topo.model_parallel_group
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        """Always 1."""
+        return 1
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        """Always 0."""
+        return 0

@@ -14,8 +14,7 @@ One uninterrupted run per ZeRO stage (1, 2, 3) trains a tiny HF Llama for 5 opti
   differently (measured: at most 1 ulp of the loss, ~5e-7 at a loss of 4.85), while a missing
   optimizer or scheduler state moves them by far more (see the sensitivity test);
 * DeepSpeed's universal checkpoint (``python -m ds_usp.checkpoint to-universal``) resumes too,
-  also on 2 ranks instead of 4 (ZeRO-3; ZeRO-1 is an expected failure until USPMpu has
-  ``get_tensor_model_parallel_world_size``); a plain checkpoint on 2 ranks, or a ZeRO-1 checkpoint
+  also on 2 ranks instead of 4 (ZeRO-1 and ZeRO-3); a plain checkpoint on 2 ranks, or a ZeRO-1 checkpoint
   under ZeRO-3, is refused with a message that says what to do.
 
 The global batch is 2 sequences per optimizer step in every layout (gradient accumulation 2 with
@@ -221,20 +220,8 @@ def _universal(ckpt: str) -> str:
     return folder
 
 
-def _mpu_has_tp_size() -> bool:
-    from ds_usp.topology import USPMpu
-
-    return hasattr(USPMpu, "get_tensor_model_parallel_world_size")
-
-
-# DeepSpeed's ZeRO-1/2 universal load (base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir) calls
-# mpu.get_tensor_model_parallel_world_size() without a fallback; with that method on USPMpu it resumes
-# like ZeRO-3 (checked by hand). The mark applies only while USPMpu lacks the method (strict: a pass
-# without it would be reported); once it exists these are ordinary tests.
-UNIVERSAL_STAGES = [pytest.param(1, marks=pytest.mark.xfail(
-    not _mpu_has_tp_size(), strict=True, raises=AssertionError,
-    reason="USPMpu has no get_tensor_model_parallel_world_size, which DeepSpeed's ZeRO-1/2 universal load calls")),
-    3]
+# ZeRO-1 stands for 1/2 (one format); ZeRO-1/2's universal load needs USPMpu's tensor-parallel methods.
+UNIVERSAL_STAGES = [1, 3]
 
 
 @pytest.mark.parametrize("stage", UNIVERSAL_STAGES, ids=lambda s: f"zero{s}")
