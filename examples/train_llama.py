@@ -160,13 +160,13 @@ def main() -> None:
             # same samples per optimizer step on every run and layout with this global batch
             first = step * global_batch + (acc * topo.dp_size + topo.dp_rank) * micro
             rows = torch.arange(first, first + micro) % data.shape[0]
-            shard = ds_usp.shard_batch({"input_ids": data[rows]}, topo, layout=layout)
+            shard = ds_usp.shard_batch({"input_ids": data[rows].to(engine.device)}, topo, layout=layout)
             logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
             loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
             engine.backward(loss)
             engine.step()
             total += ds_usp.sp_loss_value(loss, topo)
-        value = torch.tensor(total)
+        value = torch.tensor(total, device=engine.device)  # NCCL reduces CUDA tensors only
         if topo.dp_size > 1:
             dist.all_reduce(value, group=topo.dp_group)
         value = float(value) / (accumulation * topo.dp_size)
