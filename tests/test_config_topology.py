@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -315,3 +316,11 @@ def test_shipped_configs_load(path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     DeepSpeedConfig(str(path))  # DeepSpeed itself accepts the file (and ignores the USP keys)
+
+
+def test_reliability_doc_counts_the_bad_configs():
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md")) as f:
+        stated = re.search(r"\+ (\d+) config values", f.read())
+    assert stated and int(stated.group(1)) == len(BAD_CONFIGS)

@@ -10,6 +10,8 @@ docs/reliability.md lists what is checked here; its counts come from the tables 
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -21,6 +23,16 @@ from hypothesis import strategies as st
 from dist_harness import World
 
 _TOPOS: dict = {}  # per worker process: one topology per (U, R), built on first use
+PROPERTY_EXAMPLES = 40
+DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md")
+
+
+def _doc_count(pattern: str) -> int:
+    """A count that docs/reliability.md states (the docs must match what is tested here)."""
+    with open(DOC) as f:
+        found = re.search(pattern, f.read())
+    assert found, f"docs/reliability.md does not state {pattern!r}"
+    return int(found.group(1))
 
 
 def _topo(u: int, r: int):
@@ -154,7 +166,7 @@ def correct_call_after_bad_ones() -> float:
 
 def test_bad_inputs_are_refused_before_any_collective(world):
     tried = world.run(bad_inputs_on_rank0)[0]
-    assert len(tried) == len(set(tried)) == 36, tried
+    assert len(tried) == len(set(tried)) == _doc_count(r"(\d+) calls \(`usp_attention`"), tried
     world.run(correct_call_after_bad_ones)
 
 
@@ -271,6 +283,8 @@ def run_edge_cases() -> int:
 
 def test_padding_and_edge_numerics(world):
     assert world.run(run_edge_cases) == [len(EDGE_CASES)] * 4
+    assert len(EDGE_CASES) == _doc_count(r"(\d+) fixed cases")
+    assert PROPERTY_EXAMPLES == _doc_count(r"(\d+) hypothesis examples")
 
 
 def test_low_precision_keeps_fp32_lse_and_accumulators():
@@ -299,7 +313,7 @@ def usp_cases(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=PROPERTY_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=usp_cases())
 def test_property_usp_matches_reference(world, case):
     world.run(compare_with_reference, **case)
