@@ -37,7 +37,7 @@ import itertools
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Iterator, Optional, Sequence
 
@@ -431,7 +431,8 @@ def render(rows: Sequence[Row], world: int, title: str) -> str:
         "columns: MiB sent by one rank in one attention layer (the largest over the ranks; 'rel err' is the largest",
         "  over the ranks). a2a = Ulysses all-to-alls (chunks for the other U-1 ranks), ring = isend of the ring.",
         "  'issue fwd' = the issue's forward formula with d_kv = H_kv*D (undercounts when H_kv < U: replication).",
-        f"  every rank sent the same bytes: {'yes' if not bad else 'NO: ' + ', '.join(f'{r.ulysses}x{r.ring}' for r in bad)}",
+        "  every rank sent the same bytes: "
+        + ("yes" if not bad else "NO: " + ", ".join(f"{r.ulysses}x{r.ring}" for r in bad)),
         f"  collectives other than all-to-all and ring isend: "
         f"{sum(v.other for r in rows for v in r.fwd + r.bwd):.0f} bytes",
     ]
@@ -500,15 +501,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.formula_only:
         print(formula_table(args))
         return 0
-    import deepspeed
-
     import ds_usp
     from ds_usp.ulysses import check_heads
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False,
-                               timeout=datetime.timedelta(seconds=args.timeout))
+    # torch.distributed directly (the deepspeed launcher sets RANK, WORLD_SIZE, MASTER_ADDR/PORT): on CPU
+    # deepspeed.init_distributed also sets up DeepSpeed's shared-memory all-reduce, whose ~66 MB per rank
+    # /dev/shm buffers outlive the run.
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     device = "cpu"
     if cuda:
         torch.cuda.set_device(args.local_rank)
@@ -547,7 +548,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(render(rows, world, title), flush=True)
         for s in skipped:
             print(f"  skipped {s}")
-        print(f"{TAG} {'all rows within' if ok else 'SOME ROWS OUTSIDE'} {TOLERANCE:.0%} of the closed form", flush=True)
+        verdict = "all rows within" if ok else "SOME ROWS OUTSIDE"
+        print(f"{TAG} {verdict} {TOLERANCE:.0%} of the closed form", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -128,7 +128,8 @@ class LiveBytes(TorchDispatchMode):
                 continue  # a view or an in-place/out= result of an argument not allocated here
             self._bytes[key] = n
             if self._attribute:
-                self._label[key] = f"{func.__name__.split('.')[0]} {str(t.dtype).replace('torch.', '')} @ {_call_site()}"
+                dtype = str(t.dtype).replace("torch.", "")
+                self._label[key] = f"{func.__name__.split('.')[0]} {dtype} @ {_call_site()}"
             weakref.finalize(st, self._free, key)
             self.live += n
             if self.live > self.peak:
@@ -406,8 +407,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Measure, print the table (rank 0); with ``--strict`` exit 1 if a split misses the target."""
     args = parse_args(argv)
-    import deepspeed
-
     import ds_usp
     from ds_usp.ulysses import check_heads
 
@@ -419,8 +418,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         device = torch.device("cuda", args.local_rank)
     else:
         device = torch.device("cpu")
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
-                               timeout=datetime.timedelta(seconds=args.timeout))
+    # torch.distributed directly (the deepspeed launcher sets RANK, WORLD_SIZE, MASTER_ADDR/PORT): on CPU
+    # deepspeed.init_distributed also sets up DeepSpeed's shared-memory all-reduce, whose ~66 MB per rank
+    # /dev/shm buffers outlive the run.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout))
     world, rank = dist.get_world_size(), dist.get_rank()
     sps = args.sp or sorted({world, world // 2} - {0, 1}, reverse=True)
     topos: dict[tuple[int, int], Any] = {}
