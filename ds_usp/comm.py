@@ -71,7 +71,9 @@ def _seq_to_head(x: Tensor, group: Any, ops: Optional["NativeOps"] = None) -> Te
     b, s, h, d = x.shape
     if ops is not None:  # native packing: one pass straight into the send buffer
         send = ops.pack_seq_to_head([x], [1], world)  # (b, s, h, d) -> (U, b, s, h/U, d)
-        return ops.unpack_seq_to_head(_all_to_all(send, group), [h // world])[0]  # -> (b, U*s, h/U, d)
+        recv = _all_to_all(send, group)
+        del send  # freed before unpacking: one buffer fewer at the peak
+        return ops.unpack_seq_to_head(recv, [h // world])[0]  # -> (b, U*s, h/U, d)
     recv = _all_to_all(seq_to_head_send_buffer(x, world), group)
     # (U, b, s, h/U, d) -> (b, U, s, h/U, d) -> (b, U*s, h/U, d): chunk i is rank i's sequence shard
     return recv.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d)
@@ -83,10 +85,13 @@ def _head_to_seq(x: Tensor, group: Any, ops: Optional["NativeOps"] = None) -> Te
     s = big_s // world
     if ops is not None:  # native packing: one pass each way
         send = ops.pack_head_to_seq([x], world)  # (b, U*s, h/U, d) -> (U, b, s, h/U, d)
-        return ops.unpack_head_to_seq(_all_to_all(send, group), [h], [1])[0]  # -> (b, s, h, d)
+        recv = _all_to_all(send, group)
+        del send
+        return ops.unpack_head_to_seq(recv, [h], [1])[0]  # -> (b, s, h, d)
     # (b, U*s, h/U, d) -> (b, U, s, h/U, d) -> (U, b, s, h/U, d): chunk i goes back to rank i
     send = x.reshape(b, world, s, h, d).permute(1, 0, 2, 3, 4).contiguous()
     recv = _all_to_all(send, group)
+    del send
     # (U, b, s, h/U, d) -> (b, s, U, h/U, d) -> (b, s, h, d): chunk i is head group i
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s, world * h, d)
 
@@ -113,7 +118,9 @@ class _PackedSeqToHead(torch.autograd.Function):
         heads = [x.shape[2] * r // world for x, r in zip(xs, reps)]
         ctx.group, ctx.ops, ctx.reps, ctx.heads = group, ops, reps, heads
         send = ops.pack_seq_to_head(xs, reps, world)  # n x (b, s, h_i, d) -> (U, b, s, sum h_i*r_i/U, d)
-        return tuple(ops.unpack_seq_to_head(_all_to_all(send, group), heads))  # -> n x (b, U*s, h_i*r_i/U, d)
+        recv = _all_to_all(send, group)
+        del send
+        return tuple(ops.unpack_seq_to_head(recv, heads))  # -> n x (b, U*s, h_i*r_i/U, d)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
@@ -122,7 +129,9 @@ class _PackedSeqToHead(torch.autograd.Function):
         grads = [g if g is not None else ref.new_zeros(ref.shape[0], ref.shape[1], h, ref.shape[3])
                  for g, h in zip(grads, ctx.heads)]
         send = ctx.ops.pack_head_to_seq(grads, world)  # n x (b, U*s, h_i', d) -> (U, b, s, sum h_i', d)
-        dxs = ctx.ops.unpack_head_to_seq(_all_to_all(send, ctx.group), ctx.heads, ctx.reps)  # -> n x (b, s, h_i, d)
+        recv = _all_to_all(send, ctx.group)
+        del send, grads
+        dxs = ctx.ops.unpack_head_to_seq(recv, ctx.heads, ctx.reps)  # -> n x (b, s, h_i, d)
         return (None, None, None, *dxs)
 
 

@@ -137,6 +137,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool,
             qs, ks, masked = plan
             block_out, block_lse = backend.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], masked, scale)
             merge(out[:, qs], lse[:, :, qs], block_out, block_lse)
+            del block_out, block_lse  # free before the next block's kernel allocates its own
         if wait is not None:
             kv = wait()
     return out.to(q.dtype), lse
@@ -176,6 +177,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             accumulate_(dq[:, qs], dq_b)
             accumulate_(dkv[0][:, ks], dk_b)
             accumulate_(dkv[1][:, ks], dv_b)
+            del dq_b, dk_b, dv_b  # free before the next block's kernel allocates its own
         if spec.size > 1:
             wait_dkv = ring_shift(dkv, spec.group, spec.ranks, spec.rank)
         if wait_kv is not None:
