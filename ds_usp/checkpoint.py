@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from ds_usp.config import load_usp_config
 from ds_usp.log import log_warning
 
 
@@ -125,21 +126,12 @@ def read_checkpoint(load_dir: str, tag: Optional[str] = None, universal: bool = 
     cfg = state.get("ds_config") or {}
     cfg = cfg if isinstance(cfg, Mapping) else {}
     world = int(state.get("dp_world_size") or 1)
-    usp = cfg.get("usp") if isinstance(cfg.get("usp"), Mapping) else {}
-    if cfg.get("sequence_parallel") is None:
-        sp, u, r = 1, 1, 1
-    else:
-        sp = int(cfg.get("sequence_parallel_size") or world)
-        u, r = usp.get("ulysses_degree"), usp.get("ring_degree")
-        mode = cfg.get("sequence_parallel")
-        if mode == "ulysses":
-            u, r = sp, 1
-        elif mode == "ring":
-            u, r = 1, sp
-        elif u is not None and r is None:
-            r = sp // u
-        elif r is not None and u is None:
-            u = sp // r
+    sp, u, r = 1, 1, 1
+    if cfg.get("sequence_parallel") is not None:  # the degrees as the saved run derived them
+        saved_usp = load_usp_config(cfg, world, local_world_size=world)
+        sp, u, r = saved_usp.sequence_parallel_size, saved_usp.ulysses_degree, saved_usp.ring_degree
+        if saved_usp.degrees_chosen_automatically:  # chosen from head counts and node sizes not saved here
+            u = r = None
     steps = int(state.get("global_steps") or 0)
     samples = state.get("global_samples")
     if steps > 0 and samples:
