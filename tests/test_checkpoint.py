@@ -224,14 +224,6 @@ def _universal(ckpt: str) -> str:
 UNIVERSAL_STAGES = [1, 3]
 
 
-@pytest.mark.parametrize("stage", UNIVERSAL_STAGES, ids=lambda s: f"zero{s}")
-def test_universal_checkpoint_resumes_on_another_layout(world4, saved, stage):
-    ckpt, losses, params = saved(stage)
-    _universal(ckpt)
-    got = world4.run(train, ckpt, stage, 1, 4, 1, resume="helper", universal=True)[0]
-    _close(got, (losses, params), f"ZeRO-{stage} universal {SAVED} -> (1, 4, 1)")
-
-
 @pytest.fixture(scope="module")
 def world2():
     """A 2-rank gloo world next to ``world4``, for resuming on fewer ranks."""
@@ -250,11 +242,14 @@ def test_plain_checkpoint_is_refused_on_fewer_ranks(world2, saved, stage):
 
 
 @pytest.mark.parametrize("stage", UNIVERSAL_STAGES, ids=lambda s: f"zero{s}")
-def test_universal_checkpoint_resumes_on_fewer_ranks(world2, saved, stage):
+@pytest.mark.parametrize("world_name,layout", [("world4", (1, 4, 1)), ("world2", (2, 1, 1))],
+                         ids=["another_layout", "fewer_ranks"])
+def test_universal_checkpoint_resumes(request, saved, stage, world_name, layout):
+    world = request.getfixturevalue(world_name)
     ckpt, losses, params = saved(stage)
     _universal(ckpt)
-    got = world2.run(train, ckpt, stage, 2, 1, 1, resume="helper", universal=True)[0]
-    _close(got, (losses, params), f"ZeRO-{stage} universal {SAVED} on 4 ranks -> (2, 1, 1) on 2 ranks")
+    got = world.run(train, ckpt, stage, *layout, resume="helper", universal=True)[0]
+    _close(got, (losses, params), f"ZeRO-{stage} universal {SAVED} on 4 ranks -> {layout} on {world.world_size} ranks")
 
 
 def test_incompatible_checkpoint_is_refused(world4, saved):
