@@ -260,8 +260,23 @@ def all_reduce_sum_(x: Tensor, group: Any, what: str) -> Tensor:
     return x
 
 
+_BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}  # the tensors each backend moves (for ours)
+
+
+def backend_device_type(group: Any) -> Optional[str]:
+    """The device type ``group``'s backend moves: ``"cuda"`` for NCCL, ``"cpu"`` for gloo, None for others.
+
+    Args:
+        group: the process group.
+
+    Returns:
+        The device type, or None when the backend is not one of those two.
+    """
+    return _BACKEND_DEVICE.get(dist.get_backend(group))
+
+
 def group_device(group: Any) -> torch.device:
-    """The device a small tensor must be on to go through ``group`` (a CUDA device for NCCL, else CPU).
+    """The device a small tensor must be on to go through ``group`` (this rank's GPU for NCCL, else CPU).
 
     Args:
         group: the process group.
@@ -269,7 +284,7 @@ def group_device(group: Any) -> torch.device:
     Returns:
         The device.
     """
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if backend_device_type(group) == "cuda" else torch.device("cpu")
 
 
 def all_gather_rows(x: Tensor, group: Any, what: str) -> list[Tensor]:

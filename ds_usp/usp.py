@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ds_usp.comm import all_gather_rows, gather_seq
+from ds_usp.comm import all_gather_rows, backend_device_type, gather_seq
 from ds_usp.kernels import get_backend
 from ds_usp.layout import LAYOUTS, check_layout, padded_length, resolve_seq_len, shard_positions
 from ds_usp.native import check_native_op, resolve_native_op
@@ -65,10 +65,10 @@ def check_device(device: torch.device, topo: USPTopology) -> None:
     """
     if topo.sp_size == 1:
         return
-    backend = dist.get_backend(topo.sp_group)
-    wanted = {"nccl": "cuda", "gloo": "cpu"}.get(backend)
+    wanted = backend_device_type(topo.sp_group)
     if wanted is not None and device.type != wanted:
-        raise ValueError(f"the tensors are on {device}, but the sequence-parallel groups use {backend}, which "
+        raise ValueError(f"the tensors are on {device}, but the sequence-parallel groups use "
+                         f"{dist.get_backend(topo.sp_group)}, which "
                          f"needs {wanted} tensors; move them with .to('{wanted}') or initialize "
                          f"distributed with the other backend")
 
