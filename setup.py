@@ -1,7 +1,8 @@
 """ds-usp: Unified Sequence Parallelism (Ulysses x Ring attention) for DeepSpeed.
 
-The native op (``ops/``) is JIT-built on first use. ``DS_BUILD_USP=1`` prebuilds it at install time,
-DeepSpeed's ``DS_BUILD_<OP>`` convention; torch and deepspeed must then be importable by the build:
+The native op's sources ship as package data (``ds_usp/ops/csrc``) and are JIT-built on first use,
+also after a plain ``pip install .``. ``DS_BUILD_USP=1`` prebuilds them at install time instead
+(DeepSpeed's ``DS_BUILD_<OP>`` convention); torch and deepspeed must then be importable by the build:
 
     DS_BUILD_USP=1 pip install --no-build-isolation .
 """
@@ -18,7 +19,8 @@ def _prebuilt_native_op() -> dict:
 
     from torch.utils.cpp_extension import BuildExtension
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "op_builder", "usp.py")
+    # by path: ds_usp itself is not importable before it is installed
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_usp", "ops", "builder.py")
     spec = importlib.util.spec_from_file_location("ds_usp_op_builder", path)
     builders = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builders)
@@ -38,6 +40,7 @@ setup(
     version="0.1.0",
     description="Unified Sequence Parallelism (DeepSpeed-Ulysses x Ring-Attention) as a DeepSpeed extension",
     packages=find_packages(include=["ds_usp", "ds_usp.*"]),
+    package_data={"ds_usp.ops": ["csrc/*.cpp", "csrc/*/*.cpp", "csrc/*/*.cu", "csrc/*/*.h"]},
     python_requires=">=3.10",
     # torch is pinned by the install command on CPU machines (torch==2.13.0); any torch>=2.3 works.
     install_requires=["torch>=2.3", "deepspeed>=0.16", "pydantic>=2"],

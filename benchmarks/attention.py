@@ -179,7 +179,7 @@ def plan_methods(args: argparse.Namespace, world: int) -> list[Method]:
         The methods in measurement order: single rank, compute-only ceiling, DeepSpeed-Ulysses, then the
         ds-usp splits.
     """
-    from ds_usp.ulysses import check_heads
+    from ds_usp.attention.ulysses import check_heads
 
     methods = [Method("single-rank SDPA", "single", 1, 1, "-")]
     ceiling_skip = None
@@ -492,7 +492,7 @@ def native_op_note(args: argparse.Namespace, device: torch.device) -> str:
         return "ds-usp native op: none in this ds-usp"
     setting = param.default if args.native_op is None else NATIVE_OP[args.native_op]
     try:
-        from ds_usp.native import resolve_native_op
+        from ds_usp.ops import resolve_native_op
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -299,7 +299,7 @@ class Case:
 
     def padded(self, ulysses: int, ring: int) -> int:
         """The global length ds-usp pads to for this split."""
-        from ds_usp.layout import padded_length
+        from ds_usp.sharding import padded_length
 
         return padded_length(self.seq, ulysses, ring, self.layout)
 
@@ -502,7 +502,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(formula_table(args))
         return 0
     import ds_usp
-    from ds_usp.ulysses import check_heads
+    from ds_usp.attention.ulysses import check_heads
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()

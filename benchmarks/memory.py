@@ -257,7 +257,7 @@ def run_usp(args: argparse.Namespace, seq: int, topo: Any, device: torch.device)
     gen = torch.Generator().manual_seed(seq * 1000 + topo.rank)
     dtype = DTYPES[args.dtype]
     n = topo.sp_size
-    from ds_usp.layout import padded_length
+    from ds_usp.sharding import padded_length
 
     s_local = padded_length(seq, topo.ulysses_degree, topo.ring_degree, "zigzag") // n
     b, h, hk, d = args.batch, args.heads, args.kv_heads, args.head_dim
@@ -408,7 +408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Measure, print the table (rank 0); with ``--strict`` exit 1 if a split misses the target."""
     args = parse_args(argv)
     import ds_usp
-    from ds_usp.ulysses import check_heads
+    from ds_usp.attention.ulysses import check_heads
 
     torch.set_num_threads(1)
     if args.device == "cuda":

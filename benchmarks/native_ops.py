@@ -65,11 +65,11 @@ def _time_interleaved(fns: list[Callable[[], object]], iters: int, warmup: int) 
 
 
 def _twin_pack(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: int) -> torch.Tensor:
-    """The twin's send buffer: ds_usp.ulysses.interleave_qkv, then ds_usp.comm.seq_to_head_send_buffer."""
-    from ds_usp.comm import seq_to_head_send_buffer
-    from ds_usp.ulysses import interleave_qkv
+    """The twin's send buffer (ds_usp.ops.TorchOps.pack_seq_to_head)."""
+    from ds_usp.ops import TorchOps
 
-    return seq_to_head_send_buffer(interleave_qkv(q, k, v, u), u)
+    rep = 1 if k.shape[2] % u == 0 else u // k.shape[2]
+    return TorchOps().pack_seq_to_head([q, k, v], [1, rep, rep], u)
 
 
 def _twin_unpack_grads(recv: torch.Tensor, heads: list[int], hkv: int, rep: int) -> list[torch.Tensor]:
@@ -84,8 +84,10 @@ def _twin_unpack_grads(recv: torch.Tensor, heads: list[int], hkv: int, rep: int)
 
 
 def bench_kernels(args: argparse.Namespace) -> None:
-    from ds_usp.native import load_native_op
-    from ds_usp.ring import merge_block_
+    from ds_usp.ops import load_native_op
+    from ds_usp.ops import TorchOps
+
+    merge_block_ = TorchOps().merge_block_
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,7 +213,7 @@ def _e2e_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
 
 
 def bench_e2e(args: argparse.Namespace) -> None:
-    from ds_usp.native import load_native_op
+    from ds_usp.ops import load_native_op
 
     load_native_op("cpu")  # build once here, not in every rank
     print(f"# USP fwd+bwd: {args.ranks} gloo ranks x 1 thread, seq={args.seq}, heads={args.heads}, "

@@ -3,7 +3,7 @@
     python docs/make_figures.py
 
 Every number in the figures comes from ds-usp's own code: which positions a rank holds from
-``ds_usp.layout`` and which blocks the ring computes at each step from ``ds_usp.ring.block_plan``,
+``ds_usp.sharding`` and which blocks the ring computes at each step from ``ds_usp.attention.ring.block_plan``,
 so the pictures change when the code does.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 
-from ds_usp.layout import padded_length, ring_piece_positions, shard_positions  # noqa: E402
-from ds_usp.ring import RingSpec, block_plan  # noqa: E402
+from ds_usp.sharding import padded_length, ring_piece_positions, shard_positions  # noqa: E402
+from ds_usp.attention.ring import RingSpec, block_plan  # noqa: E402
 from ds_usp.topology import plan_groups  # noqa: E402
 
 OUT = ROOT / "docs" / "img"

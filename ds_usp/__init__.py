@@ -1,14 +1,17 @@
 """ds-usp: Unified Sequence Parallelism (DeepSpeed-Ulysses x Ring-Attention) for DeepSpeed.
 
-Importing the package does no work: no process groups, no compilation, no environment changes.
+The layers (docs/architecture.md), data flowing down: :mod:`.config`, :mod:`.topology`, :mod:`.comm`,
+:mod:`.kernels` and :mod:`.ops`, :mod:`.attention`, :mod:`.sharding`, :mod:`.integration`. Importing the
+package registers its custom operators with torch and does nothing else: no process groups, no
+compilation, no environment changes.
 """
-from ds_usp import data, hf
+from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, usp_attention
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
-from ds_usp.data import USPDataLoader, shard_batch, sp_cross_entropy, sp_loss_value
-from ds_usp.engine import USPState, initialize
+from ds_usp.integration import data, hf
+from ds_usp.integration.data import USPDataLoader, shard_batch, sp_cross_entropy, sp_loss_value
+from ds_usp.integration.engine import USPState, initialize
+from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupPlan, USPMpu, USPTopology, plan_groups
-from ds_usp.usp import (USPAttention, gather_sequence, ring_attention, shard_sequence, ulysses_attention,
-                        usp_attention)
 
 __version__ = "0.1.0"
 

@@ -14,35 +14,90 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+import json
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
 import hjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
+from ds_usp.kernels import BACKEND_CHOICES
 from ds_usp.log import log_info, log_warning
+from ds_usp.sharding import LAYOUTS
 
 SP_MODES = ("usp", "ulysses", "ring")
-RING_IMPLS = ("basic", "zigzag")
-ATTN_BACKENDS = ("auto", "torch", "flash_attn", "triton")
 DEFAULT_TIMEOUT_SECONDS = 600  # a collective that waits longer than this means a peer died or stalled
+
+
+def _choices(values: tuple) -> str:
+    return "one of " + ", ".join(map(repr, values))
 
 
 class USPConfigError(ValueError):
     """A ``sequence_parallel`` / ``usp`` config value is invalid; the message names the JSON key."""
 
 
+def _key(default: Any, valid: str, meaning: str, **constraints: Any) -> Any:
+    """A ``"usp"`` key: its default, what is valid (for messages and docs) and what it means (for docs)."""
+    return Field(default=default, description=meaning, json_schema_extra={"valid": valid}, **constraints)
+
+
 class _USPBlock(BaseModel):
-    """Schema of the optional ``"usp"`` block (pydantic, like DeepSpeed's own config models)."""
+    """Schema of the optional ``"usp"`` block: the one source of every key's type, default, valid values and
+    meaning. Validation messages and the key table of docs/config.md (:func:`reference_table`) come from it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ulysses_degree: Optional[StrictInt] = Field(default=None, ge=1)
-    ring_degree: Optional[StrictInt] = Field(default=None, ge=1)
-    ring_impl: Literal["basic", "zigzag"] = "zigzag"
-    attn_backend: Literal["auto", "torch", "flash_attn", "triton"] = "auto"
-    native_op: Union[Literal["auto"], StrictBool] = "auto"
-    timeout_seconds: Union[StrictInt, StrictFloat] = Field(default=DEFAULT_TIMEOUT_SECONDS, gt=0, allow_inf_nan=False)
+    ulysses_degree: Optional[StrictInt] = _key(
+        None, "a positive integer", "ranks of one all-to-all group; divides `sequence_parallel_size` and the "
+        "attention heads (default: chosen, see Automatic degrees)", ge=1)
+    ring_degree: Optional[StrictInt] = _key(
+        None, "a positive integer", "ranks of one K/V ring; divides `sequence_parallel_size` (default: the rest)",
+        ge=1)
+    ring_impl: Literal[LAYOUTS] = _key(  # type: ignore[valid-type]
+        "zigzag", _choices(LAYOUTS), "how the sequence is cut over the ranks: `zigzag` balances causal work over "
+        "the ring, `contiguous` gives each rank one slice")
+    attn_backend: Literal[BACKEND_CHOICES] = _key(  # type: ignore[valid-type]
+        "auto", _choices(BACKEND_CHOICES), "local attention kernel")
+    native_op: Union[Literal["auto"], StrictBool] = _key(
+        "auto", "'auto', true or false", "the JIT-built native op for the merge, packing and accumulation")
+    timeout_seconds: Union[StrictInt, StrictFloat] = _key(
+        DEFAULT_TIMEOUT_SECONDS, "a positive number of seconds", "timeout of every collective on the USP groups",
+        gt=0, allow_inf_nan=False)
+
+
+def _valid(key: str) -> str:
+    return _USPBlock.model_fields[key].json_schema_extra["valid"]
+
+
+def _type_name(key: str) -> str:
+    default = _USPBlock.model_fields[key].default
+    kinds = {"ulysses_degree": "integer", "ring_degree": "integer", "timeout_seconds": "number",
+             "native_op": "string or boolean"}
+    return kinds.get(key, "string" if isinstance(default, str) else type(default).__name__)
+
+
+_TOP_KEYS = (  # (key, type, default, valid values, meaning): the keys outside the "usp" block
+    ("sequence_parallel", "string", "absent: off", _choices(SP_MODES),
+     "turns sequence parallelism on: `ulysses` forces `ring_degree` 1, `ring` forces `ulysses_degree` 1"),
+    ("sequence_parallel_size", "integer", "the world size", "a divisor of the world size",
+     "ranks that share one sequence (DeepSpeed's key); the rest is data parallelism"),
+    ("usp", "object", "`{}`", "the keys below, nothing else", "the USP settings"),
+)
+
+
+def reference_table() -> str:
+    """The key table of docs/config.md, rendered from the schema (tests/test_config_topology.py checks the docs).
+
+    Returns:
+        A Markdown table: key, type, default, valid values, meaning.
+    """
+    rows = ["| key | type | default | valid values | meaning |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| `{k}` | {t} | {d} | {v} | {m} |" for k, t, d, v, m in _TOP_KEYS]
+    for key, info in _USPBlock.model_fields.items():
+        default = "chosen" if info.default is None else f"`{json.dumps(info.default)}`"
+        rows.append(f"| `usp.{key}` | {_type_name(key)} | {default} | {_valid(key)} | {info.description} |")
+    return "\n".join(rows)
 
 
 @dataclass(frozen=True)
@@ -56,7 +111,7 @@ class USPConfig:
         ulysses_degree: ranks in one all-to-all (Ulysses) group.
         ring_degree: ranks in one K/V ring.
         data_parallel_size: ``world_size // sequence_parallel_size``.
-        ring_impl: ``"basic"`` (contiguous shards) or ``"zigzag"`` (causal load balance).
+        ring_impl: the sequence layout: ``"contiguous"`` or ``"zigzag"`` (causal load balance).
         attn_backend: local attention kernel choice.
         native_op: ``"auto"``, ``True`` or ``False``.
         timeout_seconds: timeout of every collective on the USP process groups.
@@ -82,8 +137,8 @@ class USPConfig:
 
     @property
     def layout(self) -> str:
-        """The sequence sharding layout that matches ``ring_impl``: ``"contiguous"`` or ``"zigzag"``."""
-        return "zigzag" if self.ring_impl == "zigzag" else "contiguous"
+        """The sequence sharding layout (``ring_impl``): ``"contiguous"`` or ``"zigzag"``."""
+        return self.ring_impl
 
 
 def read_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -113,16 +168,6 @@ def read_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> Map
     raise USPConfigError(f"ds_config must be a path or a dict, got {type(ds_config).__name__}")
 
 
-_VALID = {
-    "ulysses_degree": "a positive integer",
-    "ring_degree": "a positive integer",
-    "ring_impl": "one of " + ", ".join(map(repr, RING_IMPLS)),
-    "attn_backend": "one of " + ", ".join(map(repr, ATTN_BACKENDS)),
-    "native_op": "'auto', true or false",
-    "timeout_seconds": "a positive number of seconds",
-}
-
-
 def _explain(err: ValidationError) -> str:
     """Turn pydantic's errors into one message per key: ``usp.<key> (<value>) ... must be <valid>``."""
     lines: dict[str, str] = {}
@@ -130,8 +175,11 @@ def _explain(err: ValidationError) -> str:
         key = str(e["loc"][0])
         if e["type"] == "extra_forbidden":
             lines[key] = f"usp.{key} is not a known key; valid keys are: {', '.join(_USPBlock.model_fields)}"
+        elif key == "ring_impl" and e.get("input") == "basic":
+            lines[key] = ("usp.ring_impl ('basic') is the old name of 'contiguous': write \"ring_impl\": "
+                          "\"contiguous\"")
         else:
-            lines.setdefault(key, f"usp.{key} ({e.get('input')!r}) is invalid: must be {_VALID[key]}")
+            lines.setdefault(key, f"usp.{key} ({e.get('input')!r}) is invalid: must be {_valid(key)}")
     return "; ".join(lines.values())
 
 
@@ -260,8 +308,8 @@ def load_usp_config(
         return USPConfig(mode=None, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=1,
                          ring_degree=1, data_parallel_size=world_size)
     if mode not in SP_MODES:
-        raise USPConfigError(f"sequence_parallel ({mode!r}) is invalid: must be one of "
-                             f"{', '.join(map(repr, SP_MODES))} (or leave the key out to disable it)")
+        raise USPConfigError(f"sequence_parallel ({mode!r}) is invalid: must be {_choices(SP_MODES)} "
+                             f"(or leave the key out to disable it)")
 
     sp = cfg.get("sequence_parallel_size", world_size)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:

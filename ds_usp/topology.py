@@ -143,8 +143,6 @@ class USPTopology:
         ulysses_group, ring_group, sp_group, dp_group, sp_dp_group: this rank's process groups.
         model_parallel_group: a group of this rank alone (the model is replicated, not split),
             handed to DeepSpeed through :attr:`mpu`.
-        agreed_signatures: input signatures of ``usp_attention`` that every rank of the SP group
-            has already been checked to share (so the check runs once per signature).
     """
 
     plan: GroupPlan
@@ -155,7 +153,6 @@ class USPTopology:
     dp_group: Any = field(repr=False)
     sp_dp_group: Any = field(repr=False)
     model_parallel_group: Any = field(repr=False)
-    agreed_signatures: set = field(default_factory=set, repr=False, compare=False)
 
     @classmethod
     def build(cls, ulysses_degree: int, ring_degree: int, *,
@@ -260,6 +257,12 @@ class USPTopology:
     def dp_rank(self) -> int:
         """Index of this rank's model replica."""
         return self.rank // self.sp_size
+
+    @property
+    def group_names(self) -> tuple[str, str, str]:
+        """The names of the Ulysses, ring and SP groups, which the attention's custom ops take (see
+        :func:`ds_usp.comm.resolve_group`)."""
+        return self.ulysses_group.group_name, self.ring_group.group_name, self.sp_group.group_name
 
     @property
     def mpu(self) -> "USPMpu":

@@ -30,7 +30,9 @@ BAD_CONFIGS = [
     ({"sequence_parallel": "ring", "usp": {"ulysses_degree": 2}}, 4,
      'usp.ulysses_degree (2) must be 1 (or left out) when "sequence_parallel" is "ring"'),
     ({"sequence_parallel": "usp", "usp": {"ring_impl": "zag"}}, 4,
-     "usp.ring_impl ('zag') is invalid: must be one of 'basic', 'zigzag'"),
+     "usp.ring_impl ('zag') is invalid: must be one of 'contiguous', 'zigzag'"),
+    ({"sequence_parallel": "usp", "usp": {"ring_impl": "basic"}}, 4,
+     "usp.ring_impl ('basic') is the old name of 'contiguous': write \"ring_impl\": \"contiguous\""),
     ({"sequence_parallel": "usp", "usp": {"attn_backend": "xformers"}}, 4,
      "usp.attn_backend ('xformers') is invalid: must be one of 'auto', 'torch', 'flash_attn', 'triton'"),
     ({"sequence_parallel": "usp", "usp": {"native_op": "yes"}}, 4,
@@ -95,9 +97,9 @@ def test_file_path_and_missing_file(tmp_path):
     with pytest.raises(USPConfigError, match="not valid JSON"):
         load_usp_config(str(tmp_path / "bad.json"), 4)
     # what DeepSpeed accepts (hjson: comments, trailing commas) is read the same way
-    (tmp_path / "hjson.json").write_text('{"sequence_parallel": "ring", // ring only\n "usp": {"ring_impl": "basic",},}')
+    (tmp_path / "hjson.json").write_text('{"sequence_parallel": "ring", // ring only\n "usp": {"ring_impl": "contiguous",},}')
     c = load_usp_config(str(tmp_path / "hjson.json"), 4)
-    assert (c.ulysses_degree, c.ring_degree, c.ring_impl) == (1, 4, "basic")
+    assert (c.ulysses_degree, c.ring_degree, c.ring_impl) == (1, 4, "contiguous")
 
 
 def test_modes_and_defaults():
@@ -105,7 +107,7 @@ def test_modes_and_defaults():
     assert not off.enabled and off.sequence_parallel_size == 1 and off.data_parallel_size == 4
     uly = load_usp_config({"sequence_parallel": "ulysses", "sequence_parallel_size": 4}, 8)
     assert (uly.ulysses_degree, uly.ring_degree, uly.data_parallel_size) == (4, 1, 2)
-    ring = load_usp_config({"sequence_parallel": "ring", "usp": {"ring_impl": "basic"}}, 4)
+    ring = load_usp_config({"sequence_parallel": "ring", "usp": {"ring_impl": "contiguous"}}, 4)
     assert (ring.ulysses_degree, ring.ring_degree, ring.layout) == (1, 4, "contiguous")
     one = load_usp_config({"sequence_parallel": "usp", "sequence_parallel_size": 8, "usp": {"ring_degree": 2}}, 8)
     assert (one.ulysses_degree, one.ring_degree) == (4, 2)
@@ -275,7 +277,7 @@ def deepspeed_accepts_the_config(tmp_dir, stage):
            "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
            "zero_optimization": {"stage": stage},
            "sequence_parallel": "usp", "sequence_parallel_size": 2,
-           "usp": {"ulysses_degree": 2, "ring_degree": 1, "ring_impl": "basic", "attn_backend": "torch",
+           "usp": {"ulysses_degree": 2, "ring_degree": 1, "ring_impl": "contiguous", "attn_backend": "torch",
                    "native_op": False}}
     path = f"{tmp_dir}/ds_{stage}.json"
     if dist.get_rank() == 0:
@@ -324,3 +326,12 @@ def test_reliability_doc_counts_the_bad_configs():
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md")) as f:
         stated = re.search(r"\+ (\d+) config values", f.read())
     assert stated and int(stated.group(1)) == len(BAD_CONFIGS)
+
+
+def test_config_docs_table_is_the_schema():
+    """docs/config.md's key table is rendered from the schema (ds_usp.config.reference_table): one source of truth."""
+    from ds_usp.config import reference_table
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "config.md")).read()
+    assert reference_table() in doc, ("docs/config.md's key table differs from the schema; paste this in:\n"
+                                      + reference_table())

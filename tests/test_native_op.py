@@ -1,4 +1,4 @@
-"""The native op (ops/, ds_usp.native) against its PyTorch twins, and USP attention with it on and off.
+"""The native op (ds_usp.ops) against its PyTorch twins (ds_usp.ops.twins.TorchOps), and USP attention with it on and off.
 
 * Kernels, single process: the ring LSE merge (tolerance: the twin uses PyTorch's vectorized exp/log1p,
   the op glibc's, so they differ by a few ulp: atol = rtol = 1e-6 on fp32), the fp32 gradient
@@ -26,22 +26,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_usp import native
-from ds_usp.native import NativeOpUnavailable, load_native_op, resolve_native_op
-from ds_usp.ring import merge_block_
+import ds_usp.ops as native
+from ds_usp.ops import NativeOps, NativeOpUnavailable, TorchOps, load_native_op, resolve_native_op
+
+TWINS = TorchOps()
+merge_block_ = TWINS.merge_block_
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NEG_INF = float("-inf")
-CSRC = Path(__file__).resolve().parent.parent / "ops" / "csrc" / "usp"
+CSRC = Path(__file__).resolve().parent.parent / "ds_usp" / "ops" / "csrc"
 
 
 @pytest.fixture(scope="module")
 def ops():
     """The CPU native op (JIT-built on first use); the module is skipped when it cannot be built."""
     try:
-        return load_native_op("cpu")
+        op = load_native_op("cpu")
     except NativeOpUnavailable as e:  # e.g. no compiler on this machine
         pytest.skip(str(e))
+    assert isinstance(op, NativeOps) and op.source in ("jit", "prebuilt")
+    return op
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -125,11 +129,22 @@ def test_accumulate_bitwise(ops, dtype):
 
 
 def _twin_pack(q, k, v, u):
-    """The twin's send buffer: ds_usp.ulysses.interleave_qkv, then ds_usp.comm.seq_to_head_send_buffer."""
-    from ds_usp.comm import seq_to_head_send_buffer
-    from ds_usp.ulysses import interleave_qkv
+    """The twin's send buffer for q, k, v (kv heads replicated when U does not divide them)."""
+    rep = 1 if k.shape[2] % u == 0 else u // k.shape[2]
+    return TWINS.pack_seq_to_head([q, k, v], [1, rep, rep], u)
 
-    return seq_to_head_send_buffer(interleave_qkv(q, k, v, u), u)
+
+def test_twin_packing_matches_a_hand_written_layout():
+    """The twin itself against the layout spelled out index by index: chunk u, tensor after tensor, heads in order."""
+    b, s, d, u, hq, hkv = 2, 3, 4, 4, 8, 2
+    g = _gen(5)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for h in (hq, hkv, hkv))
+    send = _twin_pack(q, k, v, u)
+    rep = u // hkv
+    for dst in range(u):
+        want = torch.cat([q[:, :, dst * 2:(dst + 1) * 2], k[:, :, dst // rep:dst // rep + 1],
+                          v[:, :, dst // rep:dst // rep + 1]], dim=2)
+        assert torch.equal(send[dst], want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -147,19 +162,15 @@ def test_qkv_packing_bitwise(ops, dtype, b, u, hq, hkv):
     # after the all-to-all the receiver unpacks; a stand-in recv buffer exercises the layout
     heads = [hq // u, hkv * rep // u, hkv * rep // u]
     recv = torch.randn(send.shape, generator=g).to(dtype)
-    got = ops.unpack_seq_to_head(recv, heads)
-    # (U, b, s, H', d) -> (b, U, s, H', d) -> (b, U*s, H', d), split by heads: the twin's unpack
-    want = recv.permute(1, 0, 2, 3, 4).reshape(b, u * s, -1, d).split(heads, dim=2)
-    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    got = ops.unpack_seq_to_head(recv)
+    assert torch.equal(got, TWINS.unpack_seq_to_head(recv))
+    want = got.split(heads, dim=2)
     # backward direction: head shards -> send buffer -> sequence shards, replicas summed
     back = ops.pack_head_to_seq(list(want), u)
     assert torch.equal(back, recv)
+    assert torch.equal(TWINS.pack_head_to_seq(list(want), u), recv)
     dq, dk, dv = ops.unpack_head_to_seq(back, heads, [1, rep, rep])
-    # twin: (U, b, s, H', d) -> (b, s, U, H'/U... ) via comm._head_to_seq, then split + repeat_interleave backward
-    seq = recv.permute(1, 2, 0, 3, 4)  # (U, b, s, H', d) -> (b, s, U, H', d)
-    parts = seq.split(heads, dim=3)
-    ref = [p.reshape(b, s, -1, d) for p in parts]  # (b, s, U, h_i, d) -> (b, s, U*h_i, d)
-    ref[1:] = [x.float().reshape(b, s, hkv, rep, d).sum(3).to(dtype) for x in ref[1:]]  # replica sum
+    ref = TWINS.unpack_head_to_seq(back, heads, [1, rep, rep])
     assert torch.equal(dq, ref[0])
     tol = {} if rep <= 2 else dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     for x, y in zip((dk, dv), ref[1:]):
@@ -175,8 +186,8 @@ def test_single_tensor_packing_roundtrip(ops):
         x = torch.randn(b, 5, 8, 4, generator=g)
         send = ops.pack_seq_to_head([x], [1], 4)  # (b, s, h, d) -> (U, b, s, h/U, d)
         twin = x.reshape(b, 5, 4, 2, 4).permute(2, 0, 1, 3, 4).contiguous()
-        assert torch.equal(send, twin)
-        (heads,) = ops.unpack_seq_to_head(send, [2])
+        assert torch.equal(send, twin) and torch.equal(TWINS.pack_seq_to_head([x], [1], 4), twin)
+        heads = ops.unpack_seq_to_head(send)
         back = ops.pack_head_to_seq([heads], 4)
         (seq,) = ops.unpack_head_to_seq(back, [2], [1])
         assert torch.equal(seq, x)
@@ -210,7 +221,7 @@ def test_random_shapes_all_kernels(ops):
         rep = 1 if hkv % u == 0 else u // hkv
         send = ops.pack_seq_to_head([q, k, v], [1, rep, rep], u)
         assert torch.equal(send, _twin_pack(q, k, v, u))
-        parts = ops.unpack_seq_to_head(send, [h // u, hkv * rep // u, hkv * rep // u])
+        parts = ops.unpack_seq_to_head(send).split([h // u, hkv * rep // u, hkv * rep // u], dim=2)
         assert torch.equal(ops.pack_head_to_seq(parts, u), send)
 
 
@@ -234,15 +245,15 @@ def test_native_op_true_without_compiler_is_an_error(no_compiler):
 
 def test_native_op_auto_without_compiler_warns_once(no_compiler):
     with pytest.warns(RuntimeWarning, match=r"usp.native_op='auto': cannot build .*no C\+\+ compiler.*falling back"):
-        assert resolve_native_op("auto", "cpu") is None
+        assert type(resolve_native_op("auto", "cpu")) is TorchOps  # the twins
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_native_op("auto", "cpu") is None  # no second warning
+        assert type(resolve_native_op("auto", "cpu")) is TorchOps  # no second warning
 
 
 def test_native_op_false_never_builds(monkeypatch):
     monkeypatch.setattr(native, "load_native_op", lambda *a, **k: pytest.fail("native_op=False must not load"))
-    assert resolve_native_op(False, "cpu") is None
+    assert type(resolve_native_op(False, "cpu")) is TorchOps
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None, "true"])
@@ -339,7 +350,7 @@ def test_cuda_kernels_match_twins(dtype):
     q, k, v = (torch.randn(2, 6, h, 16, device="cuda").to(dtype) for h in (8, 1, 1))
     send = cuda_ops.pack_seq_to_head([q, k, v], [1, 4, 4], 4)
     assert torch.equal(send, _twin_pack(q, k, v, 4))
-    parts = cuda_ops.unpack_seq_to_head(send, [2, 1, 1])
+    parts = cuda_ops.unpack_seq_to_head(send).split([2, 1, 1], dim=2)
     back = cuda_ops.pack_head_to_seq(parts, 4)
     assert torch.equal(back, send)
     dq, dk, _ = cuda_ops.unpack_head_to_seq(back, [2, 1, 1], [1, 4, 4])

@@ -83,6 +83,7 @@ def _bad_attention_calls():
         ("usp_attention", "device the groups cannot move", _attn(2, 2, q=q.to("meta"), k=k.to("meta"),
                                                                  v=v.to("meta")), "needs cpu tensors"),
         ("usp_attention", "empty local sequence", _attn(2, 2, s=0), "local sequence is empty"),
+        ("usp_attention", "empty batch", _attn(2, 2, b=0), "the batch is empty"),
         ("usp_attention", "q heads not a multiple of kv heads", _attn(2, 2, hq=4, hkv=3), "multiple of kv heads"),
         ("usp_attention", "q heads not divisible by U", _attn(4, 1, hq=6, hkv=6), "divisible by ulysses_degree"),
         ("usp_attention", "kv heads incompatible with U", _attn(4, 1, hq=12, hkv=3), "are incompatible"),
@@ -200,7 +201,7 @@ def mismatched_configs() -> str:
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "sequence_parallel": "usp", "usp": {"ulysses_degree": 2, "ring_degree": 2,
-                                               "ring_impl": "basic" if dist.get_rank() == 3 else "zigzag"}}
+                                               "ring_impl": "contiguous" if dist.get_rank() == 3 else "zigzag"}}
     with pytest.raises(ValueError) as info:
         ds_usp.initialize(model=torch.nn.Linear(2, 2), config=cfg)
     return str(info.value)
@@ -237,7 +238,7 @@ def compare_with_reference(u: int, r: int, b: int, seq: int, hq: int, hkv: int, 
                            dtype_name: str, magnitude: float, seed: int) -> None:
     """USP vs the single-process reference for one case; padding rows must be exactly zero (out and grads)."""
     import ds_usp
-    from ds_usp.layout import padded_length, shard_positions
+    from ds_usp.sharding import padded_length, shard_positions
 
     dtype = getattr(torch, dtype_name)
     topo = _topo(u, r)
@@ -290,11 +291,12 @@ def test_padding_and_edge_numerics(world):
 def test_low_precision_keeps_fp32_lse_and_accumulators():
     """The ring's running LSE and output are fp32 whatever the input dtype (single process, two-block ring)."""
     from ds_usp.kernels import get_backend
-    from ds_usp.ring import RingSpec, _ring_forward
+    from ds_usp.attention.ring import RingSpec, ring_forward
+    from ds_usp.ops import TorchOps
 
     q, k, v = _qkv(s=8, dtype=torch.bfloat16)
     spec = RingSpec(group=None, ranks=(0,), rank=0, layout="contiguous", seq_len=5, padded_len=8)
-    out, lse = _ring_forward(q, k, v, spec, True, 0.3, get_backend("torch", q.device))
+    out, lse = ring_forward(q, k, v, spec, True, 0.3, get_backend("torch", q.device), TorchOps())
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert torch.isneginf(lse[:, :, 5:]).all() and (out[:, 5:] == 0).all()  # padded rows: no key seen
 

@@ -25,7 +25,7 @@ TOL = dict(rtol=1e-4, atol=1e-6)
 LAYOUTS = [  # (zero stage, U, R, dp, ring_impl)
     (stage, u, r, dp, impl)
     for stage in (1, 2, 3)
-    for (u, r, dp, impl) in ((4, 1, 1, "zigzag"), (2, 2, 1, "zigzag"), (1, 4, 1, "zigzag"), (1, 2, 2, "basic"))
+    for (u, r, dp, impl) in ((4, 1, 1, "zigzag"), (2, 2, 1, "zigzag"), (1, 4, 1, "zigzag"), (1, 2, 2, "contiguous"))
 ]
 
 
@@ -174,7 +174,7 @@ def hf_family_matches(family: str) -> float:
     import transformers
 
     import ds_usp
-    from ds_usp.hf import USPContext, attach
+    from ds_usp.integration.hf import USPContext, attach
 
     ds_usp.hf.register_usp_attention()
     cfg_cls, kw = {"qwen2": (transformers.Qwen2Config, {}), "mistral": (transformers.MistralConfig,

@@ -151,7 +151,7 @@ def shard_gather_roundtrip():
         shape[dim] = n
         x = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
         shard = ds_usp.shard_sequence(x, topo, dim=dim, layout=layout)
-        assert shard.shape[dim] == ds_usp.layout.padded_length(n, 2, 2, layout) // 4
+        assert shard.shape[dim] == ds_usp.sharding.padded_length(n, 2, 2, layout) // 4
         torch.testing.assert_close(ds_usp.gather_sequence(shard, topo, dim=dim, layout=layout, seq_len=n), x)
     return True
 

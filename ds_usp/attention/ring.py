@@ -1,27 +1,27 @@
 """Ring attention over one ring group: K/V blocks travel around the ring, partial results merge by LSE.
 
-Every rank holds its "ring piece" of the sequence (see :mod:`ds_usp.layout`). At step ``t`` rank
+Every rank holds its "ring piece" of the sequence (see :mod:`ds_usp.sharding`). At step ``t`` rank
 ``r`` holds the K/V piece of ring rank ``j = (r - t) mod R`` and computes attention of (part of)
 its queries against (part of) that block, while the next block is already in flight
 (:func:`ds_usp.comm.ring_shift`, double buffered). Which part is decided in one place,
 :func:`block_plan`. The partial ``(out, lse)`` pairs are merged exactly in fp32 by
-:func:`merge_block_`. The backward walks the same schedule with the merged ``(out, lse)`` and
-passes the fp32 dK/dV accumulator of each block around the ring until it is back with its owner.
+``ops.merge_block_`` (:mod:`ds_usp.ops`). The backward walks the same schedule with the merged
+``(out, lse)`` and passes the fp32 dK/dV accumulator of each block around the ring until it is back
+with its owner. Neither direction is autograd-aware: :mod:`ds_usp.attention.usp` wraps both in one
+custom op. Shapes use the legend of docs/architecture.md (here ``s`` is one ring piece, ``U*s_local``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ds_usp.comm import ring_shift
 from ds_usp.kernels import AttnBackend
-from ds_usp.layout import ring_block_valid_len
-
-if TYPE_CHECKING:
-    from ds_usp.native import NativeOps
+from ds_usp.ops import TorchOps
+from ds_usp.sharding import ring_block_valid_len
 
 ALL = slice(None)
 
@@ -93,30 +93,23 @@ def block_plan(spec: RingSpec, src: int, piece_len: int, causal: bool) -> Option
     return (slice(half, n_q), ALL, False) if n_q > half else None
 
 
-def merge_block_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """Fold one block's partial attention into the running result, in place, exactly.
-
-    ``out = (out * e^lse + block_out * e^block_lse) / e^new_lse`` with ``new_lse = logaddexp``;
-    rows whose both LSEs are ``-inf`` (no key seen yet) stay zero, never NaN.
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
+                 backend: AttnBackend, ops: TorchOps) -> tuple[Tensor, Tensor]:
+    """Attention of this rank's ring piece of queries against the whole sequence held by the ring.
 
     Args:
-        out: running output, fp32 ``(b, s, h, d)``; updated in place.
-        lse: running LSE, fp32 ``(b, h, s)``; updated in place.
-        block_out: the block's output ``(b, s, h, d)``, any float dtype.
-        block_lse: the block's LSE, fp32 ``(b, h, s)``.
+        q: ``(b, s, hq, d)``, this rank's ring piece.
+        k: ``(b, s, hkv, d)``.
+        v: ``(b, s, hkv, d)``.
+        spec: the ring and the sequence layout.
+        causal: causal attention.
+        scale: softmax scale.
+        backend: the local attention kernel.
+        ops: the native op or its PyTorch twins (the LSE merge).
+
+    Returns:
+        ``out (b, s, hq, d)`` in ``q.dtype`` and ``lse (b, hq, s)`` fp32 (``-inf`` on padded rows).
     """
-    new_lse = torch.logaddexp(lse, block_lse)
-    ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
-    # (b, h, s) -> (b, s, h, 1) to scale (b, s, h, d) rows
-    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(block_out.float() * w_new)
-    lse.copy_(new_lse)
-
-
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
-                  backend: AttnBackend, ops: Optional["NativeOps"] = None) -> tuple[Tensor, Tensor]:
-    merge = merge_block_ if ops is None else ops.merge_block_  # the native merge or its twin
     b, s, h, d = q.shape
     if spec.size == 1:  # one block: the kernel's (out, lse) is the answer; no accumulator, no merge
         qs, ks, masked = block_plan(spec, spec.rank, s, causal)  # a real token is in every sequence
@@ -136,22 +129,33 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool,
         if plan is not None:
             qs, ks, masked = plan
             block_out, block_lse = backend.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], masked, scale)
-            merge(out[:, qs], lse[:, :, qs], block_out, block_lse)
+            ops.merge_block_(out[:, qs], lse[:, :, qs], block_out, block_lse)
             del block_out, block_lse  # free before the next block's kernel allocates its own
         if wait is not None:
             kv = wait()
     return out.to(q.dtype), lse
 
 
-def _accumulate_(acc: Tensor, x: Tensor) -> None:
-    """``acc += x`` (fp32 accumulator, any float ``x``): the twin of ``NativeOps.accumulate_``."""
-    acc += x
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: RingSpec,
+                  causal: bool, scale: float, backend: AttnBackend, ops: TorchOps) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`ring_forward` from its merged ``(out, lse)``.
 
+    Args:
+        dout: ``(b, s, hq, d)`` gradient of the output.
+        q: ``(b, s, hq, d)``.
+        k: ``(b, s, hkv, d)``.
+        v: ``(b, s, hkv, d)``.
+        out: ``(b, s, hq, d)`` from :func:`ring_forward`.
+        lse: ``(b, hq, s)`` fp32 from :func:`ring_forward`.
+        spec: the ring and the sequence layout.
+        causal: causal attention.
+        scale: softmax scale.
+        backend: the local attention kernel.
+        ops: the native op or its PyTorch twins (the fp32 accumulation).
 
-def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: RingSpec,
-                   causal: bool, scale: float, backend: AttnBackend,
-                   ops: Optional["NativeOps"] = None) -> tuple[Tensor, Tensor, Tensor]:
-    accumulate_ = _accumulate_ if ops is None else ops.accumulate_  # the native accumulation or its twin
+    Returns:
+        ``dq, dk, dv`` in the inputs' dtypes; padded rows get zero gradient.
+    """
     s = q.shape[1]
     if spec.size == 1:  # one block, gradients straight from the kernel
         qs, ks, masked = block_plan(spec, spec.rank, s, causal)
@@ -174,53 +178,13 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             qs, ks, masked = plan
             dq_b, dk_b, dv_b = backend.backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                                                 lse[:, :, qs], masked, scale)
-            accumulate_(dq[:, qs], dq_b)
-            accumulate_(dkv[0][:, ks], dk_b)
-            accumulate_(dkv[1][:, ks], dv_b)
+            ops.accumulate_(dq[:, qs], dq_b)
+            ops.accumulate_(dkv[0][:, ks], dk_b)
+            ops.accumulate_(dkv[1][:, ks], dv_b)
             del dq_b, dk_b, dv_b  # free before the next block's kernel allocates its own
-        if spec.size > 1:
-            wait_dkv = ring_shift(dkv, spec.group, spec.ranks, spec.rank)
+        wait_dkv = ring_shift(dkv, spec.group, spec.ranks, spec.rank)
         if wait_kv is not None:
             kv = wait_kv()
-    if wait_dkv is not None:
-        dkv = wait_dkv()  # my own block's accumulator, back after a full circle
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
-                backend: AttnBackend, ops: Optional["NativeOps"]) -> Tensor:
-        out, lse = _ring_forward(q, k, v, spec, causal, scale, backend, ops)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (spec, causal, scale, backend, ops)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Optional[Tensor], ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
-
-
-def ring_attention_piece(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, causal: bool, scale: float,
-                         backend: AttnBackend, ops: Optional["NativeOps"] = None) -> Tensor:
-    """Attention of this rank's ring piece of queries against the whole sequence held by the ring.
-
-    This is the ring step of USP; the public entries are in :mod:`ds_usp.usp`.
-
-    Args:
-        q: ``(b, s, hq, d)``, this rank's ring piece.
-        k: ``(b, s, hkv, d)``.
-        v: ``(b, s, hkv, d)``.
-        spec: the ring and the sequence layout.
-        causal: causal attention.
-        scale: softmax scale.
-        backend: the local attention kernel.
-        ops: the native op for the LSE merge and the gradient accumulation, or None for the
-            PyTorch twins (:func:`merge_block_`, ``+=``).
-
-    Returns:
-        ``(b, s, hq, d)`` in ``q.dtype``; differentiable with respect to q, k and v.
-    """
-    return _RingAttention.apply(q, k, v, spec, causal, scale, backend, ops)
+    dkv = wait_dkv()  # my own block's accumulator, back after a full circle
+    # dv gets its own storage (a copy only for fp32): the custom op's outputs may not alias each other
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype, copy=True)

@@ -3,29 +3,26 @@
 Two variants, as DeepSpeed does it for ops that run on both: :class:`USPCPUBuilder` (a
 ``CPUOpBuilder``: C++ kernels, OpenMP, ``-march=native``) and :class:`USPCUDABuilder` (a
 ``CUDAOpBuilder``: the same frontend and CPU kernels plus the ``.cu`` kernels, built with
-``-DUSP_WITH_CUDA``). Both return absolute source paths, so DeepSpeed's ``jit_load`` finds them
-wherever this checkout lives.
+``-DUSP_WITH_CUDA``). The sources are package data (``ds_usp/ops/csrc``), so a plain
+``pip install .`` can JIT-build them; both builders return absolute source paths.
 
-* ``builder.load()`` returns the prebuilt module when it imports (``DS_BUILD_USP=1 pip install
-  --no-build-isolation .`` puts it in ``ds_usp/``), else JIT-builds with ninja into torch's
-  extension cache (``~/.cache/torch_extensions``, rebuilt only when a source changes).
+* ``builder.jit_load()`` (DeepSpeed's) builds with ninja into torch's extension cache
+  (``~/.cache/torch_extensions``, rebuilt only when a source changes); :mod:`ds_usp.ops` calls it.
 * ``builder.is_compatible()`` checks for the compilers and sets ``error_log`` to the reason.
-* ``builder.builder()`` returns the setuptools extension for the prebuild.
+* ``builder.builder()`` returns the setuptools extension for ``DS_BUILD_USP=1 pip install``.
 
-This file imports nothing from ``ds_usp`` (the native op sits below the algorithms).
+This file imports nothing from ``ds_usp`` (setup.py loads it by path before ds_usp is installed).
 """
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 from pathlib import Path
-from types import ModuleType
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc" / "usp"
+CSRC = Path(__file__).resolve().parent / "csrc"
 BUILD_VAR = "DS_BUILD_USP"
 
 
@@ -38,7 +35,7 @@ def _cxx_problem() -> str | None:
 
 
 class _USPBuilderMixin:
-    """What both variants share: sources, flags, prebuilt-first loading."""
+    """What both variants share: sources and flags."""
 
     BUILD_VAR = BUILD_VAR
 
@@ -53,32 +50,6 @@ class _USPBuilderMixin:
         # -ffp-contract=off: a*b + c*d rounds like the PyTorch twin's separate mul/add, no fused FMA.
         return ["-fopenmp", "-ffp-contract=off"]
 
-    def load(self, verbose: bool = False) -> ModuleType:
-        """The prebuilt module if it imports, else the JIT build (ninja, cached).
-
-        Args:
-            verbose: print the compiler output of a JIT build.
-
-        Returns:
-            The extension module.
-
-        Raises:
-            RuntimeError: the op cannot be built here (see ``error_log``) or the build failed.
-        """
-        try:
-            return importlib.import_module(self.absolute_name())
-        except ImportError:
-            pass
-        return self.jit_load(verbose)
-
-    def prebuilt(self) -> bool:
-        """Whether a prebuilt module (``DS_BUILD_USP=1 pip install``) is importable."""
-        try:
-            importlib.import_module(self.absolute_name())
-            return True
-        except ImportError:
-            return False
-
 
 class USPCPUBuilder(_USPBuilderMixin, CPUOpBuilder):
     """CPU variant: C++ kernels with OpenMP and vectorized inner loops."""
@@ -90,7 +61,7 @@ class USPCPUBuilder(_USPBuilderMixin, CPUOpBuilder):
 
     def absolute_name(self) -> str:
         """Import path of the prebuilt module."""
-        return "ds_usp._usp_cpu"
+        return "ds_usp.ops._usp_cpu"
 
     def sources(self) -> list[str]:
         """Absolute source paths."""
@@ -119,7 +90,7 @@ class USPCUDABuilder(_USPBuilderMixin, CUDAOpBuilder):
 
     def absolute_name(self) -> str:
         """Import path of the prebuilt module."""
-        return "ds_usp._usp_cuda"
+        return "ds_usp.ops._usp_cuda"
 
     def sources(self) -> list[str]:
         """Absolute source paths."""

@@ -1,7 +1,6 @@
 // ds-usp native op: pybind frontend. Validates tensors, describes them to the kernels (pointer + strides) and
 // dispatches to the CPU kernels, or to the CUDA kernels when built with USP_WITH_CUDA and given CUDA tensors.
-// The PyTorch twins of these functions live in ds_usp (ring.merge_block_, comm._seq_to_head/_head_to_seq,
-// ulysses.qkv_seq_to_head) and give the same numbers.
+// The PyTorch twins of these functions are ds_usp/ops/twins.py (TorchOps), with the same signatures and numbers.
 #include <torch/extension.h>
 
 #include <vector>

@@ -1,4 +1,4 @@
-"""Which tokens of the global sequence live on which rank (contiguous or zigzag), and padding.
+"""Which tokens of the global sequence live on which rank (contiguous or zigzag), padding, and sharding.
 
 With ``N = U * R`` sequence-parallel ranks, a global sequence of ``seq_len`` tokens is padded at
 its end to ``padded_len`` (a multiple of ``N``, or of ``2 * N`` for zigzag) and cut so that every
@@ -13,12 +13,19 @@ Either way, the Ulysses all-to-all reassembles on every member of ring rank ``r`
 Padded tokens sit after every real token, and the real tokens of every ring piece form a prefix of
 it (:func:`ring_block_valid_len`); the ring trims padded queries and keys off each block, so padding
 gets zero output and zero gradient and never changes a real token's result.
+
+:func:`shard_sequence` cuts a full tensor into this rank's shard (no communication) and
+:func:`gather_sequence` puts the shards back together (one all-gather).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch import Tensor
+
+from ds_usp.comm import gather_seq
+from ds_usp.topology import USPTopology
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -168,3 +175,76 @@ def resolve_seq_len(seq_len: Optional[int], local_len: int, ulysses_degree: int,
                          f"{layout!r} layout it pads to {padded_length(seq_len, ulysses_degree, ring_degree, layout)}"
                          f" tokens, but the shards hold {padded}")
     return seq_len, padded
+
+
+def _check_dim(x: Tensor, dim: int) -> int:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"expected a tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim ({dim}) is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def shard_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "zigzag",
+                   pad_value: float = 0) -> Tensor:
+    """This rank's shard of a full-sequence tensor (no communication).
+
+    The sequence is padded with ``pad_value`` at its end to a multiple of ``U*R`` (contiguous) or
+    ``2*U*R`` (zigzag); pass the real length as ``seq_len`` to :func:`ds_usp.usp_attention` and :func:`gather_sequence`.
+
+    Args:
+        x: the full tensor, identical on every rank of the SP group.
+        topo: the topology.
+        dim: the sequence dimension.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        pad_value: the value of the padding (e.g. a pad token id, or -100 for labels).
+
+    Returns:
+        The shard, ``x.shape[dim]`` padded and divided by ``U*R`` along ``dim``; differentiable.
+
+    Raises:
+        ValueError: bad ``dim`` or ``layout``, or an empty sequence.
+    """
+    dim = _check_dim(x, dim)
+    check_layout(layout)
+    n = x.shape[dim]
+    if n == 0:
+        raise ValueError("cannot shard an empty sequence")
+    padded = padded_length(n, topo.ulysses_degree, topo.ring_degree, layout)
+    if padded != n:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = padded - n
+        x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
+    idx = shard_positions(padded, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, layout).to(x.device)
+    return x.index_select(dim, idx)
+
+
+def gather_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "zigzag",
+                    seq_len: Optional[int] = None) -> Tensor:
+    """Reassemble the full sequence from every SP rank's shard (inverse of :func:`shard_sequence`).
+
+    The backward keeps this rank's shard of the gradient: exact when every rank uses the gathered
+    tensor the same way (e.g. computes the same loss on it).
+
+    Args:
+        x: this rank's shard.
+        topo: the topology.
+        dim: the sequence dimension.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        seq_len: real global length, to cut the padding off (``None``: keep every position).
+
+    Returns:
+        The full tensor, in global position order.
+
+    Raises:
+        ValueError: bad ``dim``, ``layout`` or ``seq_len``.
+    """
+    dim = _check_dim(x, dim)
+    check_layout(layout)
+    real_len, padded = resolve_seq_len(seq_len, x.shape[dim], topo.ulysses_degree, topo.ring_degree, layout)
+    full = gather_seq(x, topo.sp_group, dim) if topo.sp_size > 1 else x  # shards in SP-rank order
+    order = torch.cat([shard_positions(padded, topo.ulysses_degree, topo.ring_degree, p, layout)
+                       for p in range(topo.sp_size)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(padded)
+    return full.index_select(dim, inverse[:real_len].to(x.device))

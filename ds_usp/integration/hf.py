@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from torch import Tensor, nn
 
 from ds_usp.topology import USPTopology
-from ds_usp.usp import usp_attention
+from ds_usp.attention import usp_attention
 
 ATTN_NAME = "usp"
 _CONTEXT_ATTR = "_usp_context"

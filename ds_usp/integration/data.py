@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ds_usp.comm import all_gather_rows, all_reduce_sum_, group_device
-from ds_usp.layout import check_layout, padded_length
+from ds_usp.sharding import check_layout, padded_length
 from ds_usp.topology import USPTopology
-from ds_usp.usp import shard_sequence
+from ds_usp.sharding import shard_sequence
 
 IGNORE_INDEX = -100
 

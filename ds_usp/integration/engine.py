@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
                            read_ds_config)
-from ds_usp.hf import USPContext, attach
+from ds_usp.integration.hf import USPContext, attach
 from ds_usp.log import log_info
 from ds_usp.topology import USPTopology
 

@@ -1,0 +1,145 @@
+"""Input checks of the USP attention: local ones (shapes, dtypes, devices, arguments) and one cross-rank one.
+
+Everything here runs before the attention's first collective, so a bad call raises a ``ValueError``
+on the rank that made it instead of leaving its partners waiting in an all-to-all.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ds_usp.attention.ulysses import check_heads
+from ds_usp.comm import all_gather_rows, backend_device_type
+from ds_usp.sharding import LAYOUTS
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, ulysses_degree: int) -> None:
+    """Shapes, dtypes and devices of this rank's q, k, v shards, and their heads against U.
+
+    Args:
+        q: ``(b, s_local, hq, d)``.
+        k: ``(b, s_local, hkv, d)``.
+        v: ``(b, s_local, hkv, d)``.
+        ulysses_degree: U.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seq, heads, head_dim), got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if x.dtype not in DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local sequence length "
+                         f"and head_dim")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[1] == 0 or q.shape[0] == 0:
+        raise ValueError("the local sequence is empty" if q.shape[1] == 0 else "the batch is empty")
+    check_heads(q.shape[2], k.shape[2], ulysses_degree)
+
+
+def check_scale(softmax_scale: Any) -> None:
+    """Refuse a softmax scale that is not a positive finite number (None is fine: ``1/sqrt(head_dim)``).
+
+    Args:
+        softmax_scale: the value.
+
+    Raises:
+        ValueError: naming the value.
+    """
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale ({softmax_scale!r}) must be a positive finite number or None "
+                         f"(None: 1/sqrt(head_dim))")
+
+
+def check_device(device: torch.device, group: Any) -> None:
+    """Refuse tensors the groups' backend cannot move (NCCL needs CUDA tensors, gloo CPU ones).
+
+    Args:
+        device: the tensors' device.
+        group: the sequence-parallel group.
+
+    Raises:
+        ValueError: the device does not match the process groups' backend.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    wanted = backend_device_type(group)
+    if wanted is not None and device.type != wanted:
+        raise ValueError(f"the tensors are on {device}, but the sequence-parallel groups use "
+                         f"{dist.get_backend(group)}, which "
+                         f"needs {wanted} tensors; move them with .to('{wanted}') or initialize "
+                         f"distributed with the other backend")
+
+
+_SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "dtype", "causal", "layout",
+              "seq_len", "softmax_scale")
+# SP group name -> input signatures every rank of that group has been checked to share. A cache like the
+# native op's: it only saves the check's all-gather on later calls with the same shapes.
+_AGREED: dict[str, set] = {}
+
+
+def check_same_across_ranks(q: Tensor, k: Tensor, sp_group: Any, causal: bool, layout: str, seq_len: int,
+                            scale: float) -> None:
+    """Check once per input signature that every rank of the SP group calls with the same one.
+
+    A mismatch would otherwise deadlock or garble the all-to-all and the ring. The check is one
+    small all-gather the first time a signature is seen on this group (later calls with the same
+    shapes cost nothing: a per-call check would force a host sync per layer on GPUs). A rank whose
+    shapes change while the others reuse a signature they already checked is caught by the group
+    timeout instead.
+
+    Args:
+        q: this rank's q shard.
+        k: this rank's k shard.
+        sp_group: the sequence-parallel group.
+        causal: the mask.
+        layout: the sharding layout.
+        seq_len: the real global length.
+        scale: the softmax scale.
+
+    Raises:
+        ValueError: the same message on every rank of the group, naming each differing value per rank.
+    """
+    if dist.get_world_size(sp_group) == 1:
+        return
+    sig = (*q.shape[:3], k.shape[2], q.shape[3], DTYPES.index(q.dtype), int(causal), LAYOUTS.index(layout), seq_len,
+           struct.unpack("<q", struct.pack("<d", scale))[0])
+    agreed = _AGREED.setdefault(sp_group.group_name, set())
+    if sig in agreed:
+        return
+    rows = [tuple(r.tolist()) for r in all_gather_rows(torch.tensor(sig, device=q.device), sp_group,
+                                                          "usp_attention input check")]
+    bad = [i for i, name in enumerate(_SIGNATURE) if len({r[i] for r in rows}) > 1]
+    if bad:
+        def show(i: int, x: int) -> str:
+            if _SIGNATURE[i] == "dtype":
+                return str(DTYPES[x]).replace("torch.", "")
+            if _SIGNATURE[i] == "layout":
+                return LAYOUTS[x]
+            if _SIGNATURE[i] == "softmax_scale":
+                return f"{struct.unpack('<d', struct.pack('<q', x))[0]:g}"
+            return str(bool(x)) if _SIGNATURE[i] == "causal" else str(x)
+
+        ranks = dist.get_process_group_ranks(sp_group)
+        diffs = "; ".join(_SIGNATURE[i] + ": " + ", ".join(f"rank {ranks[p]}={show(i, r[i])}" for p, r in enumerate(rows))
+                          for i in bad)
+        raise ValueError(f"usp_attention was called with different inputs on the ranks of one sequence-parallel "
+                         f"group ({diffs}); every rank must pass its shard of the same sequences (shard them with "
+                         f"ds_usp.shard_sequence / ds_usp.shard_batch) with the same arguments")
+    agreed.add(sig)

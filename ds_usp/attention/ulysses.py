@@ -1,0 +1,106 @@
+"""The Ulysses step of USP: sequence shards <-> head shards through one all-to-all each way.
+
+GQA/MQA: with ``hkv`` KV heads and Ulysses degree ``U``, KV heads are split when ``hkv % U == 0``
+and otherwise (``U % hkv == 0``) each KV head is replicated ``U / hkv`` times *before* the
+all-to-all, so each rank receives exactly the one KV head its query heads use; the way back sums
+the replicas' gradients. Nothing repeated ever travels around the ring. The packing into and out of
+the all-to-all buffers is ``ops`` (:mod:`ds_usp.ops`: the native op or its PyTorch twins).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch import Tensor
+
+from ds_usp.comm import all_to_all
+from ds_usp.ops import TorchOps
+
+
+def check_heads(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:
+    """Check that q and kv head counts can be spread over a Ulysses group.
+
+    Args:
+        num_heads: query heads.
+        num_kv_heads: key/value heads.
+        ulysses_degree: U.
+
+    Raises:
+        ValueError: naming the counts and what would be valid.
+    """
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"q heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if num_heads % ulysses_degree != 0:
+        raise ValueError(f"q heads ({num_heads}) must be divisible by ulysses_degree ({ulysses_degree}); "
+                         f"use a ulysses_degree that divides {num_heads} and put the rest in ring_degree")
+    if num_kv_heads % ulysses_degree != 0 and ulysses_degree % num_kv_heads != 0:
+        raise ValueError(f"kv heads ({num_kv_heads}) and ulysses_degree ({ulysses_degree}) are incompatible: "
+                         f"kv heads must be a multiple or a divisor of ulysses_degree")
+
+
+def kv_replication(num_kv_heads: int, ulysses_degree: int) -> int:
+    """How often each KV head is sent: 1 when U divides the KV heads, else ``U / hkv``.
+
+    Args:
+        num_kv_heads: hkv (checked by :func:`check_heads`).
+        ulysses_degree: U.
+
+    Returns:
+        The replication factor.
+    """
+    return 1 if num_kv_heads % ulysses_degree == 0 else ulysses_degree // num_kv_heads
+
+
+def head_split(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> list[int]:
+    """Head columns of q, k, v in one rank's chunk of the packed q/k/v all-to-all.
+
+    Args:
+        num_heads: hq.
+        num_kv_heads: hkv.
+        ulysses_degree: U.
+
+    Returns:
+        ``[hq/U, hk/U, hk/U]`` with ``hk = hkv * kv_replication(hkv, U)``.
+    """
+    hk = num_kv_heads * kv_replication(num_kv_heads, ulysses_degree) // ulysses_degree
+    return [num_heads // ulysses_degree, hk, hk]
+
+
+def seq_to_head(xs: Sequence[Tensor], reps: Sequence[int], group: Any, world: int, ops: TorchOps) -> Tensor:
+    """Sequence shards -> head shards of the Ulysses group's sequence, several tensors in one all-to-all.
+
+    Args:
+        xs: ``(b, s, h_i, d)`` tensors of one dtype (e.g. q, k, v, or dout alone).
+        reps: per tensor, its head replication (:func:`kv_replication`).
+        group: the Ulysses group.
+        world: its size U.
+        ops: the packing (native or twins).
+
+    Returns:
+        ``(b, U*s, Hp, d)``, ``Hp = sum_i h_i * reps_i / U``; split the tensors off with
+        ``.split([...], dim=2)`` (see :func:`head_split`).
+    """
+    send = ops.pack_seq_to_head(xs, reps, world)  # n x (b, s, h_i, d) -> (U, b, s, Hp, d)
+    recv = all_to_all(send, group)
+    del send  # freed before unpacking: one buffer fewer at the peak
+    return ops.unpack_seq_to_head(recv)  # -> (b, U*s, Hp, d)
+
+
+def head_to_seq(xs: Sequence[Tensor], heads: Sequence[int], reps: Sequence[int], group: Any, world: int,
+                ops: TorchOps) -> list[Tensor]:
+    """Head shards -> sequence shards (inverse of :func:`seq_to_head`; replicated heads are summed).
+
+    Args:
+        xs: ``(b, U*s, h_i, d)`` tensors of one dtype.
+        heads: ``h_i`` per tensor.
+        reps: per tensor, its head replication.
+        group: the Ulysses group.
+        world: its size U.
+        ops: the packing (native or twins).
+
+    Returns:
+        ``[(b, s, U * h_i / reps_i, d)]``.
+    """
+    send = ops.pack_head_to_seq(xs, world)  # n x (b, U*s, h_i, d) -> (U, b, s, sum h_i, d)
+    recv = all_to_all(send, group)
+    del send
+    return ops.unpack_head_to_seq(recv, heads, reps)  # -> n x (b, s, U*h_i/rep_i, d)

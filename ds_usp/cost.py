@@ -1,0 +1,327 @@
+"""What one USP attention layer costs per rank: bytes sent (closed form), bytes held (model), and a meter.
+
+Symbols (docs/architecture.md): ``b`` batch, ``L`` the padded global length, ``N = U*R``, ``T = b L / N``
+tokens per rank, ``e`` bytes per element of q/k/v, ``H``/``H_kv`` query/kv heads, ``D`` head dim,
+``H_kv' = max(H_kv, U)`` the kv heads the all-to-all carries (replicated when ``H_kv < U``)::
+
+    forward  = T e [ (U-1)/U (2 H + 2 H_kv') D  +  2 (R-1) H_kv' D ]
+    backward = T [ e (U-1)/U (2 H + 2 H_kv') D  +  e 2 (R-1) H_kv' D  +  4 * 2 R H_kv' D [R > 1] ]
+
+Forward: one all-to-all for q, k, v (``H + 2 H_kv'`` heads per token), one for the output (``H``);
+the ring passes the stacked K/V piece R-1 times. Backward: the output's all-to-all reversed for
+dout; the ring passes K/V again R-1 times (not kept from the forward) and the fp32 dK/dV
+accumulator of each block R times (from its owner around and home), 4 bytes per element whatever
+the input dtype; the q/k/v all-to-all reversed for dq, dk, dv. Derived from
+:mod:`ds_usp.attention.usp`; :class:`CommCounter` measures it (tests/test_comm_volume.py checks
+every split against it) and docs/choosing.md uses it.
+
+:func:`attention_memory` models what the layer holds: what autograd saves for the backward (exact,
+checked by the tests with ``saved_tensors_hooks``) and the transient peaks of the forward and the
+backward (an estimate from the buffers each phase keeps alive; benchmarks/memory.py prints it
+beside the measured peaks).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+ACC_BYTES = 4  # the ring backward's dK/dV and dQ accumulators and the LSE are fp32 whatever the input dtype
+
+
+@dataclass(frozen=True)
+class Volume:
+    """Bytes one rank sends in one direction of one attention layer.
+
+    Attributes:
+        all_to_all: through the Ulysses all-to-alls (the chunks for the other U-1 ranks).
+        ring: through the ring's point-to-point sends.
+        other: through any other collective (0 for USP attention in its steady state).
+    """
+
+    all_to_all: float
+    ring: float
+    other: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """All bytes sent."""
+        return self.all_to_all + self.ring + self.other
+
+
+def sent_kv_heads(kv_heads: int, ulysses: int) -> int:
+    """KV heads the Ulysses all-to-all carries per token: ``max(H_kv, U)``.
+
+    Args:
+        kv_heads: H_kv.
+        ulysses: U; ``H_kv % U == 0`` or ``U % H_kv == 0`` (what ds-usp accepts).
+
+    Returns:
+        ``H_kv`` if U divides it, else ``U`` (each kv head replicated ``U / H_kv`` times).
+
+    Raises:
+        ValueError: neither divides the other.
+    """
+    if kv_heads % ulysses == 0:
+        return kv_heads
+    if ulysses % kv_heads == 0:
+        return ulysses
+    raise ValueError(f"kv heads ({kv_heads}) and U ({ulysses}) must divide one another")
+
+
+def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
+                  elem_bytes: int) -> Volume:
+    """Closed form of the bytes one rank sends in the forward of one USP attention layer.
+
+    Args:
+        batch: b.
+        seq: L, the padded global sequence length (a multiple of N, of 2N for zigzag).
+        heads: H.
+        kv_heads: H_kv.
+        head_dim: D.
+        ulysses: U.
+        ring: R.
+        elem_bytes: e (4 fp32, 2 bf16/fp16).
+
+    Returns:
+        The :class:`Volume` (exact; floats only because (U-1)/U need not divide).
+    """
+    tokens = Fraction(batch * seq, ulysses * ring)
+    d_q, d_kv = heads * head_dim, sent_kv_heads(kv_heads, ulysses) * head_dim
+    a2a = tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (2 * d_q + 2 * d_kv)
+    ring_b = tokens * elem_bytes * 2 * (ring - 1) * d_kv
+    return Volume(float(a2a), float(ring_b))
+
+
+def backward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
+                   elem_bytes: int) -> Volume:
+    """Closed form of the bytes one rank sends in the backward of one USP attention layer.
+
+    Args:
+        batch: b.
+        seq: L, the padded global sequence length.
+        heads: H.
+        kv_heads: H_kv.
+        head_dim: D.
+        ulysses: U.
+        ring: R.
+        elem_bytes: e.
+
+    Returns:
+        The :class:`Volume`: all-to-alls for dout and for dq/dk/dv, ring K/V (R-1 hops, e bytes) and
+        fp32 dK/dV (R hops); no ring traffic when R = 1.
+    """
+    tokens = Fraction(batch * seq, ulysses * ring)
+    d_q, d_kv = heads * head_dim, sent_kv_heads(kv_heads, ulysses) * head_dim
+    a2a = tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (2 * d_q + 2 * d_kv)
+    ring_b = tokens * 2 * d_kv * ((ring - 1) * elem_bytes + ring * ACC_BYTES) if ring > 1 else 0
+    return Volume(float(a2a), float(ring_b))
+
+
+@dataclass(frozen=True)
+class AttentionMemory:
+    """Bytes one rank holds for one USP attention layer (see :func:`attention_memory`).
+
+    Attributes:
+        output: the layer's output shard ``(b, s_local, H, D)``.
+        saved: what autograd keeps for the backward beyond the output (with ``U = 1`` that is q, k,
+            v and the LSE; otherwise the head-layout q/k/v, output and LSE).
+        forward_peak: the most the forward holds at once beyond its inputs q, k, v (estimate).
+        backward_peak: the most the backward holds at once beyond the saved tensors and dout (estimate).
+    """
+
+    output: int
+    saved: int
+    forward_peak: int
+    backward_peak: int
+
+
+def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
+                     elem_bytes: int) -> AttentionMemory:
+    """A model of the bytes one rank holds for one USP attention layer, from the buffers of each phase.
+
+    ``T = b L / N`` tokens per rank. The forward's phases: the q/k/v all-to-all (send and receive
+    buffer), the ring (fp32 output and LSE accumulators, the stacked K/V block and the one in flight,
+    one block's result), the output's all-to-all (send, receive, output). The backward's: the dout
+    all-to-all, the ring (fp32 dQ accumulator, K/V block and the one in flight, fp32 dK/dV block and
+    the one in flight, one block's gradients), the dq/dk/dv all-to-all (send, receive, results).
+
+    Args:
+        batch: b.
+        seq: L, the padded global length.
+        heads: H.
+        kv_heads: H_kv.
+        head_dim: D.
+        ulysses: U.
+        ring: R.
+        elem_bytes: e.
+
+    Returns:
+        The :class:`AttentionMemory` in bytes.
+    """
+    t = batch * seq // (ulysses * ring)
+    e, a = elem_bytes, ACC_BYTES
+    hk = sent_kv_heads(kv_heads, ulysses)
+    q_b, kv_b = t * heads * head_dim * e, t * hk * head_dim * e  # head layout: T tokens' worth either way
+    qkv_b, lse_b = q_b + 2 * kv_b, t * heads * a
+    acc_out = t * heads * head_dim * a if ring > 1 else 0  # the ring's fp32 running output
+    acc_cast = q_b if ring > 1 and e != a else 0  # its cast to the input dtype
+    in_ring_fwd = (4 * kv_b if ring > 1 else 0) + q_b + lse_b  # K/V block + in flight; one block's result
+    if ulysses == 1:
+        saved = lse_b  # q, k, v are the inputs; the output is counted apart
+        forward_peak = acc_out + in_ring_fwd + acc_cast
+    else:
+        saved = qkv_b + q_b + lse_b  # head-layout q/k/v, head-layout output, LSE
+        a2a_in = 2 * qkv_b
+        ring_phase = qkv_b + acc_out + in_ring_fwd + acc_cast
+        a2a_out = qkv_b + q_b + lse_b + 3 * q_b  # residuals, then send, receive, output
+        forward_peak = max(a2a_in, ring_phase, a2a_out)
+    grads_b = q_b + 2 * kv_b  # one block's dq, dk, dv
+    ring_bwd = (t * heads * head_dim * a + 4 * kv_b + 4 * t * hk * head_dim * a if ring > 1 else 0) + grads_b
+    if ulysses == 1:
+        backward_peak = ring_bwd + (grads_b if ring > 1 else 0)  # plus the casts of the fp32 accumulators
+    else:
+        dout_heads = q_b
+        a2a_back = grads_b + 2 * qkv_b + (t * (heads + 2 * kv_heads) * head_dim * e)
+        backward_peak = max(2 * dout_heads, dout_heads + ring_bwd, a2a_back)
+    return AttentionMemory(output=q_b, saved=saved, forward_peak=forward_peak, backward_peak=backward_peak)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CommCounter:
+    """Count the bytes this rank sends through ``torch.distributed`` while inside :meth:`phase`.
+
+    The functions are wrapped on the ``torch.distributed`` module object, where ds-usp looks them up
+    (``dist.all_to_all_single``, ``dist.batch_isend_irecv``) at call time; ``isend``/``irecv``
+    themselves are left alone because ``batch_isend_irecv`` recognises sends by identity with them.
+
+    * ``all_to_all_single``: the input's chunks for the other ranks (equal splits: ``(W-1)/W`` of it).
+    * ``batch_isend_irecv``: the tensors of its ``isend`` ops.
+    * anything else (all_gather, all_reduce, broadcast, send, ...): the input's bytes times the
+      number of other ranks, as ``other``.
+    """
+
+    _OTHER = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor",
+              "all_to_all", "send", "gather", "scatter", "reduce", "all_gather_object", "broadcast_object_list")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, dict[str, int]] = {}
+        self._phase: Optional[str] = None
+
+    def _add(self, kind: str, n: int) -> None:
+        if self._phase is not None:
+            phase = self.counts.setdefault(self._phase, {})
+            phase[kind] = phase.get(kind, 0) + n
+
+    def volume(self, phase: str) -> Volume:
+        """What was counted in ``phase``.
+
+        Args:
+            phase: the name given to :meth:`phase`.
+
+        Returns:
+            The :class:`Volume`.
+        """
+        c = self.counts.get(phase, {})
+        return Volume(c.get("all_to_all", 0), c.get("ring", 0), c.get("other", 0))
+
+    @contextmanager
+    def phase(self, phase: str) -> Iterator["CommCounter"]:
+        """Count the sends made inside the block under ``phase`` (the wrappers are installed only meanwhile).
+
+        Args:
+            phase: a name, e.g. ``"fwd"``.
+
+        Yields:
+            The counter.
+        """
+        a2a, batch = dist.all_to_all_single, dist.batch_isend_irecv
+
+        def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+                              group: Any = None, async_op: bool = False) -> Any:
+            world, me = dist.get_world_size(group), dist.get_rank(group)
+            if input_split_sizes is None:
+                sent = _nbytes(input) * (world - 1) // world
+            else:
+                row = _nbytes(input) // max(input.shape[0], 1)
+                sent = sum(n for i, n in enumerate(input_split_sizes) if i != me) * row
+            self._add("all_to_all", sent)
+            return a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+        def batch_isend_irecv(p2p_op_list: Any) -> Any:
+            for op in p2p_op_list:
+                if getattr(op.op, "__name__", "") == "isend":
+                    self._add("ring", _nbytes(op.tensor))
+            return batch(p2p_op_list)
+
+        def other(name: str, fn: Any) -> Any:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                tensors = [x for x in args if isinstance(x, torch.Tensor)]
+                peers = dist.get_world_size(kwargs.get("group")) - 1 if name != "send" else 1
+                self._add("other", sum(_nbytes(x) for x in tensors[-1:]) * peers)
+                return fn(*args, **kwargs)
+            return wrapped
+
+        replacements = {"all_to_all_single": all_to_all_single, "batch_isend_irecv": batch_isend_irecv}
+        replacements.update({name: other(name, getattr(dist, name)) for name in self._OTHER if hasattr(dist, name)})
+        saved = {name: getattr(dist, name) for name in replacements}
+        for name, fn in replacements.items():
+            setattr(dist, name, fn)
+        self._phase = phase
+        self.counts.setdefault(phase, {})
+        try:
+            yield self
+        finally:
+            self._phase = None
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+
+
+def measure_attention(topo: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                      warmup: bool = True, **kwargs: Any) -> tuple[Volume, Volume, int]:
+    """Run one :func:`ds_usp.usp_attention` forward and backward on these shards and meter it.
+
+    Every rank of ``topo``'s SP group must call it with shards of the same shapes. With ``warmup``
+    one unmetered call comes first, so that what is counted is a layer's steady state (the first call
+    of a new input signature also checks, with a small all-gather, that all ranks agree on it).
+
+    Args:
+        topo: the :class:`ds_usp.USPTopology`.
+        q: this rank's q shard ``(b, s_local, H, D)``; ``requires_grad`` is set here.
+        k: this rank's k shard.
+        v: this rank's v shard.
+        dout: the output gradient to backpropagate.
+        warmup: run one unmetered forward+backward first.
+        **kwargs: passed to ``usp_attention`` (``causal``, ``layout``, ``seq_len``, ``native_op``...).
+
+    Returns:
+        ``(forward, backward, saved)``: the two :class:`Volume` of this rank and the bytes autograd
+        saved for the backward in distinct storages other than the inputs and the output.
+    """
+    from ds_usp.attention import usp_attention
+
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    if warmup:
+        usp_attention(q, k, v, topo, **kwargs).backward(dout)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    counter = CommCounter()
+    with counter.phase("fwd"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = usp_attention(q, k, v, topo, **kwargs)
+    for x in (q, k, v, out):
+        saved.pop(x.untyped_storage().data_ptr(), None)
+    with counter.phase("bwd"):
+        out.backward(dout)
+    return counter.volume("fwd"), counter.volume("bwd"), sum(saved.values())
