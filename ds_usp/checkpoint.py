@@ -87,8 +87,8 @@ def _latest_tag(load_dir: str, universal: bool) -> str:
     path = os.path.join(load_dir, name)
     if not os.path.isfile(path):
         hint = (" (convert one with `python -m ds_usp.checkpoint to-universal DIR`)" if universal else "")
-        raise FileNotFoundError(f"no checkpoint to resume in {load_dir!r}: {name!r} is missing{hint}; "
-                                f"pass tag=... to name one explicitly")
+        raise FileNotFoundError(f"no checkpoint to resume in {load_dir!r}: {name!r} is missing{hint} (nothing was "
+                                f"saved there yet, or name the checkpoint's tag explicitly)")
     with open(path) as f:
         return f.read().strip()
 
@@ -256,8 +256,14 @@ def convert_to_universal(load_dir: str, tag: Optional[str] = None, workers: int 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m ds_usp.checkpoint info DIR`` / ``python -m ds_usp.checkpoint to-universal DIR``."""
-    parser = argparse.ArgumentParser(prog="python -m ds_usp.checkpoint", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ds_usp.checkpoint", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Inspect a DeepSpeed checkpoint of USP training, or convert it to DeepSpeed's universal format.\n\n"
+                    "A checkpoint resumes unchanged on any (U, R, dp) layout of the same number of ranks. To resume\n"
+                    "on another number of ranks, convert it once (in one process) with `to-universal`, then load it\n"
+                    'with "checkpoint": {"load_universal": true} in the DeepSpeed config.',
+        epilog="examples:\n  python -m ds_usp.checkpoint info runs/train_llama/checkpoints\n"
+               "  python -m ds_usp.checkpoint to-universal runs/train_llama/checkpoints --tag global_step20")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="print what a checkpoint was trained with")
     conv = sub.add_parser("to-universal", help="convert for resuming on another number of ranks")

@@ -73,6 +73,14 @@ def sent_kv_heads(kv_heads: int, ulysses: int) -> int:
     raise ValueError(f"kv heads ({kv_heads}) and U ({ulysses}) must divide one another")
 
 
+def _all_to_all_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
+                      elem_bytes: int) -> tuple[Fraction, int, Fraction]:
+    """``(T, H_kv' D, bytes of the two all-to-alls of one direction)``: the same forward and backward."""
+    tokens = Fraction(batch * seq, ulysses * ring)
+    d_q, d_kv = heads * head_dim, sent_kv_heads(kv_heads, ulysses) * head_dim
+    return tokens, d_kv, tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (2 * d_q + 2 * d_kv)
+
+
 def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
                   elem_bytes: int) -> Volume:
     """Closed form of the bytes one rank sends in the forward of one USP attention layer.
@@ -90,11 +98,8 @@ def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int
     Returns:
         The :class:`Volume` (exact; floats only because (U-1)/U need not divide).
     """
-    tokens = Fraction(batch * seq, ulysses * ring)
-    d_q, d_kv = heads * head_dim, sent_kv_heads(kv_heads, ulysses) * head_dim
-    a2a = tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (2 * d_q + 2 * d_kv)
-    ring_b = tokens * elem_bytes * 2 * (ring - 1) * d_kv
-    return Volume(float(a2a), float(ring_b))
+    tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes)
+    return Volume(float(a2a), float(tokens * elem_bytes * 2 * (ring - 1) * d_kv))
 
 
 def backward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
@@ -102,22 +107,13 @@ def backward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: in
     """Closed form of the bytes one rank sends in the backward of one USP attention layer.
 
     Args:
-        batch: b.
-        seq: L, the padded global sequence length.
-        heads: H.
-        kv_heads: H_kv.
-        head_dim: D.
-        ulysses: U.
-        ring: R.
-        elem_bytes: e.
+        batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes: as for :func:`forward_bytes`.
 
     Returns:
         The :class:`Volume`: all-to-alls for dout and for dq/dk/dv, ring K/V (R-1 hops, e bytes) and
         fp32 dK/dV (R hops); no ring traffic when R = 1.
     """
-    tokens = Fraction(batch * seq, ulysses * ring)
-    d_q, d_kv = heads * head_dim, sent_kv_heads(kv_heads, ulysses) * head_dim
-    a2a = tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (2 * d_q + 2 * d_kv)
+    tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes)
     ring_b = tokens * 2 * d_kv * ((ring - 1) * elem_bytes + ring * ACC_BYTES) if ring > 1 else 0
     return Volume(float(a2a), float(ring_b))
 
@@ -151,14 +147,7 @@ def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
     the one in flight, one block's gradients), the dq/dk/dv all-to-all (send, receive, results).
 
     Args:
-        batch: b.
-        seq: L, the padded global length.
-        heads: H.
-        kv_heads: H_kv.
-        head_dim: D.
-        ulysses: U.
-        ring: R.
-        elem_bytes: e.
+        batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes: as for :func:`forward_bytes`.
 
     Returns:
         The :class:`AttentionMemory` in bytes.

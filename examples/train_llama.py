@@ -5,7 +5,8 @@
 * model: a HuggingFace Llama built from a config with random weights (nothing is downloaded),
   its attention running through ``ds_usp.usp_attention`` (``attn_implementation="usp"``);
 * data: the docstrings of Python's standard library (they ship with every Python), byte-level
-  tokenized (no tokenizer download), packed into sequences of ``--seq-len`` tokens;
+  tokenized (no tokenizer download), packed into sequences of ``--seq-len`` tokens and shuffled
+  with a fixed seed (the corpus goes module by module; unshuffled, the loss jumps at each topic);
 * every rank of a sequence-parallel group gets the same sequences and keeps its shard of them;
   the loss is the token-weighted mean over the whole sequence (``ds_usp.sp_cross_entropy``);
 * progress bar (loss, tokens/s, layout), JSON-lines log, checkpoints every ``--save-every``
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import ds_usp
+import ds_usp.config
 from ds_usp.checkpoint import CheckpointMismatchError, load_checkpoint
 
 STDLIB_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime",
@@ -65,11 +67,12 @@ def stdlib_corpus() -> bytes:
     return "\n\n".join(t for t in texts if t).encode("utf-8")
 
 
-def packed_sequences(corpus: bytes, seq_len: int) -> torch.Tensor:
-    """Byte-level tokens packed into ``(n, seq_len)`` rows."""
+def packed_sequences(corpus: bytes, seq_len: int, seed: int) -> torch.Tensor:
+    """Byte-level tokens packed into ``(n, seq_len)`` rows, in an order shuffled with ``seed``."""
     tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
     n = tokens.numel() // seq_len
-    return tokens[: n * seq_len].view(n, seq_len)
+    rows = tokens[: n * seq_len].view(n, seq_len)
+    return rows[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
 
 
 def build_model(args: argparse.Namespace):
@@ -109,16 +112,20 @@ def main() -> None:
     parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with the sequence_parallel keys")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in all (a resumed run included)")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (bytes of the corpus)")
+    parser.add_argument("--hidden", type=int, default=128, help="model width (the MLP is 3x as wide)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads; ulysses_degree must divide them")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA); must divide --heads")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data order")
     parser.add_argument("--out", default="runs/train_llama", help="log, checkpoints and loss.png go here")
     parser.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: never)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     args = parser.parse_args()
+    try:  # a missing or unreadable config is reported before the model is built
+        ds_usp.config.read_ds_config(args.deepspeed_config)
+    except ds_usp.USPConfigError as e:
+        raise SystemExit(f"--deepspeed_config: {e}")
 
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
@@ -128,16 +135,22 @@ def main() -> None:
     topo, layout = engine.usp.topo, engine.usp.layout
     if topo is None:
         raise SystemExit('this example trains with sequence parallelism: set "sequence_parallel" in the config')
-    data = packed_sequences(stdlib_corpus(), args.seq_len)
+    data = packed_sequences(stdlib_corpus(), args.seq_len, args.seed)
     out = Path(args.out)
     log_path = out / "log.jsonl"
     start = 0
     if args.resume:
         try:  # ds_usp's check first: a clear error for another world size or ZeRO stage, or no checkpoint
-            load_checkpoint(engine, str(out / "checkpoints"))
-        except (FileNotFoundError, CheckpointMismatchError) as e:
-            raise SystemExit(f"--resume: {e}")
+            path, _ = load_checkpoint(engine, str(out / "checkpoints"))
+        except (FileNotFoundError, CheckpointMismatchError) as e:  # every rank stops; rank 0 says why
+            hint = (f"; this program writes one every --save-every steps (now {args.save_every})"
+                    if isinstance(e, FileNotFoundError) else "")
+            raise SystemExit(f"--resume: {e}{hint}" if topo.rank == 0 else 1)
         start = engine.global_steps  # optimizer steps done: the data position follows from it
+        if topo.rank == 0:
+            print(f"resumed from {os.path.dirname(path)} at step {start}"
+                  + (f"; it is already at --steps {args.steps}: nothing to train (raise --steps to continue)"
+                     if start >= args.steps else ""), flush=True)
     if topo.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         # a resumed run rewrites the steps after its checkpoint (a crash may have logged some)

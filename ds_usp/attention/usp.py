@@ -203,9 +203,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwar
     """DeepSpeed-Ulysses attention: :func:`usp_attention` on a topology with ``ring_degree == 1``.
 
     Args:
-        q: see :func:`usp_attention`.
-        k: see :func:`usp_attention`.
-        v: see :func:`usp_attention`.
+        q, k, v: this rank's shards, as for :func:`usp_attention`.
         topo: a topology with ring degree 1.
         **kwargs: as for :func:`usp_attention`.
 
@@ -215,9 +213,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwar
     Raises:
         ValueError: the topology has a ring, or any :func:`usp_attention` error.
     """
-    if topo.ring_degree != 1:
-        raise ValueError(f"ulysses_attention needs ring_degree 1, the topology has {topo.ring_degree}; "
-                         f"use usp_attention")
+    _require_degree("ulysses_attention", "ring_degree", topo.ring_degree)
     return usp_attention(q, k, v, topo, **kwargs)
 
 
@@ -225,9 +221,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwargs:
     """Ring attention: :func:`usp_attention` on a topology with ``ulysses_degree == 1``.
 
     Args:
-        q: see :func:`usp_attention`.
-        k: see :func:`usp_attention`.
-        v: see :func:`usp_attention`.
+        q, k, v: this rank's shards, as for :func:`usp_attention`.
         topo: a topology with Ulysses degree 1.
         **kwargs: as for :func:`usp_attention`.
 
@@ -237,10 +231,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwargs:
     Raises:
         ValueError: the topology has a Ulysses degree above 1, or any :func:`usp_attention` error.
     """
-    if topo.ulysses_degree != 1:
-        raise ValueError(f"ring_attention needs ulysses_degree 1, the topology has {topo.ulysses_degree}; "
-                         f"use usp_attention")
+    _require_degree("ring_attention", "ulysses_degree", topo.ulysses_degree)
     return usp_attention(q, k, v, topo, **kwargs)
+
+
+def _require_degree(entry: str, key: str, value: int) -> None:
+    if value != 1:
+        raise ValueError(f"{entry} needs {key} 1, the topology has {value}; use usp_attention")
 
 
 class USPAttention(nn.Module):

@@ -21,6 +21,7 @@ import datetime
 import functools
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping, Optional
@@ -163,6 +164,35 @@ def _name_step_on_failure(engine: Any) -> None:
         setattr(engine, name, wrapped)
 
 
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def _check_launcher_environment() -> None:
+    """Refuse a program started without a launcher (plain ``python``), which DeepSpeed would answer with an MPI
+    discovery error (``No module named 'mpi4py'``) that says nothing about the cause.
+
+    Raises:
+        RuntimeError: naming the missing variables and the commands that set them.
+    """
+    missing = [v for v in _LAUNCHER_ENV if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"ds_usp.initialize: torch.distributed is not initialized and the launcher's environment "
+                           f"is missing ({', '.join(missing)} not set): start the program with the deepspeed launcher, "
+                           f"`deepspeed --num_gpus N prog.py ...`, or with `torchrun --nproc_per_node N prog.py ...` "
+                           f"(N = 1 for a single process), or call torch.distributed.init_process_group first")
+
+
+def _quiet_deepspeed_deprecations() -> None:
+    """Hide the FutureWarnings that DeepSpeed's ZeRO code triggers in torch.distributed on every step.
+
+    DeepSpeed 0.19 calls ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, which torch 2.13 deprecates with
+    a warning per call site and rank; the user cannot act on them and they interleave with progress bars. Only
+    these two messages are filtered.
+    """
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning)
+
+
 def _model_heads(model: Any) -> tuple[Optional[int], Optional[int]]:
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None)
@@ -196,6 +226,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         ValueError: invalid sequence-parallel config (named key), ranks that disagree on the
             config, the model's head counts or the library versions (the same error on every
             rank), or an ``mpu`` was passed with USP on.
+        RuntimeError: started without a launcher (no ``RANK``, ``WORLD_SIZE``, ... and no process group).
 
     When it initializes distributed itself, the default process group gets ``usp.timeout_seconds``
     too; the USP groups always do. Errors raised later by ``engine.forward/backward/step`` carry a
@@ -203,6 +234,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     """
     import deepspeed
 
+    _quiet_deepspeed_deprecations()
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "deepspeed_config", None)
@@ -213,6 +245,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     except USPConfigError as e:  # raised below on every rank, once all ranks know
         raw, unreadable = {}, e
     if not dist.is_initialized():
+        _check_launcher_environment()
         timeout = process_group_timeout(raw)
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    **({} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}))
