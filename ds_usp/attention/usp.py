@@ -1,4 +1,4 @@
-"""USP attention: Ulysses all-to-all inside, ring across, as one differentiable custom op.
+"""USP attention: Ulysses all-to-all inside, ring across, as three differentiable custom ops.
 
     topo = ds_usp.USPTopology.build(ulysses_degree=2, ring_degree=2)
     q_loc = ds_usp.shard_sequence(q, topo, dim=1, layout="zigzag")
@@ -9,19 +9,25 @@ Tensors are ``(batch, seq, heads, head_dim)``. When the global length is not a m
 layout's shard count, :func:`~ds_usp.sharding.shard_sequence` pads it at the end; pass the real
 length as ``seq_len=`` so padding is masked out. All inputs are checked before any collective runs.
 
-The forward and the backward are each one ``torch.library`` custom op (``ds_usp::usp_attention_fwd``
-and ``ds_usp::usp_attention_bwd``) whose derivative is registered with
-``torch.library.register_autograd``. ``torch.compile`` therefore sees the attention as one opaque
-operator with a known derivative: it neither traces into the collectives (an autograd function that
-fills ``empty_like`` buffers through collectives gets a silently zero gradient under compile, as
-DeepSpeed documents in ``deepspeed/sequence/layer.py``) nor breaks the graph. Process groups cannot
-appear in an operator schema, so the ops take the groups' names and look them up in
-torch.distributed's own registry (:func:`ds_usp.comm.resolve_group`).
+One call is three ``torch.library`` custom ops, each with a registered derivative:
+
+* ``ds_usp::seq_to_head``: q, k, v (kv heads replicated where needed) through one all-to-all;
+  its derivative is ``ds_usp::head_to_seq`` and the other way round;
+* ``ds_usp::ring_attention``: the ring over the Ulysses group's piece, returning ``(out, lse)``;
+  its derivative is ``ds_usp::ring_attention_bwd``;
+* ``ds_usp::head_to_seq``: the output back to this rank's sequence shard.
+
+``torch.compile`` therefore sees opaque operators with known derivatives: it neither traces into the
+collectives (an autograd function that fills ``empty_like`` buffers through collectives gets a
+silently zero gradient under compile, as DeepSpeed documents in ``deepspeed/sequence/layer.py``) nor
+breaks the graph; and selective activation checkpointing (:mod:`ds_usp.integration.memory`) can keep
+the ring's result instead of recomputing it. Process groups cannot appear in an operator schema,
+so the ops take the groups' names and look them up in torch.distributed's own registry
+(:func:`ds_usp.comm.resolve_group`).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -32,124 +38,154 @@ from ds_usp.attention.checks import check_device, check_qkv, check_same_across_r
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward
 from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, seq_to_head
 from ds_usp.comm import resolve_group
-from ds_usp.kernels import BACKEND_CHOICES, AttnBackend, get_backend
+from ds_usp.kernels import BACKEND_CHOICES, get_backend
 from ds_usp.ops import TorchOps, check_native_op, resolve_native_op
 from ds_usp.sharding import check_layout, resolve_seq_len
 from ds_usp.topology import USPTopology
 
-_NATIVE = {"auto": "auto", "true": True, "false": False}  # the op schema carries usp.native_op as a string
+_NATIVE = {"auto": "auto", "true": True, "false": False}  # the op schemas carry usp.native_op as a string
 
 
-@dataclass(frozen=True)
-class _Run:
-    """What one attention call needs besides its tensors, resolved from the ops' plain arguments."""
-
-    ulysses_group: Any
-    world: int  # U
-    ring: RingSpec
-    backend: AttnBackend
-    ops: TorchOps
-    heads: list[int]  # q, k, v head columns of one chunk of the q/k/v all-to-all
-    rep: int  # kv head replication
+def _ops(native_op: str, x: Tensor) -> TorchOps:
+    return resolve_native_op(_NATIVE[native_op], x.device)
 
 
-def _resolve(x: Tensor, hq: int, hkv: int, ulysses_group: str, ring_group: str, layout: str, seq_len: int,
-             attn_backend: str, native_op: str) -> _Run:
-    """Groups, ring, kernel and packing for a call whose sequence-layout tensors look like ``x``."""
-    ug, rg = resolve_group(ulysses_group), resolve_group(ring_group)
-    world = dist.get_world_size(ug)
-    _, padded = resolve_seq_len(seq_len, x.shape[1], world, dist.get_world_size(rg), layout)
-    ring = RingSpec(group=rg, ranks=tuple(dist.get_process_group_ranks(rg)), rank=dist.get_rank(rg),
-                    layout=layout, seq_len=seq_len, padded_len=padded)
-    return _Run(ulysses_group=ug, world=world, ring=ring, backend=get_backend(attn_backend, x.device, x.dtype),
-                ops=resolve_native_op(_NATIVE[native_op], x.device), heads=head_split(hq, hkv, world),
-                rep=kv_replication(hkv, world))
+def _world(group: str) -> int:
+    return dist.get_world_size(resolve_group(group))
 
 
-@torch.library.custom_op("ds_usp::usp_attention_fwd", mutates_args=())
-def _usp_fwd(q: Tensor, k: Tensor, v: Tensor, ulysses_group: str, ring_group: str, sp_group: str, causal: bool,
-             layout: str, seq_len: int, scale: float, attn_backend: str,
-             native_op: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(out, qkv_heads, out_heads, lse)``; the last three are the backward's residuals.
+# ------------------------------------------------------------------------ Ulysses: sequence <-> heads
 
-    ``qkv_heads`` ``(b, U*s, Hp, d)`` and ``out_heads`` ``(b, U*s, hq/U, d)`` are empty when U is 1
-    (the backward then uses q, k, v and out themselves); ``lse`` is ``(b, hq/U, U*s)`` fp32.
+
+@torch.library.custom_op("ds_usp::seq_to_head", mutates_args=())
+def _seq_to_head(xs: list[Tensor], reps: list[int], group: str, native_op: str) -> Tensor:
+    """``n x (b, s, h_i, d)`` -> ``(b, U*s, Hp, d)`` through one all-to-all (see :func:`ulysses.seq_to_head`)."""
+    g = resolve_group(group)
+    return seq_to_head(xs, reps, g, dist.get_world_size(g), _ops(native_op, xs[0]))
+
+
+@_seq_to_head.register_fake
+def _(xs: list[Tensor], reps: list[int], group: str, native_op: str) -> Tensor:
+    world = _world(group)
+    b, s, _, d = xs[0].shape
+    return xs[0].new_empty(b, world * s, sum(x.shape[2] * r for x, r in zip(xs, reps)) // world, d)
+
+
+@torch.library.custom_op("ds_usp::head_to_seq", mutates_args=())
+def _head_to_seq(x: Tensor, heads: list[int], reps: list[int], group: str, native_op: str) -> list[Tensor]:
+    """``(b, U*s, sum heads, d)`` -> ``[(b, s, U*h_i/rep_i, d)]`` (see :func:`ulysses.head_to_seq`)."""
+    g = resolve_group(group)
+    return head_to_seq([x], heads, reps, g, dist.get_world_size(g), _ops(native_op, x))
+
+
+@_head_to_seq.register_fake
+def _(x: Tensor, heads: list[int], reps: list[int], group: str, native_op: str) -> list[Tensor]:
+    world = _world(group)
+    b, big_s, _, d = x.shape
+    return [x.new_empty(b, big_s // world, world * h // r, d) for h, r in zip(heads, reps)]
+
+
+def _seq_to_head_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    xs, reps, group, native_op = inputs
+    world = _world(group)
+    ctx.args = ([x.shape[2] * r // world for x, r in zip(xs, reps)], list(reps), group, native_op)
+
+
+def _seq_to_head_backward(ctx: Any, grad: Tensor) -> tuple:
+    return list(_head_to_seq(grad.contiguous(), *ctx.args)), None, None, None
+
+
+def _head_to_seq_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
+    x, heads, reps, group, native_op = inputs
+    ctx.args = (list(reps), group, native_op)
+    ctx.shapes = [(o.shape, o.dtype, o.device) for o in output]
+
+
+def _head_to_seq_backward(ctx: Any, grads: list[Optional[Tensor]]) -> tuple:
+    grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+             for g, (shape, dtype, device) in zip(grads, ctx.shapes)]
+    return _seq_to_head(grads, *ctx.args), None, None, None, None
+
+
+torch.library.register_autograd("ds_usp::seq_to_head", _seq_to_head_backward, setup_context=_seq_to_head_setup)
+torch.library.register_autograd("ds_usp::head_to_seq", _head_to_seq_backward, setup_context=_head_to_seq_setup)
+
+
+# ------------------------------------------------------------------------------------------- ring
+
+
+def _ring_spec(x: Tensor, world: int, ring_group: str, layout: str, seq_len: int) -> RingSpec:
+    """The ring of ``ring_group`` for the Ulysses group's piece ``x`` (``(b, U*s, ...)``)."""
+    rg = resolve_group(ring_group)
+    r = dist.get_world_size(rg)
+    _, padded = resolve_seq_len(seq_len, x.shape[1] // world, world, r, layout)
+    return RingSpec(group=rg, ranks=tuple(dist.get_process_group_ranks(rg)), rank=dist.get_rank(rg), layout=layout,
+                    seq_len=seq_len, padded_len=padded)
+
+
+def _split(qkv: list[Tensor], heads: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """``[q, k, v]`` as given, or ``[qkv_heads]`` split into its q, k, v head columns (views)."""
+    return tuple(qkv) if len(qkv) == 3 else qkv[0].split(heads, dim=2)
+
+
+@torch.library.custom_op("ds_usp::ring_attention", mutates_args=())
+def _ring_attention(qkv: list[Tensor], heads: list[int], ulysses_degree: int, ring_group: str, causal: bool,
+                    layout: str, seq_len: int, scale: float, attn_backend: str,
+                    native_op: str) -> tuple[Tensor, Tensor]:
+    """``(out (b, U*s, hq', d), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
+
+    ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``.
     """
-    run = _resolve(q, q.shape[2], k.shape[2], ulysses_group, ring_group, layout, seq_len, attn_backend, native_op)
-    check_same_across_ranks(q, k, resolve_group(sp_group), causal, layout, seq_len, scale)  # the first collective of a new signature
-    if run.world == 1:
-        out, lse = ring_forward(q, k, v, run.ring, causal, scale, run.backend, run.ops)
-        return out, q.new_empty(0), q.new_empty(0), lse
-    qkv = seq_to_head([q, k, v], [1, run.rep, run.rep], run.ulysses_group, run.world, run.ops)  # (b, U*s, Hp, d)
-    qh, kh, vh = qkv.split(run.heads, dim=2)
-    out_heads, lse = ring_forward(qh, kh, vh, run.ring, causal, scale, run.backend, run.ops)
-    (out,) = head_to_seq([out_heads], run.heads[:1], [1], run.ulysses_group, run.world, run.ops)  # (b, s, hq, d)
-    return out, qkv, out_heads, lse
+    q, k, v = _split(qkv, heads)
+    spec = _ring_spec(q, ulysses_degree, ring_group, layout, seq_len)
+    return ring_forward(q, k, v, spec, causal, scale, get_backend(attn_backend, q.device, q.dtype),
+                        _ops(native_op, q))
 
 
-@_usp_fwd.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, ulysses_group: str, ring_group: str, sp_group: str, causal: bool,
-      layout: str, seq_len: int, scale: float, attn_backend: str,
-      native_op: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    world = dist.get_world_size(resolve_group(ulysses_group))
-    b, s, hq, d = q.shape
-    lse = q.new_empty(b, hq // world, world * s, dtype=torch.float32)
-    if world == 1:
-        return torch.empty_like(q), q.new_empty(0), q.new_empty(0), lse
-    heads = head_split(hq, k.shape[2], world)
-    return (torch.empty_like(q), q.new_empty(b, world * s, sum(heads), d), q.new_empty(b, world * s, heads[0], d),
-            lse)
+@_ring_attention.register_fake
+def _(qkv: list[Tensor], heads: list[int], ulysses_degree: int, ring_group: str, causal: bool, layout: str,
+      seq_len: int, scale: float, attn_backend: str, native_op: str) -> tuple[Tensor, Tensor]:
+    q = _split(qkv, heads)[0]
+    b, s, h, d = q.shape
+    return q.new_empty(b, s, h, d), q.new_empty(b, h, s, dtype=torch.float32)
 
 
-@torch.library.custom_op("ds_usp::usp_attention_bwd", mutates_args=())
-def _usp_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, num_kv_heads: int, ulysses_group: str,
-             ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, attn_backend: str,
-             native_op: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in the sequence layout.
-
-    ``qkv`` is ``[q, k, v]`` and ``out`` the output when U is 1; otherwise ``qkv`` is ``[qkv_heads]``
-    and ``out`` is ``out_heads`` (the forward's residuals).
-    """
-    run = _resolve(dout, dout.shape[2], num_kv_heads, ulysses_group, ring_group, layout, seq_len, attn_backend,
-                   native_op)
-    if run.world == 1:  # everything is in the ring layout already
-        q, k, v = qkv
-        return ring_backward(dout.contiguous(), q, k, v, out, lse, run.ring, causal, scale, run.backend, run.ops)
-    qh, kh, vh = qkv[0].split(run.heads, dim=2)
-    dout_heads = seq_to_head([dout], [1], run.ulysses_group, run.world, run.ops)  # (b, U*s, hq/U, d)
-    dqh, dkh, dvh = ring_backward(dout_heads, qh, kh, vh, out, lse, run.ring, causal, scale, run.backend, run.ops)
-    del dout_heads
-    dq, dk, dv = head_to_seq([dqh, dkh, dvh], run.heads, [1, run.rep, run.rep], run.ulysses_group, run.world,
-                             run.ops)
-    return dq, dk, dv
+@torch.library.custom_op("ds_usp::ring_attention_bwd", mutates_args=())
+def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int],
+                        ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float,
+                        attn_backend: str, native_op: str) -> list[Tensor]:
+    """Gradients for ``qkv`` as it was given: ``[dq, dk, dv]`` or ``[d qkv_heads]``."""
+    q, k, v = _split(qkv, heads)
+    spec = _ring_spec(q, ulysses_degree, ring_group, layout, seq_len)
+    grads = ring_backward(dout.contiguous(), q, k, v, out, lse, spec, causal, scale,
+                          get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q))
+    return list(grads) if len(qkv) == 3 else [torch.cat(grads, dim=2)]  # (b, U*s, Hp, d) like qkv_heads
 
 
-@_usp_bwd.register_fake
-def _(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, num_kv_heads: int, ulysses_group: str,
+@_ring_attention_bwd.register_fake
+def _(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], ulysses_degree: int,
       ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, attn_backend: str,
-      native_op: str) -> tuple[Tensor, Tensor, Tensor]:
-    b, s, _, d = dout.shape
-    return torch.empty_like(dout), dout.new_empty(b, s, num_kv_heads, d), dout.new_empty(b, s, num_kv_heads, d)
+      native_op: str) -> list[Tensor]:
+    return [torch.empty_like(x) for x in qkv]
 
 
-def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, ulysses_group, ring_group, _sp_group, *flags = inputs  # flags: causal ... native_op
-    out, qkv_heads, out_heads, lse = output
-    ctx.args = (k.shape[2], ulysses_group, ring_group, *flags)
-    if qkv_heads.numel():  # U > 1: the head-layout residuals
-        ctx.save_for_backward(qkv_heads, out_heads, lse)
-    else:
-        ctx.save_for_backward(q, k, v, out, lse)
-    ctx.mark_non_differentiable(qkv_heads, out_heads, lse)
+def _ring_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    qkv, *args = inputs
+    out, lse = output
+    ctx.n, ctx.args = len(qkv), args
+    ctx.save_for_backward(*qkv, out, lse)
+    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx: Any, dout: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
+def _ring_backward(ctx: Any, dout: Tensor, _dlse: Any) -> tuple:
     *qkv, out, lse = ctx.saved_tensors
-    dq, dk, dv = _usp_bwd(dout, qkv, out, lse, *ctx.args)
-    return (dq, dk, dv) + (None,) * 9
+    return (_ring_attention_bwd(dout, qkv, out, lse, *ctx.args),) + (None,) * 9
 
 
-torch.library.register_autograd("ds_usp::usp_attention_fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("ds_usp::ring_attention", _ring_backward, setup_context=_ring_setup)
+
+
+# ------------------------------------------------------------------------------------- public API
 
 
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bool = True,
@@ -179,24 +215,37 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``causal``,
             ``softmax_scale``, ``seq_len``, ``attn_backend`` or ``native_op``, raised before any
             communication; or ranks of the SP group that pass different shapes or arguments (checked
-            once per signature with one small all-gather, the same error on every rank).
+            once per signature with one small all-gather, the same error on every rank; skipped under
+            ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
         ds_usp.ops.NativeOpUnavailable: ``native_op=True`` and the op cannot be built or loaded.
     """
-    check_qkv(q, k, v, topo.ulysses_degree)
+    u = topo.ulysses_degree
+    check_qkv(q, k, v, u)
     check_device(q.device, topo.sp_group)
     check_layout(layout)
     if not isinstance(causal, bool):
         raise ValueError(f"causal ({causal!r}) must be True or False")
     check_scale(softmax_scale)
-    real_len, _ = resolve_seq_len(seq_len, q.shape[1], topo.ulysses_degree, topo.ring_degree, layout)
-    if attn_backend not in BACKEND_CHOICES:
-        get_backend(attn_backend, q.device)  # raises the message that lists what is usable here
+    real_len, _ = resolve_seq_len(seq_len, q.shape[1], u, topo.ring_degree, layout)
     check_native_op(native_op)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    ulysses, ring, sp = topo.group_names
-    out, *_ = _usp_fwd(q, k, v, ulysses, ring, sp, causal, layout, real_len, scale, attn_backend,
-                       str(native_op).lower())
-    return out
+    if attn_backend not in BACKEND_CHOICES:
+        get_backend(attn_backend, q.device)  # raises the message that lists what is usable here
+    if not torch.compiler.is_compiling():  # (compiled code has checked these while tracing)
+        get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
+        check_same_across_ranks(q, k, topo.sp_group, causal, layout, real_len, scale)
+    native = str(native_op).lower()
+    ulysses, ring, _ = topo.group_names
+    hq, hkv = q.shape[2], k.shape[2]
+    if u == 1:
+        out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], 1, ring, causal, layout, real_len, scale, attn_backend,
+                                 native)
+        return out
+    rep = kv_replication(hkv, u)
+    qkv = _seq_to_head([q, k, v], [1, rep, rep], ulysses, native)  # (b, U*s, Hp, d)
+    out_heads, _ = _ring_attention([qkv], head_split(hq, hkv, u), u, ring, causal, layout, real_len, scale,
+                                   attn_backend, native)
+    return _head_to_seq(out_heads, [hq // u], [1], ulysses, native)[0]  # (b, s, hq, d)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwargs: Any) -> Tensor:
