@@ -8,7 +8,7 @@ compilation, no environment changes.
 from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, usp_attention
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.integration import data, hf
-from ds_usp.integration.data import USPDataLoader, shard_batch, sp_cross_entropy, sp_loss_value
+from ds_usp.integration.data import USPDataLoader, shard_batch, sp_cross_entropy
 from ds_usp.integration.engine import USPState, initialize
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupPlan, USPMpu, USPTopology, plan_groups
@@ -17,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupPlan", "USPMpu", "USPTopology", "plan_groups",
            "USPAttention", "gather_sequence", "ring_attention", "shard_sequence", "ulysses_attention",
-           "usp_attention", "data", "hf", "USPDataLoader", "shard_batch", "sp_cross_entropy", "sp_loss_value",
+           "usp_attention", "data", "hf", "USPDataLoader", "shard_batch", "sp_cross_entropy",
            "USPState", "initialize", "__version__"]

@@ -8,7 +8,8 @@
   ``torch.library`` custom op, like the attention (:mod:`ds_usp.attention.usp`): an autograd function
   that fills an ``empty_like`` buffer through a collective gets a silently zero gradient under
   ``torch.compile``; an op with a registered backward does not.
-* :func:`all_reduce_sum_` and :func:`all_gather_rows`: small collectives (the SP loss, cross-rank checks).
+* :func:`sum_over_group`: the SP loss's sum over the group, gradient passed through (a custom op).
+* :func:`all_reduce_sum_` and :func:`all_gather_rows`: small collectives (token counts, cross-rank checks).
 
 These functions are not autograd-aware themselves: the attention's forward and backward are each one
 custom op that calls them (:mod:`ds_usp.attention.usp`).
@@ -118,6 +119,40 @@ def gather_seq(x: Tensor, group: Any, dim: int) -> Tensor:
         The concatenation of all shards.
     """
     return _gather_seq(x, group.group_name, dim)
+
+
+@torch.library.custom_op("ds_usp::sum_over_group", mutates_args=())
+def _sum_over_group(x: Tensor, group_name: str) -> Tensor:
+    return all_reduce_sum_(x.clone(), resolve_group(group_name), "SP loss all-reduce")
+
+
+@_sum_over_group.register_fake
+def _(x: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+torch.library.register_autograd("ds_usp::sum_over_group", lambda ctx, grad: (grad, None),
+                                setup_context=lambda ctx, inputs, output: None)
+
+
+def sum_over_group(x: Tensor, group: Any) -> Tensor:
+    """The sum of ``x`` over ``group``, whose gradient reaches this rank's ``x`` unchanged (a custom op).
+
+    Every rank of the group then holds the same value (e.g. the loss of a whole sequence) and, when
+    each rank backpropagates it, each rank's own contribution gets exactly its gradient: summed over
+    the ranks (as DeepSpeed sums gradients) that is the gradient of the sum.
+
+    Args:
+        x: this rank's part (same shape on every rank).
+        group: the process group.
+
+    Returns:
+        The sum, a new tensor.
+
+    Raises:
+        USPCommError: the collective failed.
+    """
+    return _sum_over_group(x, group.group_name)
 
 
 def ring_shift(send: Tensor, group: Any, ring_ranks: Sequence[int], ring_rank: int) -> Callable[[], Tensor]:

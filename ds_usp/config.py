@@ -64,6 +64,22 @@ class _USPBlock(BaseModel):
     timeout_seconds: Union[StrictInt, StrictFloat] = _key(
         DEFAULT_TIMEOUT_SECONDS, "a positive number of seconds", "timeout of every collective on the USP groups",
         gt=0, allow_inf_nan=False)
+    chunked_loss: Union[Literal["auto"], StrictBool] = _key(
+        "auto", "'auto', true or false", "logits and loss through `lm_head` in chunks, never the whole logits "
+        "(auto: when a rank's fp32 logits exceed `tile_mib`)")
+    tiled_mlp: Union[Literal["auto"], StrictBool] = _key(
+        "auto", "'auto', true or false", "each decoder layer's MLP over sequence tiles, recomputed per tile in the "
+        "backward (auto: with activation checkpointing, or when a rank's MLP activations exceed `tile_mib`)")
+    activation_checkpointing: Union[Literal["auto", "selective", "full"], StrictBool] = _key(
+        "auto", "'auto', 'selective', 'full', true (selective) or false", "per decoder layer: `selective` keeps "
+        "the ring attention's result and recomputes the rest, `full` recomputes everything (auto: selective when "
+        "a rank holds 2048 tokens or more)")
+    offload_activations: Union[Literal["auto"], StrictBool] = _key(
+        "auto", "'auto', true or false", "checkpointed layer inputs wait in host memory (auto: on a GPU when they "
+        "would take a tenth of its memory; a no-op on CPU)")
+    tile_mib: Union[StrictInt, StrictFloat] = _key(
+        128, "a positive number of MiB", "the size of one tile: a chunk's fp32 logits, an MLP tile's activations",
+        gt=0, allow_inf_nan=False)
 
 
 def _valid(key: str) -> str:
@@ -72,8 +88,9 @@ def _valid(key: str) -> str:
 
 def _type_name(key: str) -> str:
     default = _USPBlock.model_fields[key].default
-    kinds = {"ulysses_degree": "integer", "ring_degree": "integer", "timeout_seconds": "number",
-             "native_op": "string or boolean"}
+    kinds = {"ulysses_degree": "integer", "ring_degree": "integer", "timeout_seconds": "number", "tile_mib": "number",
+             "native_op": "string or boolean", "chunked_loss": "string or boolean", "tiled_mlp": "string or boolean",
+             "activation_checkpointing": "string or boolean", "offload_activations": "string or boolean"}
     return kinds.get(key, "string" if isinstance(default, str) else type(default).__name__)
 
 
@@ -116,6 +133,11 @@ class USPConfig:
         native_op: ``"auto"``, ``True`` or ``False``.
         timeout_seconds: timeout of every collective on the USP process groups.
         degrees_chosen_automatically: True when the degrees were not given and were chosen here.
+        chunked_loss: ``"auto"``, True or False.
+        tiled_mlp: ``"auto"``, True or False.
+        activation_checkpointing: ``"auto"``, ``"selective"``, ``"full"`` or False.
+        offload_activations: ``"auto"``, True or False.
+        tile_mib: the tile budget in MiB.
     """
 
     mode: Optional[str]
@@ -129,6 +151,11 @@ class USPConfig:
     native_op: Union[str, bool] = "auto"
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     degrees_chosen_automatically: bool = False
+    chunked_loss: Union[str, bool] = "auto"
+    tiled_mlp: Union[str, bool] = "auto"
+    activation_checkpointing: Union[str, bool] = "auto"
+    offload_activations: Union[str, bool] = "auto"
+    tile_mib: float = 128.0
 
     @property
     def enabled(self) -> bool:
@@ -380,4 +407,8 @@ def load_usp_config(
     return USPConfig(mode=mode, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
                      ring_degree=r, data_parallel_size=world_size // sp, ring_impl=block.ring_impl,
                      attn_backend=block.attn_backend, native_op=block.native_op,
-                     timeout_seconds=float(block.timeout_seconds), degrees_chosen_automatically=chosen)
+                     timeout_seconds=float(block.timeout_seconds), degrees_chosen_automatically=chosen,
+                     chunked_loss=block.chunked_loss, tiled_mlp=block.tiled_mlp,
+                     activation_checkpointing="selective" if block.activation_checkpointing is True
+                     else block.activation_checkpointing, offload_activations=block.offload_activations,
+                     tile_mib=float(block.tile_mib))

@@ -29,3 +29,11 @@ def log_info(msg: str) -> None:
 def log_warning(msg: str) -> None:
     """Log ``msg`` at WARNING level on the ``ds_usp`` logger."""
     get_logger().warning(msg)
+
+
+def log_rank0(msg: str) -> None:
+    """Log ``msg`` at INFO level once per job: on rank 0, or in a process without torch.distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        log_info(msg)

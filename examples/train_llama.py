@@ -8,7 +8,9 @@
   tokenized (no tokenizer download), packed into sequences of ``--seq-len`` tokens and shuffled
   with a fixed seed (the corpus goes module by module; unshuffled, the loss jumps at each topic);
 * every rank of a sequence-parallel group gets the same sequences and keeps its shard of them;
-  the loss is the token-weighted mean over the whole sequence (``ds_usp.sp_cross_entropy``);
+  ``engine(input_ids=..., position_ids=..., shift_labels=...).loss`` is the token-weighted mean over
+  the whole sequence, computed without the whole logits when the sequence is long (``usp.chunked_loss``;
+  the other memory features of docs/config.md turn on by themselves too);
 * progress bar (loss, tokens/s, layout), JSON-lines log, checkpoints every ``--save-every``
   steps, ``--resume`` from the latest one, and ``loss.png`` at the end when matplotlib is present.
 
@@ -174,11 +176,12 @@ def main() -> None:
             first = step * global_batch + (acc * topo.dp_size + topo.dp_rank) * micro
             rows = torch.arange(first, first + micro) % data.shape[0]
             shard = ds_usp.shard_batch({"input_ids": data[rows].to(engine.device)}, topo, layout=layout)
-            logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-            loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
+            # the whole sequence's loss on every SP rank; long sequences never hold the whole logits
+            loss = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                          shift_labels=shard["shift_labels"]).loss
             engine.backward(loss)
             engine.step()
-            total += ds_usp.sp_loss_value(loss, topo)
+            total += float(loss)
         value = torch.tensor(total, device=engine.device)  # NCCL reduces CUDA tensors only
         if topo.dp_size > 1:
             dist.all_reduce(value, group=topo.dp_group)

@@ -112,7 +112,7 @@ def train(ckpt_dir: str, stage: int, u: int, r: int, dp: int, *, save: bool = Fa
             loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
             engine.backward(loss)
             engine.step()
-            total += ds_usp.sp_loss_value(loss, topo)
+            total += float(loss)
         value = torch.tensor(total)
         if dp > 1:
             dist.all_reduce(value, group=topo.dp_group)

@@ -52,6 +52,13 @@ BAD_CONFIGS = [
      "usp.timeout_seconds (inf) is invalid: must be a positive number of seconds"),
     ({"sequence_parallel": "usp", "usp": {"timeout_seconds": "10"}}, 4,
      "usp.timeout_seconds ('10') is invalid: must be a positive number of seconds"),
+    ({"sequence_parallel": "usp", "usp": {"chunked_loss": "yes"}}, 4,
+     "usp.chunked_loss ('yes') is invalid: must be 'auto', true or false"),
+    ({"sequence_parallel": "usp", "usp": {"activation_checkpointing": "layers"}}, 4,
+     "usp.activation_checkpointing ('layers') is invalid: must be 'auto', 'selective', 'full', true (selective) or "
+     "false"),
+    ({"sequence_parallel": "usp", "usp": {"tile_mib": 0}}, 4, "usp.tile_mib (0) is invalid: must be a positive number "
+     "of MiB"),
 ]
 
 
@@ -311,7 +318,7 @@ CONFIG_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent / "ds_
 def test_shipped_configs_load(path):
     raw = json.loads(path.read_text())
     assert isinstance(raw.get("_comment"), str) and "\n" not in raw["_comment"] and raw["_comment"]
-    sp = raw["sequence_parallel_size"]
+    sp = raw.get("sequence_parallel_size", 4)  # absent: the whole world (cpu_long_seq.json: 4 CPU ranks)
     c = load_usp_config(path, world_size=sp, local_world_size=min(sp, 8), num_heads=32, num_kv_heads=8)
     assert c.enabled and c.ulysses_degree * c.ring_degree == sp
     assert c.ulysses_degree <= 8  # the all-to-all never leaves a node of 8

@@ -7,11 +7,12 @@ HuggingFace model that uses ``attn_implementation="usp"``, and hands DeepSpeed t
 batch size and the data sampler count replicas only.
 
 Gradient scaling: DeepSpeed sums gradients over the sequence x data-parallel group and divides by
-the data-parallel size (``seq_dp_world_size / sequence_parallel_size``). With the per-rank loss of
-:func:`ds_usp.data.sp_cross_entropy` (each rank's share of the replica's token-weighted mean),
-that sum is exactly the gradient of the mean over replicas of each replica's loss: the same
-gradient as single-device training on the same global batch. A per-rank *mean* loss (what a model
-computes on its own) would instead weight tokens by the rank they landed on; that is the wrong
+the data-parallel size (``seq_dp_world_size / sequence_parallel_size``). The SP loss
+(:func:`ds_usp.integration.data.sp_cross_entropy`, or ``engine(..., shift_labels=...).loss``) is the
+whole sequence's token-weighted mean on every rank, and its gradient on each rank is that rank's
+tokens' share, so that sum is exactly the gradient of the mean over replicas of each replica's loss:
+the same gradient as single-device training on the same global batch. A per-rank *mean* loss (what a
+model computes on its own) would instead weight tokens by the rank they landed on; that is the wrong
 scaling users report with Ulysses, and the reason the SP loss exists.
 
 """
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
                            read_ds_config)
 from ds_usp.integration.hf import USPContext, attach
+from ds_usp.integration.memory import MemoryContext, MemorySettings
+from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.log import log_info
 from ds_usp.topology import USPTopology
 
@@ -43,10 +46,13 @@ class USPState:
     Attributes:
         config: the validated sequence-parallel config.
         topo: the topology (``None`` when sequence parallelism is off).
+        memory: the memory features applied to the model (``None`` when none is); ``memory.plan`` is what
+            the last forward call did (see :class:`ds_usp.integration.memory.StepPlan`).
     """
 
     config: USPConfig
     topo: Optional[USPTopology]
+    memory: Optional[MemoryContext] = None
 
     @property
     def layout(self) -> str:
@@ -268,7 +274,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         raise ValueError("zero_optimization.zero_quantized_gradients is not supported with ZeRO-3 and "
                          '"sequence_parallel" (its gradient averaging is not verified); turn one of them off')
 
-    topo = None
+    topo, memory = None, None
     if usp_cfg.enabled:
         if kwargs.get("mpu") is not None:
             raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
@@ -278,6 +284,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if model is not None:
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
                                      native_op=usp_cfg.native_op))
+            memory = apply_memory_features(model, MemorySettings(
+                chunked_loss=usp_cfg.chunked_loss, tiled_mlp=usp_cfg.tiled_mlp,
+                activation_checkpointing=usp_cfg.activation_checkpointing,
+                offload_activations=usp_cfg.offload_activations, tile_mib=usp_cfg.tile_mib),
+                topo, usp_cfg.layout, zero3=zero.get("stage", 0) == 3)
             if zero3_sp:
                 _partition_for_zero3(model, raw, topo)
         if topo.rank == 0:
@@ -292,6 +303,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                       **kwargs)
     if zero3_sp:
         _fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)
-    engine.usp = USPState(config=usp_cfg, topo=topo)
+    engine.usp = USPState(config=usp_cfg, topo=topo, memory=memory)
     _name_step_on_failure(engine)
     return engine, opt, loader, sched

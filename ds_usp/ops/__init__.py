@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ds_usp.log import log_info
+from ds_usp.log import log_rank0
 from ds_usp.ops.twins import TorchOps
 
 __all__ = ["NativeOps", "NativeOpUnavailable", "NativeOpState", "TorchOps", "check_native_op", "load_native_op",
@@ -153,8 +153,8 @@ def load_native_op(device: Union[torch.device, str], verbose: bool = False) -> N
             builder = _builder(device_type)
             if not builder.is_compatible(verbose):
                 raise NativeOpUnavailable(f"cannot build the ds-usp native op ({builder.NAME}): {builder.error_log}")
-            if not _jit_cached(builder) and _speaks():
-                log_info(f"JIT-building the ds-usp native op ({builder.NAME}) with ninja: about a minute, once; "
+            if not _jit_cached(builder):
+                log_rank0(f"JIT-building the ds-usp native op ({builder.NAME}) with ninja: about a minute, once; "
                          f"cached in {_build_dir(builder)} (usp.native_op=false skips it)")
             try:
                 ops = NativeOps(builder.jit_load(verbose), "jit")
@@ -177,13 +177,6 @@ def _build_dir(builder: Any) -> str:
 def _jit_cached(builder: Any) -> bool:
     """Whether a JIT build of ``builder``'s op is already in torch's extension cache."""
     return os.path.exists(os.path.join(_build_dir(builder), f"{builder.NAME}.so"))
-
-
-def _speaks() -> bool:
-    """Rank 0 (or a single process) prints progress; the other ranks stay quiet."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _short(msg: str, limit: int = 1500) -> str:

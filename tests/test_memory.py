@@ -1,0 +1,211 @@
+"""The long-sequence memory features (ds_usp/integration/memory.py): exact, and each one saves what it should.
+
+Exactness, on a 4-rank gloo world: a tiny HF Llama trained 5 steps through the standard HF idiom
+``engine(input_ids=..., position_ids=..., shift_labels=...).loss`` with the chunked loss, tiled MLP,
+activation checkpointing and offload forced on (tiles made tiny so that every loss chunk and MLP
+tile loop runs several times), under ZeRO-1/2/3 and (U, R) = (4, 1), (2, 2), (1, 4), equals
+single-process training of the same model on the full sequences (tests/test_training.py's
+reference; rtol 1e-4 as there). ``labels=`` (shifted over the whole sequence by ds-usp) and both
+ways of taking the loss's gradient (in the forward, or recomputed in the backward) are covered.
+
+Memory, in one run each (kernel high-water mark ``VmHWM`` after resetting it): the chunked loss at
+S=4096, vocab 32000 peaks below half of the whole-logits loss; the tiled MLP below half of the
+untiled one; activation checkpointing of a 6-layer model below 0.6 of no checkpointing.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_training import SEQ, STEPS, TOL, VOCAB, _batch, _compare, _ds_config, _llama, _params, reference
+
+FORCED = {"chunked_loss": True, "tiled_mlp": True, "activation_checkpointing": "selective",
+          "offload_activations": True, "tile_mib": 0.01}  # 0.01 MiB: 20-token loss chunks at vocab 128
+CASES = [  # (zero stage, U, R, memory keys, labels=)
+    (1, 2, 2, FORCED, False),
+    (2, 4, 1, FORCED, True),
+    (3, 1, 4, FORCED, False),
+    (3, 2, 2, dict(FORCED, activation_checkpointing="full", tile_mib=1.0), False),  # grads taken in the forward
+    (2, 2, 2, dict(FORCED, tile_mib=1.0, activation_checkpointing=False), True),
+]
+
+
+def train_with_features(tmp_dir: str, stage: int, u: int, r: int, memory: dict, use_labels: bool) -> tuple:
+    """On every rank: ds_usp.initialize with the memory keys, 5 steps through ``engine(...).loss``."""
+    import torch.distributed as dist
+
+    import ds_usp
+
+    ds_usp.hf.register_usp_attention()
+    cfg = _ds_config(stage, u * r, u, r, "zigzag")
+    cfg["usp"].update(memory)
+    if stage == 3:  # partition every parameter, lm_head included (small ones would otherwise stay whole)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = f"{tmp_dir}/mem_{stage}_{u}x{r}_{dist.get_rank()}.json"
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    model = _llama("usp")
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=path)
+    topo = engine.usp.topo
+    losses, plans = [], []
+    for step in range(STEPS):
+        batch = _batch(step)
+        shard = ds_usp.shard_batch(batch, topo, layout=engine.usp.layout)
+        kwargs = {"shift_labels": shard["shift_labels"]}
+        if use_labels:  # this rank's shard of the unshifted labels; ds-usp shifts them over the whole sequence
+            kwargs = {"labels": ds_usp.shard_sequence(batch["labels"], topo, dim=1, layout=engine.usp.layout,
+                                                      pad_value=-100)}
+        out = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"], **kwargs)
+        assert out.logits is None
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(float(out.loss))  # the whole sequence's loss on every rank
+        plans.append(engine.usp.memory.plan)
+    plan = plans[-1]
+    assert plan.loss_chunk and plan.mlp_tiles and plan.checkpoint == (memory["activation_checkpointing"] or "")
+    return losses, _params(engine, stage), plan
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return reference(1)
+
+
+@pytest.mark.parametrize("stage,u,r,memory,use_labels", CASES,
+                         ids=[f"zero{s}-{u}x{r}-{m['activation_checkpointing']}-tile{m['tile_mib']}"
+                              f"{'-labels' if lab else ''}" for s, u, r, m, lab in CASES])
+def test_features_on_equal_single_process(world4, tmp_path_factory, single_process, stage, u, r, memory, use_labels):
+    results = world4.run(train_with_features, str(tmp_path_factory.mktemp("mem")), stage, u, r, memory, use_labels)
+    for rank in range(4):
+        assert results[rank][0] == results[0][0]  # every rank reports the same (whole-sequence) loss
+    _compare(results[0][:2], single_process, f"ZeRO-{stage} {u}x{r} {memory}")
+    plan = results[0][2]
+    assert plan.loss_grad_in_forward == (memory["tile_mib"] >= 1.0)  # vocab 128 x hidden 64 x 4 B = 32 KiB
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+def _peak_growth(fn) -> int:
+    """Bytes the process's resident set grew to at its peak while ``fn`` ran (kernel high-water mark).
+
+    Memory an earlier run freed stays in glibc's heap and would hide this run's growth, so it is given
+    back to the kernel first (``malloc_trim``): the baseline is then what is alive.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+    def read(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = read("VmRSS:")
+    fn()
+    return read("VmHWM:") - base
+
+
+def test_chunked_loss_peaks_below_half_of_whole_logits():
+    import torch.nn.functional as F
+
+    from ds_usp.integration.memory import chunked_lm_loss
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 32000, bias=False)
+    hidden = torch.randn(1, 4096, 64, requires_grad=True)
+    labels = torch.randint(0, 32000, (1, 4096))
+
+    def whole() -> None:
+        F.cross_entropy(head(hidden).float().view(-1, 32000), labels.view(-1)).backward()
+
+    def chunked() -> None:  # 128 MiB of fp32 logits per chunk: 1048 tokens
+        chunked_lm_loss(hidden, head, labels, None, chunk=1048, grad_in_forward=False).backward()
+
+    whole()  # warm up both paths once (first-call allocations)
+    chunked()
+    w, c = _peak_growth(whole), _peak_growth(chunked)
+    assert c < 0.5 * w, f"chunked loss peak {c / 2**20:.0f} MiB vs whole logits {w / 2**20:.0f} MiB"
+
+
+def test_tiled_mlp_peaks_below_half_of_untiled():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from ds_usp.integration.memory import TiledMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=8192))
+    x = torch.randn(1, 4096, 64, requires_grad=True)
+    dout = torch.randn(1, 4096, 64)
+    mlp(x).backward(dout)
+    whole_grad = x.grad.clone()
+    x.grad = None
+    TiledMLP.apply(x, mlp.forward, 8, ()).backward(dout)
+    torch.testing.assert_close(x.grad, whole_grad, rtol=1e-5, atol=1e-6)
+
+    w = _peak_growth(lambda: mlp(x).backward(dout))
+    t = _peak_growth(lambda: TiledMLP.apply(x, mlp.forward, 8, ()).backward(dout))
+    assert t < 0.5 * w, f"tiled MLP peak {t / 2**20:.0f} MiB vs untiled {w / 2**20:.0f} MiB"
+
+
+def checkpointing_peaks() -> tuple[int, int]:
+    """On every rank (2x2): one forward+backward of a 6-layer Llama, without and with selective checkpointing."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ds_usp
+    from ds_usp.integration.hf import USPContext, attach
+    from ds_usp.integration.memory import MemorySettings, apply
+
+    ds_usp.hf.register_usp_attention()
+    topo = ds_usp.USPTopology.build(2, 2)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=1024, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8192)
+    ids = torch.randint(0, VOCAB, (1, 8192), generator=torch.Generator().manual_seed(0))
+    shard = ds_usp.shard_batch({"input_ids": ids}, topo)
+    peaks = []
+    for ckpt in (False, "selective"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="usp")
+        attach(model, USPContext(topo=topo, layout="zigzag"))
+        apply(model, MemorySettings(chunked_loss=True, tiled_mlp=False, activation_checkpointing=ckpt,
+                                    offload_activations=False), topo, "zigzag", zero3=False)
+
+        def step() -> None:
+            model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                  shift_labels=shard["shift_labels"]).loss.backward()
+
+        step()  # warm-up: first-call allocations
+        peaks.append(_peak_growth(step))
+    return peaks[0], peaks[1]
+
+
+def test_checkpointing_peaks_below_six_tenths(world4):
+    for off, on in world4.run(checkpointing_peaks):
+        assert on < 0.6 * off, f"checkpointed peak {on / 2**20:.0f} MiB vs {off / 2**20:.0f} MiB without"
+
+
+def test_auto_plan_follows_the_tokens_per_rank():
+    """``"auto"``: nothing for short sequences; chunked loss, selective checkpointing and (free under it) tiled MLP
+    for long ones; ``false`` keeps everything off. The issue's model: vocab 32000, hidden 256, intermediate 896."""
+    from ds_usp.integration.memory import MemoryContext, MemorySettings
+
+    def plan(tokens: int, **settings):
+        ctx = MemoryContext(settings=MemorySettings(**settings), topo=None, layout="zigzag", hidden=256,
+                            intermediate=896, vocab=32000, layers=4, zero3=False)
+        return ctx.make_plan(tokens, torch.device("cpu"), torch.float32)
+
+    short = plan(512)  # 62.5 MiB of fp32 logits: below the 128 MiB tile
+    assert (short.loss_chunk, short.mlp_tiles, short.checkpoint, short.offload) == (0, 0, "", False)
+    long = plan(4096)  # S = 16K over 4 ranks
+    assert long.loss_chunk == 1048 and long.loss_grad_in_forward  # 128 MiB / (32000 x 4 B); dW is 31 MiB
+    assert long.checkpoint == "selective" and long.mlp_tiles == 1 and not long.offload  # offload: CUDA only
+    assert plan(16384, tile_mib=16).mlp_tiles == 4  # 16384 x 896 x 4 B = 56 MiB in 16 MiB tiles
+    assert not plan(4096, tile_mib=16).loss_grad_in_forward  # dW (31 MiB) above one chunk: recompute instead
+    off = plan(65536, chunked_loss=False, tiled_mlp=False, activation_checkpointing=False, offload_activations=False)
+    assert (off.loss_chunk, off.mlp_tiles, off.checkpoint, off.offload) == (0, 0, "", False)
