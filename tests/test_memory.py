@@ -29,6 +29,8 @@ CASES = [  # (zero stage, U, R, memory keys, labels=)
     (3, 1, 4, FORCED, False),
     (3, 2, 2, dict(FORCED, activation_checkpointing="full", tile_mib=1.0), False),  # grads taken in the forward
     (2, 2, 2, dict(FORCED, tile_mib=1.0, activation_checkpointing=False), True),
+    (2, 4, 1, {"chunked_loss": False, "tiled_mlp": False, "activation_checkpointing": False,
+               "offload_activations": False, "tile_mib": 128}, False),  # all off: still the SP loss, unchunked
 ]
 
 
@@ -64,7 +66,8 @@ def train_with_features(tmp_dir: str, stage: int, u: int, r: int, memory: dict, 
         losses.append(float(out.loss))  # the whole sequence's loss on every rank
         plans.append(engine.usp.memory.plan)
     plan = plans[-1]
-    assert plan.loss_chunk and plan.mlp_tiles and plan.checkpoint == (memory["activation_checkpointing"] or "")
+    assert bool(plan.loss_chunk) == memory["chunked_loss"] and bool(plan.mlp_tiles) == memory["tiled_mlp"]
+    assert plan.checkpoint == (memory["activation_checkpointing"] or "")
     return losses, _params(engine, stage), plan
 
 
@@ -82,7 +85,8 @@ def test_features_on_equal_single_process(world4, tmp_path_factory, single_proce
         assert results[rank][0] == results[0][0]  # every rank reports the same (whole-sequence) loss
     _compare(results[0][:2], single_process, f"ZeRO-{stage} {u}x{r} {memory}")
     plan = results[0][2]
-    assert plan.loss_grad_in_forward == (memory["tile_mib"] >= 1.0)  # vocab 128 x hidden 64 x 4 B = 32 KiB
+    # grads in the forward when vocab 128 x hidden 64 x 4 B = 32 KiB fits a tile
+    assert plan.loss_grad_in_forward == (memory["chunked_loss"] and memory["tile_mib"] >= 1.0)
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -267,11 +267,28 @@ def chunked_lm_loss(hidden: Tensor, lm_head: nn.Module, shift_labels: Tensor, to
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     with _gathered([weight, bias]):
         total = ChunkedLMLoss.apply(hidden, weight, bias, shift_labels, chunk, grad_in_forward and wants_grad)
+    return sp_loss(total, shift_labels, topo, num_items)
+
+
+def sp_loss(loss_sum: Tensor, shift_labels: Tensor, topo: Optional[USPTopology],
+            num_items: Optional[Tensor] = None) -> Tensor:
+    """This rank's summed token losses -> the SP group's mean (:func:`ds_usp.integration.data.sp_token_mean`).
+
+    Args:
+        loss_sum: this rank's summed token losses.
+        shift_labels: this rank's targets (their non-ignored count is the denominator).
+        topo: the topology.
+        num_items: a denominator given by the caller instead (HF's ``num_items_in_batch``, already the count
+            over the whole sequence and the accumulation window).
+
+    Returns:
+        The loss, the same value on every rank of the SP group.
+    """
     if num_items is None:
-        return sp_token_mean(total, (shift_labels != IGNORE_INDEX).sum(), topo)
+        return sp_token_mean(loss_sum, (shift_labels != IGNORE_INDEX).sum(), topo)
     if topo is not None and topo.sp_size > 1:
-        total = sum_over_group(total, topo.sp_group)
-    return total / num_items.float().clamp_min(1.0)
+        loss_sum = sum_over_group(loss_sum, topo.sp_group)
+    return loss_sum / torch.as_tensor(num_items, dtype=torch.float32, device=loss_sum.device).clamp_min(1.0)
 
 
 # -------------------------------------------------------------------------------------- tiled MLP
@@ -359,14 +376,13 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
         zero3: ZeRO-3 is on (tile counts are then agreed over the ranks).
 
     Returns:
-        The shared context, or None when every feature is off.
+        The shared context, or None when ``model`` is not an HF causal LM (then nothing is wrapped). The
+        SP loss of ``model(..., shift_labels=...)`` is always installed on a causal LM; the settings
+        decide the chunking, tiling, checkpointing and offload.
 
     Raises:
         ValueError: a feature set to ``true`` cannot be applied to this model (the message says why).
     """
-    if not any(v not in (False, None) for v in (settings.chunked_loss, settings.tiled_mlp,
-                                                settings.activation_checkpointing, settings.offload_activations)):
-        return None
     cfg = getattr(model, "config", None)
     get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
     decoder = get_decoder() if callable(get_decoder) else None
@@ -383,7 +399,7 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
                   if getattr(settings, k) not in ("auto", False, None)]
         if forced:
             raise ValueError(f"usp.{forced[0]} is set, but {problem}; set it to 'auto' or false")
-        log_rank0(f"usp memory features are off: {problem}")
+        log_rank0(f"usp memory features and the model's SP loss are off: {problem}")
         return None
     ctx = MemoryContext(settings=settings, topo=topo, layout=layout, hidden=cfg.hidden_size,
                         intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), vocab=head.weight.shape[0]
@@ -456,10 +472,15 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
             full = torch.cat([full[:, 1:], full.new_full((full.shape[0], 1), IGNORE_INDEX)], dim=1)
             shift_labels = shard_sequence(full, topo, dim=1, layout=layout)
         plan = ctx.plan
-        tokens = hidden.shape[0] * hidden.shape[1]
-        loss = chunked_lm_loss(hidden, head, shift_labels, ctx.topo, plan.loss_chunk or max(1, tokens),
-                               plan.loss_grad_in_forward, num_items_in_batch)
-        logits = head(hidden) if return_logits else None
+        logits = head(hidden) if return_logits or not plan.loss_chunk else None
+        if plan.loss_chunk:
+            loss = chunked_lm_loss(hidden, head, shift_labels, ctx.topo, plan.loss_chunk, plan.loss_grad_in_forward,
+                                   num_items_in_batch)
+        else:  # the whole logits, plain autograd: (b, s, V) -> (b*s, V)
+            loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = sp_loss(loss_sum, shift_labels, ctx.topo, num_items_in_batch)
+            logits = logits if return_logits else None
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=getattr(out, "past_key_values", None),
                                       hidden_states=getattr(out, "hidden_states", None),
                                       attentions=getattr(out, "attentions", None))
