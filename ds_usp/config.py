@@ -69,7 +69,7 @@ class _USPBlock(BaseModel):
         "(auto: when a rank's fp32 logits exceed `tile_mib`)")
     tiled_mlp: Union[Literal["auto"], StrictBool] = _key(
         "auto", "'auto', true or false", "each decoder layer's MLP over sequence tiles, recomputed per tile in the "
-        "backward (auto: with activation checkpointing, or when a rank's MLP activations exceed `tile_mib`)")
+        "backward (auto: with activation checkpointing, or when the MLP's backward would hold more than `tile_mib`)")
     activation_checkpointing: Union[Literal["auto", "selective", "full"], StrictBool] = _key(
         "auto", "'auto', 'selective', 'full', true (selective) or false", "per decoder layer: `selective` keeps "
         "the ring attention's result and recomputes the rest, `full` recomputes everything (auto: selective when "
@@ -78,7 +78,7 @@ class _USPBlock(BaseModel):
         "auto", "'auto', true or false", "checkpointed layer inputs wait in host memory (auto: on a GPU when they "
         "would take a tenth of its memory; a no-op on CPU)")
     tile_mib: Union[StrictInt, StrictFloat] = _key(
-        128, "a positive number of MiB", "the size of one tile: a chunk's fp32 logits, an MLP tile's activations",
+        128, "a positive number of MiB", "the size of one tile: a chunk's fp32 logits, what an MLP tile's backward holds",
         gt=0, allow_inf_nan=False)
 
 

@@ -204,12 +204,12 @@ def test_auto_plan_follows_the_tokens_per_rank():
                             intermediate=896, vocab=32000, layers=4, zero3=False)
         return ctx.make_plan(tokens, torch.device("cpu"), torch.float32)
 
-    short = plan(512)  # 62.5 MiB of fp32 logits: below the 128 MiB tile
+    short = plan(512)  # 62.5 MiB of fp32 logits and 10.5 MiB of MLP work: below the 128 MiB tile
     assert (short.loss_chunk, short.mlp_tiles, short.checkpoint, short.offload) == (0, 0, "", False)
     long = plan(4096)  # S = 16K over 4 ranks
     assert long.loss_chunk == 1048 and long.loss_grad_in_forward  # 128 MiB / (32000 x 4 B); dW is 31 MiB
     assert long.checkpoint == "selective" and long.mlp_tiles == 1 and not long.offload  # offload: CUDA only
-    assert plan(16384, tile_mib=16).mlp_tiles == 4  # 16384 x 896 x 4 B = 56 MiB in 16 MiB tiles
+    assert plan(16384, tile_mib=16).mlp_tiles == 21  # 16384 x 896 x 4 B x 6 live tensors = 336 MiB, 16 MiB tiles
     assert not plan(4096, tile_mib=16).loss_grad_in_forward  # dW (31 MiB) above one chunk: recompute instead
     off = plan(65536, chunked_loss=False, tiled_mlp=False, activation_checkpointing=False, offload_activations=False)
     assert (off.loss_chunk, off.mlp_tiles, off.checkpoint, off.offload) == (0, 0, "", False)

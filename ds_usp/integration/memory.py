@@ -54,6 +54,7 @@ from ds_usp.topology import USPTopology
 MIB = 2 ** 20
 CHECKPOINT_MIN_TOKENS = 2048  # "auto" checkpoints the layers when a rank holds at least this many tokens
 OFFLOAD_SHARE = 0.1  # "auto" offloads when the checkpointed hidden states would take this share of the GPU
+MLP_LIVE = 6  # tokens x intermediate tensors a tile's backward holds at once (gate, up, act, product, 2 grads)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class MemoryContext:
         if ckpt == "auto":
             ckpt = "selective" if tokens >= CHECKPOINT_MIN_TOKENS else ""
         ckpt = ckpt or ""
-        mlp_bytes = tokens * self.intermediate * elem
+        mlp_bytes = tokens * self.intermediate * elem * MLP_LIVE
         tiled = s.tiled_mlp is True or (s.tiled_mlp == "auto" and (bool(ckpt) or mlp_bytes > tile))
         offload = s.offload_activations is True
         if s.offload_activations == "auto" and ckpt and device.type == "cuda":
@@ -169,29 +170,35 @@ def _gathered(params: list[Optional[Tensor]]) -> Any:
 
 
 def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, start: int, stop: int,
-                 dx: Tensor, dw: Tensor, db: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+           dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
     """One chunk: its loss sum; with ``dx``/``dw`` given, also its gradients (written/added into them).
 
     The gradient of ``sum_t valid_t * (logsumexp(z_t) - z_t[y_t])`` with respect to the logits is
     ``softmax(z_t) - onehot(y_t)`` on valid rows; it is cast to the matmul dtype as autograd would,
-    and multiplied by ``scale`` (the incoming gradient) when given.
+    and multiplied by ``scale`` (the incoming gradient) when given. Everything of ``chunk x vocab``
+    size happens in the one fp32 logits buffer (``torch.logsumexp`` would add two more).
     """
     xc, yc = x[start:stop], labels[start:stop]
-    logits = F.linear(xc, weight, bias).float()  # (c, V)
-    lse = torch.logsumexp(logits, dim=-1)
+    logits = F.linear(xc, weight, bias).float()  # (c, V), the chunk's only (c, V) buffer
     valid = yc != IGNORE_INDEX
     target = yc.clamp_min(0)
     picked = logits.gather(1, target.unsqueeze(1)).squeeze(1)
+    peak = logits.amax(dim=1, keepdim=True)
+    norm = logits.sub_(peak).exp_().sum(dim=1, keepdim=True)  # logits now hold exp(z - max)
+    lse = peak.squeeze(1) + norm.squeeze(1).log()
     loss = ((lse - picked) * valid).sum()
     if dx is None:
         return loss
-    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+    probs = logits.div_(norm)  # softmax
     rows = torch.arange(yc.shape[0], device=yc.device)
     probs[rows, target] -= 1.0
     probs.mul_(valid.unsqueeze(1) if scale is None else (valid * scale).unsqueeze(1))
     grad = probs.to(x.dtype)  # dlogits as autograd hands it to the matmul
-    dx[start:stop] = grad @ weight
-    dw.add_(grad.t() @ xc)
+    torch.mm(grad, weight, out=dx[start:stop])
+    if grad.dtype == dw.dtype:
+        dw.addmm_(grad.t(), xc)
+    else:
+        dw.add_(grad.t() @ xc)
     if db is not None:
         db.add_(grad.sum(0))
     return loss
