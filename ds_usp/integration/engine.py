@@ -199,6 +199,23 @@ def _quiet_deepspeed_deprecations() -> None:
         warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning)
 
 
+def _unlink_shm_buffer() -> None:
+    """Remove this rank's name of DeepSpeed's CPU shared-memory all-reduce buffer (the mapping stays valid).
+
+    On CPU, DeepSpeed's communication backend creates a 66 MB POSIX shared-memory buffer per rank,
+    named after ``MASTER_ADDR``/``MASTER_PORT`` (``deepspeed/ops/csrc/cpu/comm/shm.cpp``), and never
+    unlinks it: every run leaves them in ``/dev/shm``, which is memory. Peers open the names only
+    while they initialize, which every rank has finished once a collective over all of them has
+    completed (``deepspeed.initialize`` runs several), so each rank can then unlink its own.
+    """
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except OSError:  # none (a GPU run, another platform, or already gone)
+        pass
+
+
 def _model_heads(model: Any) -> tuple[Optional[int], Optional[int]]:
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None)
@@ -303,6 +320,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                       **kwargs)
     if zero3_sp:
         _fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)
+    dist.barrier()  # every rank is past DeepSpeed's initialization: nobody opens the shm names any more
+    _unlink_shm_buffer()
     engine.usp = USPState(config=usp_cfg, topo=topo, memory=memory)
     _name_step_on_failure(engine)
     return engine, opt, loader, sched
