@@ -155,8 +155,9 @@ def sum_over_group(x: Tensor, group: Any) -> Tensor:
     return _sum_over_group(x, group.group_name)
 
 
-def ring_shift(send: Tensor, group: Any, ring_ranks: Sequence[int], ring_rank: int) -> Callable[[], Tensor]:
-    """Start sending ``send`` to the next ring rank and receiving the previous rank's tensor.
+def ring_shift(send: Tensor, group: Any, ring_ranks: Sequence[int], ring_rank: int,
+               hop: int = 1) -> Callable[[], Tensor]:
+    """Start sending ``send`` ``hop`` ranks ahead in the ring and receiving from ``hop`` ranks behind.
 
     ``send`` must not be modified until the returned ``wait`` has been called.
 
@@ -165,14 +166,15 @@ def ring_shift(send: Tensor, group: Any, ring_ranks: Sequence[int], ring_rank: i
         group: the ring process group.
         ring_ranks: global ranks of the ring, in ring order.
         ring_rank: this rank's position in the ring.
+        hop: how far ahead (1: the next rank).
 
     Returns:
         ``wait()``, which blocks until both transfers are done and returns the received tensor.
     """
     n = len(ring_ranks)
     recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, ring_ranks[(ring_rank + 1) % n], group),
-           dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - 1) % n], group)]
+    ops = [dist.P2POp(dist.isend, send, ring_ranks[(ring_rank + hop) % n], group),
+           dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - hop) % n], group)]
     with _named("ring send/recv", group):
         works = dist.batch_isend_irecv(ops)
 

@@ -56,7 +56,7 @@ class _USPBlock(BaseModel):
         ge=1)
     ring_impl: Literal[LAYOUTS] = _key(  # type: ignore[valid-type]
         "zigzag", _choices(LAYOUTS), "how the sequence is cut over the ranks: `zigzag` balances causal work over "
-        "the ring, `contiguous` gives each rank one slice")
+        "the ring, `balanced` does so per packed document, `contiguous` gives each rank one slice")
     attn_backend: Literal[BACKEND_CHOICES] = _key(  # type: ignore[valid-type]
         "auto", _choices(BACKEND_CHOICES), "local attention kernel")
     native_op: Union[Literal["auto"], StrictBool] = _key(

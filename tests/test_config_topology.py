@@ -30,7 +30,7 @@ BAD_CONFIGS = [
     ({"sequence_parallel": "ring", "usp": {"ulysses_degree": 2}}, 4,
      'usp.ulysses_degree (2) must be 1 (or left out) when "sequence_parallel" is "ring"'),
     ({"sequence_parallel": "usp", "usp": {"ring_impl": "zag"}}, 4,
-     "usp.ring_impl ('zag') is invalid: must be one of 'contiguous', 'zigzag'"),
+     "usp.ring_impl ('zag') is invalid: must be one of 'contiguous', 'zigzag', 'balanced'"),
     ({"sequence_parallel": "usp", "usp": {"ring_impl": "basic"}}, 4,
      "usp.ring_impl ('basic') is the old name of 'contiguous': write \"ring_impl\": \"contiguous\""),
     ({"sequence_parallel": "usp", "usp": {"attn_backend": "xformers"}}, 4,

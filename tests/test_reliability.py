@@ -291,12 +291,14 @@ def test_padding_and_edge_numerics(world):
 def test_low_precision_keeps_fp32_lse_and_accumulators():
     """The ring's running LSE and output are fp32 whatever the input dtype (single process, two-block ring)."""
     from ds_usp.kernels import get_backend
+    from ds_usp.attention.masks import MaskSpec
     from ds_usp.attention.ring import RingSpec, ring_forward
     from ds_usp.ops import TorchOps
 
     q, k, v = _qkv(s=8, dtype=torch.bfloat16)
-    spec = RingSpec(group=None, ranks=(0,), rank=0, layout="contiguous", seq_len=5, padded_len=8)
-    out, lse = ring_forward(q, k, v, spec, True, 0.3, get_backend("torch", q.device), TorchOps())
+    spec = RingSpec(group=None, ranks=(0,), rank=0, layout="contiguous", padded_len=8)
+    out, lse = ring_forward(q, k, v, spec, MaskSpec(causal=True, seq_len=5), 0.3, get_backend("torch", q.device),
+                            TorchOps())
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert torch.isneginf(lse[:, :, 5:]).all() and (out[:, 5:] == 0).all()  # padded rows: no key seen
 

@@ -88,14 +88,14 @@ def check_device(device: torch.device, group: Any) -> None:
 
 
 _SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "dtype", "causal", "layout",
-              "seq_len", "softmax_scale")
+              "seq_len", "softmax_scale", "documents and window (a hash)")
 # SP group name -> input signatures every rank of that group has been checked to share. A cache like the
 # native op's: it only saves the check's all-gather on later calls with the same shapes.
 _AGREED: dict[str, set] = {}
 
 
 def check_same_across_ranks(q: Tensor, k: Tensor, sp_group: Any, causal: bool, layout: str, seq_len: int,
-                            scale: float) -> None:
+                            scale: float, mask: Any = None) -> None:
     """Check once per input signature that every rank of the SP group calls with the same one.
 
     A mismatch would otherwise deadlock or garble the all-to-all and the ring. The check is one
@@ -112,6 +112,7 @@ def check_same_across_ranks(q: Tensor, k: Tensor, sp_group: Any, causal: bool, l
         layout: the sharding layout.
         seq_len: the real global length.
         scale: the softmax scale.
+        mask: anything else that must agree (documents, window), compared by its hash.
 
     Raises:
         ValueError: the same message on every rank of the group, naming each differing value per rank.
@@ -119,7 +120,7 @@ def check_same_across_ranks(q: Tensor, k: Tensor, sp_group: Any, causal: bool, l
     if dist.get_world_size(sp_group) == 1:
         return
     sig = (*q.shape[:3], k.shape[2], q.shape[3], DTYPES.index(q.dtype), int(causal), LAYOUTS.index(layout), seq_len,
-           struct.unpack("<q", struct.pack("<d", scale))[0])
+           struct.unpack("<q", struct.pack("<d", scale))[0], hash(mask))
     agreed = _AGREED.setdefault(sp_group.group_name, set())
     if sig in agreed:
         return

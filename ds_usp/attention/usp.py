@@ -28,19 +28,20 @@ so the ops take the groups' names and look them up in torch.distributed's own re
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds_usp.attention.checks import check_device, check_qkv, check_same_across_ranks, check_scale
+from ds_usp.attention.masks import MaskSpec
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward
 from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, seq_to_head
 from ds_usp.comm import resolve_group
 from ds_usp.kernels import BACKEND_CHOICES, get_backend
 from ds_usp.ops import TorchOps, check_native_op, resolve_native_op
-from ds_usp.sharding import check_layout, resolve_seq_len
+from ds_usp.sharding import check_layout, normalize_docs, resolve_seq_len, segment_bounds
 from ds_usp.topology import USPTopology
 
 _NATIVE = {"auto": "auto", "true": True, "false": False}  # the op schemas carry usp.native_op as a string
@@ -114,13 +115,18 @@ torch.library.register_autograd("ds_usp::head_to_seq", _head_to_seq_backward, se
 # ------------------------------------------------------------------------------------------- ring
 
 
-def _ring_spec(x: Tensor, world: int, ring_group: str, layout: str, seq_len: int) -> RingSpec:
-    """The ring of ``ring_group`` for the Ulysses group's piece ``x`` (``(b, U*s, ...)``)."""
+def _ring_and_mask(x: Tensor, world: int, ring_group: str, causal: bool, layout: str, seq_len: int,
+                   docs: Optional[Tensor], window_left: int, window_right: int) -> tuple[RingSpec, MaskSpec]:
+    """The ring of ``ring_group`` for the Ulysses group's piece ``x`` (``(b, U*s, ...)``) and the mask."""
     rg = resolve_group(ring_group)
     r = dist.get_world_size(rg)
     _, padded = resolve_seq_len(seq_len, x.shape[1] // world, world, r, layout)
-    return RingSpec(group=rg, ranks=tuple(dist.get_process_group_ranks(rg)), rank=dist.get_rank(rg), layout=layout,
-                    seq_len=seq_len, padded_len=padded)
+    doc_starts = normalize_docs(docs, x.shape[0], seq_len) if docs is not None else None
+    mask = MaskSpec(causal=causal, seq_len=seq_len, docs=doc_starts,
+                    window=None if window_left < 0 else (window_left, window_right))
+    ring = RingSpec(group=rg, ranks=tuple(dist.get_process_group_ranks(rg)), rank=dist.get_rank(rg), layout=layout,
+                    padded_len=padded, bounds=segment_bounds(doc_starts, seq_len, padded))
+    return ring, mask
 
 
 def _split(qkv: list[Tensor], heads: list[int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -130,21 +136,23 @@ def _split(qkv: list[Tensor], heads: list[int]) -> tuple[Tensor, Tensor, Tensor]
 
 @torch.library.custom_op("ds_usp::ring_attention", mutates_args=())
 def _ring_attention(qkv: list[Tensor], heads: list[int], ulysses_degree: int, ring_group: str, causal: bool,
-                    layout: str, seq_len: int, scale: float, attn_backend: str,
-                    native_op: str) -> tuple[Tensor, Tensor]:
+                    layout: str, seq_len: int, scale: float, attn_backend: str, native_op: str,
+                    docs: Optional[Tensor], window_left: int, window_right: int) -> tuple[Tensor, Tensor]:
     """``(out (b, U*s, hq', d), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
 
     ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``.
+    ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``window_left`` < 0: no window.
     """
     q, k, v = _split(qkv, heads)
-    spec = _ring_spec(q, ulysses_degree, ring_group, layout, seq_len)
-    return ring_forward(q, k, v, spec, causal, scale, get_backend(attn_backend, q.device, q.dtype),
-                        _ops(native_op, q))
+    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
+                                window_right)
+    return ring_forward(q, k, v, ring, mask, scale, get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q))
 
 
 @_ring_attention.register_fake
 def _(qkv: list[Tensor], heads: list[int], ulysses_degree: int, ring_group: str, causal: bool, layout: str,
-      seq_len: int, scale: float, attn_backend: str, native_op: str) -> tuple[Tensor, Tensor]:
+      seq_len: int, scale: float, attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
+      window_right: int) -> tuple[Tensor, Tensor]:
     q = _split(qkv, heads)[0]
     b, s, h, d = q.shape
     return q.new_empty(b, s, h, d), q.new_empty(b, h, s, dtype=torch.float32)
@@ -153,19 +161,21 @@ def _(qkv: list[Tensor], heads: list[int], ulysses_degree: int, ring_group: str,
 @torch.library.custom_op("ds_usp::ring_attention_bwd", mutates_args=())
 def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int],
                         ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float,
-                        attn_backend: str, native_op: str) -> list[Tensor]:
+                        attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
+                        window_right: int) -> list[Tensor]:
     """Gradients for ``qkv`` as it was given: ``[dq, dk, dv]`` or ``[d qkv_heads]``."""
     q, k, v = _split(qkv, heads)
-    spec = _ring_spec(q, ulysses_degree, ring_group, layout, seq_len)
-    grads = ring_backward(dout.contiguous(), q, k, v, out, lse, spec, causal, scale,
+    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
+                                window_right)
+    grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ring, mask, scale,
                           get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q))
     return list(grads) if len(qkv) == 3 else [torch.cat(grads, dim=2)]  # (b, U*s, Hp, d) like qkv_heads
 
 
 @_ring_attention_bwd.register_fake
 def _(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], ulysses_degree: int,
-      ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, attn_backend: str,
-      native_op: str) -> list[Tensor]:
+      ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, attn_backend: str, native_op: str,
+      docs: Optional[Tensor], window_left: int, window_right: int) -> list[Tensor]:
     return [torch.empty_like(x) for x in qkv]
 
 
@@ -179,7 +189,7 @@ def _ring_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _ring_backward(ctx: Any, dout: Tensor, _dlse: Any) -> tuple:
     *qkv, out, lse = ctx.saved_tensors
-    return (_ring_attention_bwd(dout, qkv, out, lse, *ctx.args),) + (None,) * 9
+    return (_ring_attention_bwd(dout, qkv, out, lse, *ctx.args),) + (None,) * 12
 
 
 torch.library.register_autograd("ds_usp::ring_attention", _ring_backward, setup_context=_ring_setup)
@@ -190,7 +200,9 @@ torch.library.register_autograd("ds_usp::ring_attention", _ring_backward, setup_
 
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bool = True,
                   layout: str = "zigzag", softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
-                  attn_backend: str = "auto", native_op: Union[bool, str] = "auto") -> Tensor:
+                  attn_backend: str = "auto", native_op: Union[bool, str] = "auto",
+                  doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None,
+                  window: Optional[tuple[int, int]] = None) -> Tensor:
     """Exact attention over a sequence sharded across ``topo``'s sequence-parallel group.
 
     Args:
@@ -199,7 +211,8 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         v: ``(b, s_local, hkv, d)``.
         topo: the USP topology (any ``ulysses_degree x ring_degree``).
         causal: causal (lower-triangular) attention over global positions.
-        layout: ``"contiguous"`` or ``"zigzag"``, as the inputs were sharded.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``, as the inputs were sharded (``"balanced"``
+            with the same ``doc_lens``).
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         seq_len: real global length when the sequence was padded by ``shard_sequence``;
             ``None`` means ``s_local * U * R`` (no padding).
@@ -207,14 +220,19 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         native_op: ``usp.native_op``: ``"auto"`` uses the native op (:mod:`ds_usp.ops`) for the
             packing, merge and accumulation when it builds and else the PyTorch twins, with one
             warning; ``True`` requires it; ``False`` never builds it. Same numbers either way.
+        doc_lens: packed documents: their lengths over the *global* sequence, one list for every row
+            or one list per row (summing to the real length); a token then sees only tokens of its own
+            document. ``None``: one document.
+        window: sliding window ``(left, right)``: a token at ``p`` sees ``p - left ... p + right``
+            (``right`` must be 0 when causal). ``None``: unlimited.
 
     Returns:
         ``(b, s_local, hq, d)`` in the input dtype: this rank's shard of the output.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``causal``,
-            ``softmax_scale``, ``seq_len``, ``attn_backend`` or ``native_op``, raised before any
-            communication; or ranks of the SP group that pass different shapes or arguments (checked
+            ``softmax_scale``, ``seq_len``, ``attn_backend``, ``native_op``, ``doc_lens`` or ``window``, raised
+            before any communication; or ranks of the SP group that pass different shapes or arguments (checked
             once per signature with one small all-gather, the same error on every rank; skipped under
             ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
         ds_usp.ops.NativeOpUnavailable: ``native_op=True`` and the op cannot be built or loaded.
@@ -228,24 +246,61 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
     check_scale(softmax_scale)
     real_len, _ = resolve_seq_len(seq_len, q.shape[1], u, topo.ring_degree, layout)
     check_native_op(native_op)
+    docs = normalize_docs(doc_lens, q.shape[0], real_len)
+    left, right = check_window(window, causal)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if attn_backend not in BACKEND_CHOICES:
         get_backend(attn_backend, q.device)  # raises the message that lists what is usable here
     if not torch.compiler.is_compiling():  # (compiled code has checked these while tracing)
         get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
-        check_same_across_ranks(q, k, topo.sp_group, causal, layout, real_len, scale)
+        check_same_across_ranks(q, k, topo.sp_group, causal, layout, real_len, scale, (docs or (), left, right))
     native = str(native_op).lower()
+    docs_t = None if docs is None else _doc_tensor(docs, real_len)
     ulysses, ring, _ = topo.group_names
     hq, hkv = q.shape[2], k.shape[2]
+    mask_args = (docs_t, left, right)
     if u == 1:
         out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], 1, ring, causal, layout, real_len, scale, attn_backend,
-                                 native)
+                                 native, *mask_args)
         return out
     rep = kv_replication(hkv, u)
     qkv = _seq_to_head([q, k, v], [1, rep, rep], ulysses, native)  # (b, U*s, Hp, d)
     out_heads, _ = _ring_attention([qkv], head_split(hq, hkv, u), u, ring, causal, layout, real_len, scale,
-                                   attn_backend, native)
+                                   attn_backend, native, *mask_args)
     return _head_to_seq(out_heads, [hq // u], [1], ulysses, native)[0]  # (b, s, hq, d)
+
+
+def _doc_tensor(docs: tuple[tuple[int, ...], ...], seq_len: int) -> Tensor:
+    """Document starts per row -> ``(b, n)`` int64 CPU tensor of lengths, zero-padded (the ring op's argument)."""
+    lens = [[e - s for s, e in zip(row, row[1:] + (seq_len,))] for row in docs]
+    n = max(len(x) for x in lens)
+    return torch.tensor([x + [0] * (n - len(x)) for x in lens], dtype=torch.int64)
+
+
+def check_window(window: Any, causal: bool) -> tuple[int, int]:
+    """Validate a sliding window and return ``(left, right)`` (``(-1, -1)``: no window).
+
+    Args:
+        window: ``None`` or ``(left, right)`` non-negative integers.
+        causal: causal attention (then ``right`` must be 0).
+
+    Returns:
+        ``(left, right)`` for the ring op.
+
+    Raises:
+        ValueError: naming the value and what is valid.
+    """
+    if window is None:
+        return -1, -1
+    ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in window)
+    if not ok:
+        raise ValueError(f"window ({window!r}) must be None or (left, right), two integers >= 0 (tokens a query sees "
+                         f"before and after itself)")
+    if causal and window[1] != 0:
+        raise ValueError(f"window ({tuple(window)}) sees {window[1]} later tokens, but the attention is causal: "
+                         f"use (left, 0)")
+    return int(window[0]), int(window[1])
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwargs: Any) -> Tensor:

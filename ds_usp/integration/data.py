@@ -17,30 +17,108 @@ chunked loss of ``engine(..., shift_labels=...)`` (:mod:`ds_usp.integration.memo
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ds_usp.comm import all_gather_rows, all_reduce_sum_, group_device, sum_over_group
-from ds_usp.sharding import check_layout, padded_length
+from ds_usp.sharding import check_layout, normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
-from ds_usp.sharding import shard_sequence
 
 IGNORE_INDEX = -100
 
 
-def shift_labels(labels: Tensor) -> Tensor:
-    """Next-token targets of a full sequence: ``out[:, t] = labels[:, t + 1]``, the last one ignored.
+def shift_labels(labels: Tensor, doc_lens: Optional[Sequence[Sequence[int]]] = None) -> Tensor:
+    """Next-token targets of full sequences: ``out[:, t] = labels[:, t + 1]``; the last token of every document ignored.
 
     Args:
         labels: ``(b, S)`` token ids (``-100`` = ignored).
+        doc_lens: per row, the lengths of its packed documents (``None``: one document per row);
+            the target of a document's last token belongs to the next document, so it is ignored,
+            as HF does.
 
     Returns:
         ``(b, S)`` shifted labels.
     """
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    out = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    for row, lens in enumerate(doc_lens or ()):
+        ends = torch.tensor(list(lens), device=labels.device).cumsum(0)[:-1] - 1  # last token of all but the last doc
+        out[row, ends] = IGNORE_INDEX
+    return out
+
+
+def packed_doc_lens(batch: Mapping[str, Any], rows: int, seq: int) -> Optional[list[list[int]]]:
+    """The documents of packed rows, the way HF's collators describe them; None for rows of one document.
+
+    Read from, in this order: ``seq_lens`` (``(b, n)`` lengths, zero-padded, or a list per row),
+    ``cu_seq_lens_q`` (cumulative lengths over the flattened batch, as ``DataCollatorWithFlattening``
+    with ``return_flash_attn_kwargs`` gives them), or ``position_ids`` restarting at 0 inside a row
+    (``DataCollatorWithFlattening``'s default).
+
+    Args:
+        batch: the batch of full sequences.
+        rows: its rows.
+        seq: its length.
+
+    Returns:
+        Per row, the document lengths (summing to ``seq``), or None.
+    """
+    if batch.get("seq_lens") is not None:
+        lens = batch["seq_lens"]
+        lens = lens.tolist() if isinstance(lens, Tensor) else list(lens)
+        return [[int(x) for x in row if x] for row in (lens if lens and isinstance(lens[0], (list, tuple))
+                                                       else [lens])]
+    if batch.get("cu_seq_lens_q") is not None:
+        return docs_from_cu_seq_lens(batch["cu_seq_lens_q"], rows)[1]
+    positions = batch.get("position_ids")
+    if positions is None or not bool((positions[:, 1:] == 0).any()):
+        return None
+    out = []
+    for row in positions:
+        starts = [0] + (torch.nonzero(row[1:] == 0).flatten() + 1).tolist()
+        out.append([b - a for a, b in zip(starts, starts[1:] + [seq])])
+    return out
+
+
+def docs_from_cu_seq_lens(cu: Tensor, rows: int) -> tuple[int, list[list[int]]]:
+    """``(real length, document lengths per row)`` from cumulative lengths over ``rows`` flattened rows.
+
+    Args:
+        cu: 1-D cumulative lengths, ``0`` first, ``rows * S`` last.
+        rows: the batch's rows.
+
+    Returns:
+        ``(S, [[lengths of row 0], ...])``.
+
+    Raises:
+        ValueError: the boundaries do not split into ``rows`` rows of equal length.
+    """
+    bounds = [int(x) for x in cu.flatten().tolist()]
+    total = bounds[-1]
+    if total % rows or bounds[0] != 0:
+        raise ValueError(f"cu_seq_lens ({bounds[:6]}...) does not describe {rows} rows of one length")
+    seq = total // rows
+    cuts = sorted(set(bounds) | {r * seq for r in range(rows + 1)})
+    docs = [[b - a for a, b in zip(cuts, cuts[1:]) if r * seq <= a < (r + 1) * seq] for r in range(rows)]
+    return seq, docs
+
+
+def cu_seq_lens(doc_lens: Optional[Sequence[Sequence[int]]], rows: int, seq: int, device: Any) -> Tensor:
+    """Cumulative document lengths over the flattened rows (int32), HF's ``cu_seq_lens_q/k`` convention.
+
+    Args:
+        doc_lens: per row, its document lengths (``None``: one document of ``seq`` per row).
+        rows: the batch's rows.
+        seq: the real length of a row.
+        device: where to put it.
+
+    Returns:
+        ``[0, ...]`` ending at ``rows * seq``.
+    """
+    lens = [x for row in (doc_lens or [[seq]] * rows) for x in row]
+    return torch.tensor([0] + lens, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
 
 
 def check_same_batch(tensors: list[Tensor], topo: USPTopology) -> None:
@@ -73,25 +151,30 @@ def check_same_batch(tensors: list[Tensor], topo: USPTopology) -> None:
                          f"DistributedSampler with num_replicas=dp_size and rank=dp_rank)")
 
 
-def shard_batch(batch: Mapping[str, Tensor], topo: USPTopology, layout: str = "zigzag",
-                pad_token_id: int = 0) -> dict[str, Tensor]:
-    """This rank's shard of a batch of full sequences.
+def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigzag",
+                pad_token_id: int = 0) -> dict[str, Any]:
+    """This rank's shard of a batch of full sequences, packed documents included.
 
     Args:
         batch: ``input_ids`` ``(b, S)`` (required); optional ``labels`` ``(b, S)`` (default: the
             input ids), ``position_ids`` ``(b, S)`` (default ``0..S-1``), ``attention_mask`` (must be
-            all ones: padding inside a sequence is not supported, pack sequences instead).
+            all ones: padding inside a sequence is not supported, pack sequences instead), and packed
+            documents as HF's collators describe them (see :func:`packed_doc_lens`).
         topo: the topology.
-        layout: ``"contiguous"`` or ``"zigzag"``; must match the attention's layout.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``; must match the attention's layout.
         pad_token_id: token used to pad the sequence end.
 
     Returns:
-        ``{"input_ids", "position_ids", "shift_labels"}``, each ``(b, padded_S / (U*R))``. Feed the
-        first two to the model and ``shift_labels`` to :func:`sp_cross_entropy`.
+        ``input_ids``, ``position_ids`` and ``shift_labels``, each ``(b, padded_S / (U*R))``, and the
+        documents over the global sequence as HF's ``cu_seq_lens_q``/``cu_seq_lens_k`` and
+        ``max_length_q``/``max_length_k`` (one document per row when not packed: they also tell the
+        attention the real length). Call ``engine(**shard)``: the model's attention reads the
+        documents, and the loss uses ``shift_labels``.
 
     Raises:
-        ValueError: missing or malformed keys, an attention mask with zeros, a bad layout, or ranks
-            of the SP group holding different batches (see :func:`check_same_batch`).
+        ValueError: missing or malformed keys, an attention mask with zeros, documents that do not
+            cover the rows, a bad layout, or ranks of the SP group holding different batches (see
+            :func:`check_same_batch`).
     """
     check_layout(layout)
     if "input_ids" not in batch:
@@ -110,19 +193,24 @@ def shard_batch(batch: Mapping[str, Tensor], topo: USPTopology, layout: str = "z
     if mask is not None and not bool((mask != 0).all()):
         raise ValueError("attention_mask has zeros: sequence parallelism needs full sequences; pack documents "
                          "into full-length sequences (use labels=-100 to ignore tokens) instead of padding")
+    docs = packed_doc_lens(batch, b, s)
+    normalize_docs(docs, b, s)  # lengths that do not cover the rows are refused here, before any collective
     labels = batch.get("labels")
     labels = ids if labels is None else labels
     positions = batch.get("position_ids")
     positions = torch.arange(s, device=ids.device).expand(b, s) if positions is None else positions
-    check_same_batch([ids, labels, positions], topo)
-    # Positions of the padding continue the sequence; they are never seen by a real (causal) query.
-    total = padded_length(s, topo.ulysses_degree, topo.ring_degree, layout)
-    positions = torch.cat([positions.long(), torch.arange(s, total, device=ids.device).expand(b, total - s)], dim=1)
+    cu = cu_seq_lens(docs, b, s, ids.device)
+    check_same_batch([ids, labels, positions, cu], topo)
+
+    def shard(x: Tensor, pad: float = 0) -> Tensor:
+        return shard_sequence(x, topo, dim=1, layout=layout, pad_value=pad, doc_lens=docs)
+
+    longest = max(max(row) for row in docs) if docs else s
     return {
-        "input_ids": shard_sequence(ids.long(), topo, dim=1, layout=layout, pad_value=pad_token_id),
-        "position_ids": shard_sequence(positions, topo, dim=1, layout=layout),
-        "shift_labels": shard_sequence(shift_labels(labels.long()), topo, dim=1, layout=layout,
-                                       pad_value=IGNORE_INDEX),
+        "input_ids": shard(ids.long(), pad_token_id),
+        "position_ids": shard(positions.long()),  # padding gets position 0: it belongs to no document, meets nothing
+        "shift_labels": shard(shift_labels(labels.long(), docs), IGNORE_INDEX),
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
     }
 
 

@@ -47,7 +47,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
                                     noop_context_fn)
 
 from ds_usp.comm import sum_over_group
-from ds_usp.integration.data import IGNORE_INDEX, sp_token_mean
+from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens, sp_token_mean
+from ds_usp.integration.data import shift_labels as shift_sequence_labels
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 
@@ -474,10 +475,12 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         hidden = out[0]  # (b, s_local, H)
         if shift_labels is None:  # labels of this rank's shard: shift them over the whole sequence
+            cu = kwargs.get("cu_seq_lens_q")
+            seq, docs = docs_from_cu_seq_lens(cu, labels.shape[0]) if cu is not None else (None, None)
             topo, layout = ctx.topo, ctx.layout
-            full = gather_sequence(labels, topo, dim=1, layout=layout)  # (b, padded S), padding labels -100
-            full = torch.cat([full[:, 1:], full.new_full((full.shape[0], 1), IGNORE_INDEX)], dim=1)
-            shift_labels = shard_sequence(full, topo, dim=1, layout=layout)
+            full = gather_sequence(labels, topo, dim=1, layout=layout, seq_len=seq, doc_lens=docs)  # (b, S)
+            shift_labels = shard_sequence(shift_sequence_labels(full, docs), topo, dim=1, layout=layout,
+                                          pad_value=IGNORE_INDEX, doc_lens=docs)
         plan = ctx.plan
         logits = head(hidden) if return_logits or not plan.loss_chunk else None
         if plan.loss_chunk:

@@ -16,17 +16,18 @@ fp16/bf16), "triton" (not implemented in this build). Select one with :func:`get
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ds_usp.kernels import band as _band
 from ds_usp.kernels import flash_attn as _flash_attn
 from ds_usp.kernels import torch_sdpa as _torch_sdpa
 
-__all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "get_backend"]
+__all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "backward_pieces", "forward_pieces", "get_backend"]
 
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "flash_attn", "triton")
 _TRITON_REASON = "triton: no Triton kernel in this build yet"
@@ -183,3 +184,57 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def forward_pieces(backend: AttnBackend, q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[int],
+                   scale: float) -> Iterator[tuple[slice, Tensor, Tensor]]:
+    """Attention of the band ``lo <= k - q <= hi`` (local indices) of a rectangle, as merge-ready pieces.
+
+    A full rectangle (``lo = hi = None``) or a square causal one (``lo = None, hi = 0``) is one call of
+    the backend's fused kernel; any other band is cut by :func:`ds_usp.kernels.band.band_pieces`.
+
+    Args:
+        backend: the local kernel.
+        q: ``(b, sq, hq, d)``.
+        k: ``(b, sk, hkv, d)``.
+        v: ``(b, sk, hkv, d)``.
+        lo: lower band edge (None: none).
+        hi: upper band edge (None: none).
+        scale: softmax scale.
+
+    Yields:
+        ``(query rows, out, lse)`` per piece: merge each into the running result at those rows.
+    """
+    nq, nk = q.shape[1], k.shape[1]
+    if lo is None and (hi is None or (hi == 0 and nq == nk)):
+        yield slice(0, nq), *backend.forward(q, k, v, hi == 0, scale)
+        return
+    for piece in _band.band_pieces(nq, nk, lo, hi):
+        qs, ks = piece.q, piece.k
+        if piece.kind == "mask":
+            keep = _band.band_mask(qs.stop - qs.start, ks.stop - ks.start, piece.lo, piece.hi, q.device)
+            yield qs, *_band.masked_forward(q[:, qs], k[:, ks], v[:, ks], keep, scale)
+        else:
+            yield qs, *backend.forward(q[:, qs], k[:, ks], v[:, ks], piece.kind == "causal", scale)
+
+
+def backward_pieces(backend: AttnBackend, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    lo: Optional[int], hi: Optional[int],
+                    scale: float) -> Iterator[tuple[slice, slice, Tensor, Tensor, Tensor]]:
+    """Gradients of :func:`forward_pieces` given the final ``out``/``lse`` of the query rows.
+
+    Yields:
+        ``(query rows, key rows, dq, dk, dv)`` per piece: add each into the accumulators at those rows.
+    """
+    nq, nk = q.shape[1], k.shape[1]
+    if lo is None and (hi is None or (hi == 0 and nq == nk)):
+        yield slice(0, nq), slice(0, nk), *backend.backward(dout, q, k, v, out, lse, hi == 0, scale)
+        return
+    for piece in _band.band_pieces(nq, nk, lo, hi):
+        qs, ks = piece.q, piece.k
+        args = (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs])
+        if piece.kind == "mask":
+            keep = _band.band_mask(qs.stop - qs.start, ks.stop - ks.start, piece.lo, piece.hi, q.device)
+            yield qs, ks, *_band.masked_backward(*args, keep, scale)
+        else:
+            yield qs, ks, *backend.backward(*args, piece.kind == "causal", scale)

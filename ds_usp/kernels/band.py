@@ -1,0 +1,130 @@
+"""Attention over a band ``lo <= k - q <= hi`` of a rectangle, for kernels that only know full and causal blocks.
+
+The rectangle's queries are cut in tiles of ``TILE`` rows; for each tile the keys split into a middle
+every query of the tile sees (one full call of the backend's fused kernel), the causal diagonal when
+the band's upper edge is it (one causal call), and the edges, where the band cuts through: those
+are at most ``TILE x TILE`` and go through :func:`masked_forward` / :func:`masked_backward`, exact
+fp32 math on a mask built from the indices. Keys no query of a tile sees are never touched. The
+``(out, lse)`` of the pieces of one tile are merged by the caller's LSE merge, exactly as ring blocks
+are; rows that see no key of a piece get ``lse = -inf`` and zero output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+TILE = 512  # query rows per band tile: the masked edges are at most TILE x TILE
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A sub-rectangle of a band part, in the part's local rows: how to compute it."""
+
+    q: slice
+    k: slice
+    kind: str  # "full", "causal" or "mask" (then ``lo <= k - q <= hi`` in the piece's own local rows)
+    lo: Optional[int] = None
+    hi: Optional[int] = None
+
+
+def band_pieces(nq: int, nk: int, lo: Optional[int], hi: Optional[int], tile: int = TILE) -> list[Piece]:
+    """Cut a band rectangle into full, causal and small masked pieces that hold exactly its allowed pairs.
+
+    Args:
+        nq: query rows.
+        nk: key rows.
+        lo: ``k - q >= lo`` (None: no bound).
+        hi: ``k - q <= hi`` (None: no bound).
+        tile: query rows per tile.
+
+    Returns:
+        The pieces (none for rows that see nothing).
+    """
+    pieces = []
+    for a in range(0, nq, tile):
+        b = min(a + tile, nq)
+        k0 = 0 if lo is None else max(0, a + lo)  # keys some query of [a, b) sees
+        k1 = nk if hi is None else min(nk, b - 1 + hi + 1)
+        if k0 >= k1:
+            continue
+        m0 = k0 if lo is None else max(k0, b - 1 + lo)  # keys every query of [a, b) sees
+        m1 = k1 if hi is None else min(k1, a + hi + 1)
+        if m0 >= m1:  # no key all of them see: one masked piece (it is at most tile x (tile + window))
+            pieces.append(_edge(a, b, k0, k1, lo, hi))
+            continue
+        if k0 < m0:
+            pieces.append(_edge(a, b, k0, m0, lo, hi))
+        pieces.append(Piece(slice(a, b), slice(m0, m1), "full"))
+        if m1 < k1:
+            pieces.append(_edge(a, b, m1, k1, lo, hi))
+    return pieces
+
+
+def _edge(a: int, b: int, k0: int, k1: int, lo: Optional[int], hi: Optional[int]) -> Piece:
+    """A masked piece of rows ``[a, b)`` x keys ``[k0, k1)``; the causal diagonal becomes a causal piece."""
+    new_lo = None if lo is None else lo - (k0 - a)  # k - q in the piece's own rows
+    new_hi = None if hi is None else hi - (k0 - a)
+    if new_hi == 0 and b - a == k1 - k0 and (new_lo is None or new_lo <= -(b - a - 1)):
+        return Piece(slice(a, b), slice(k0, k1), "causal")
+    return Piece(slice(a, b), slice(k0, k1), "mask", new_lo, new_hi)
+
+
+def band_mask(nq: int, nk: int, lo: Optional[int], hi: Optional[int], device: torch.device) -> Tensor:
+    """``(nq, nk)`` bool: True where ``lo <= k - q <= hi``."""
+    diff = torch.arange(nk, device=device).unsqueeze(0) - torch.arange(nq, device=device).unsqueeze(1)
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if lo is not None:
+        keep &= diff >= lo
+    if hi is not None:
+        keep &= diff <= hi
+    return keep
+
+
+def _scores(q: Tensor, k: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """fp32 masked scores ``(b, hq, sq, sk)``; kv heads are repeated for GQA."""
+    groups = q.shape[2] // k.shape[2]
+    qh = q.float().transpose(1, 2)  # (b, sq, hq, d) -> (b, hq, sq, d)
+    kh = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)  # (b, sk, hkv, d) -> (b, hq, sk, d)
+    return (qh @ kh.transpose(-2, -1) * scale).masked_fill(~keep, float("-inf"))
+
+
+def masked_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention with an explicit ``(sq, sk)`` mask: ``out (b, sq, hq, d)`` in q's dtype, ``lse (b, hq, sq)`` fp32.
+
+    Rows with no allowed key get ``lse = -inf`` and zero output.
+    """
+    groups = q.shape[2] // k.shape[2]
+    s = _scores(q, k, keep, scale)
+    lse = torch.logsumexp(s, dim=-1)  # (b, hq, sq); -inf on empty rows
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    vh = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)  # (b, sk, hkv, d) -> (b, hq, sk, d)
+    return (p @ vh).transpose(1, 2).to(q.dtype), lse  # (b, hq, sq, d) -> (b, sq, hq, d)
+
+
+def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, keep: Tensor,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`masked_forward` given the final (merged) ``out`` and ``lse`` of the rows.
+
+    Returns:
+        dq, dk, dv in the inputs' dtypes (dk, dv summed over each q-head group).
+    """
+    groups = q.shape[2] // k.shape[2]
+    s = _scores(q, k, keep, scale)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), float("inf")).unsqueeze(-1))  # (b, hq, sq, sk)
+    do = dout.float().transpose(1, 2)  # (b, sq, hq, d) -> (b, hq, sq, d)
+    vh = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    kh = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    dv = p.transpose(-2, -1) @ do  # (b, hq, sk, d)
+    delta = (do * out.float().transpose(1, 2)).sum(-1, keepdim=True)  # (b, hq, sq, 1)
+    ds = p * (do @ vh.transpose(-2, -1) - delta) * scale
+    dq = (ds @ kh).transpose(1, 2)  # (b, hq, sq, d) -> (b, sq, hq, d)
+    dk = (ds.transpose(-2, -1) @ q.float().transpose(1, 2)).transpose(1, 2)  # -> (b, sk, hq, d)
+    b, sk, hq, d = dk.shape
+
+    def fold(x: Tensor) -> Tensor:  # (b, sk, hq, d) -> (b, sk, hkv, d): sum each q-head group
+        return x.reshape(b, sk, hq // groups, groups, d).sum(3)
+
+    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv.transpose(1, 2)).to(v.dtype)

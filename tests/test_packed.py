@@ -1,0 +1,383 @@
+"""Packed documents and sliding windows through USP, against single-process SDPA with the explicit mask.
+
+Every case shards q, k, v (and the output gradient), runs ``ds_usp.usp_attention`` with ``doc_lens``
+and/or ``window`` forward and backward, gathers, and compares output, dq, dk, dv with
+``F.scaled_dot_product_attention`` over the whole sequence given the boolean block-diagonal (and
+banded) mask, fp32, atol = rtol = 1e-5 (bf16: 3e-2 relative to the largest gradient). Worlds of 4
+((U, R) = (4, 1), (2, 2), (1, 4)) and 8 ((2, 4)); layouts contiguous, zigzag and balanced; documents
+from 1 to 40 per row including length-1 ones and ones that cross shard and ring boundaries; windows
+1, 17, 256 and longer than the sequence; GQA; padding (lengths that need it); two rows with
+different documents; hypothesis draws random mixes. Rows of padding and queries that see nothing get
+zero output and zero gradient.
+
+Work skipped: a kernel-call and byte count shows that blocks no pair crosses are not computed and that
+the ring stops when its tail is not needed. Balance: the ``"balanced"`` layout's per-rank causal work
+on a long-tail mix of documents is within 1.15 of the mean where zigzag's is not.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dist_harness import World
+
+_TOPOS: dict = {}
+
+
+def _topo(u: int, r: int):
+    from ds_usp import USPTopology
+
+    if (u, r) not in _TOPOS:
+        _TOPOS[(u, r)] = USPTopology.build(u, r)
+    return _TOPOS[(u, r)]
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World(4, timeout=300)
+    yield w
+    w.close()
+
+
+def reference_mask(seq: int, docs: list[list[int]], causal: bool, window) -> torch.Tensor:
+    """``(b, 1, S, S)`` bool: the explicit mask the single-process reference uses."""
+    rows = []
+    pos = torch.arange(seq)
+    for lens in docs:
+        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        keep = doc.unsqueeze(1) == doc.unsqueeze(0)
+        if causal:
+            keep &= pos.unsqueeze(1) >= pos.unsqueeze(0)
+        if window is not None:
+            diff = pos.unsqueeze(0) - pos.unsqueeze(1)  # k - q
+            keep &= (diff >= -window[0]) & (diff <= window[1])
+        rows.append(keep)
+    return torch.stack(rows).unsqueeze(1)
+
+
+def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal: bool, window, hq: int, hkv: int,
+            dtype_name: str = "float32", seed: int = 0, per_row_docs: bool = True) -> int:
+    """On every rank: one case against the reference; returns the number of kernel forward calls of this rank."""
+    import ds_usp
+    from ds_usp.kernels import band, torch_sdpa
+
+    dtype = getattr(torch, dtype_name)
+    topo = _topo(u, r)
+    b, d = len(docs), 8
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, seq, h, d, generator=g) for h in (hq, hkv, hkv, hq))
+    q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
+    doc_lens = docs if per_row_docs else docs[0]
+    shard = lambda x, pad=0.0: ds_usp.shard_sequence(x, topo, layout=layout, pad_value=pad, doc_lens=doc_lens)  # noqa
+    ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
+    calls = [0]
+    originals = (torch_sdpa.attention_forward, band.masked_forward)
+
+    def counting(fn):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    torch_sdpa.attention_forward, band.masked_forward = (counting(fn) for fn in originals)
+    try:  # count the forward's kernel calls: fused ones and masked band edges
+        out = ds_usp.usp_attention(ql, kl, vl, topo, causal=causal, layout=layout, seq_len=seq, doc_lens=doc_lens,
+                                   window=window)
+    finally:
+        torch_sdpa.attention_forward, band.masked_forward = originals
+    out.backward(shard(dout, 1.0))  # a gradient on padding too: it must not leak anywhere
+    got = [ds_usp.gather_sequence(x.detach(), topo, layout=layout, seq_len=seq, doc_lens=doc_lens)
+           for x in (out, ql.grad, kl.grad, vl.grad)]
+    keep = reference_mask(seq, docs, causal, window)
+    qr, kr, vr = (x.float().clone().requires_grad_() for x in (q, k, v))
+    rep = hq // hkv
+    # (b, s, h, d) -> (b, h, s, d) for SDPA, and back
+    ref = F.scaled_dot_product_attention(qr.transpose(1, 2), kr.repeat_interleave(rep, 2).transpose(1, 2),
+                                         vr.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=keep).transpose(1, 2)
+    ref.backward(dout.float())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for name, g_, want in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), qr.grad, kr.grad, vr.grad)):
+        assert torch.isfinite(g_).all(), name
+        scale = want.abs().max().clamp_min(1.0)
+        torch.testing.assert_close(g_.float() / scale, want / scale, **tol,
+                                   msg=lambda m: f"{name} {u}x{r} {layout} S={seq} docs={docs} causal={causal} "
+                                                 f"window={window}: {m}")
+    return calls[0]
+
+
+def _mix(seq: int, count: int, rng: random.Random) -> list[int]:
+    """``count`` positive lengths summing to ``seq`` (some of length 1)."""
+    cuts = sorted(rng.sample(range(1, seq), count - 1)) if count > 1 else []
+    return [b - a for a, b in zip([0] + cuts, cuts + [seq])]
+
+
+FIXED = [  # (u, r, layout, seq, docs, causal, window, hq, hkv)
+    (2, 2, "zigzag", 96, [[10, 1, 40, 30, 15]], True, None, 4, 2),
+    (1, 4, "balanced", 96, [[10, 1, 40, 30, 15]], True, None, 4, 4),
+    (4, 1, "contiguous", 93, [[1] * 13 + [80]], True, None, 4, 1),  # padded; 13 one-token documents
+    (1, 4, "zigzag", 100, [[50, 50], [1, 98, 1]], False, None, 4, 2),  # two rows, different documents, non-causal
+    (2, 2, "balanced", 100, [[50, 50], [1, 98, 1]], True, None, 4, 2),
+    (1, 4, "contiguous", 128, [[128]], True, (17, 0), 4, 2),  # window only
+    (2, 2, "zigzag", 128, [[64, 64]], True, (1, 0), 4, 4),  # window 1: a token and the one before it
+    (1, 4, "balanced", 128, [[30, 60, 38]], False, (17, 5), 4, 2),  # non-causal window, documents
+    (4, 1, "zigzag", 128, [[128]], True, (256, 0), 4, 4),  # window longer than the sequence
+    (2, 2, "contiguous", 120, [[7] * 15 + [15]], True, (17, 0), 4, 2),
+    (1, 4, "zigzag", 96, [[10, 1, 40, 30, 15]], True, None, 4, 2, "bfloat16"),
+]
+
+
+def run_fixed() -> int:
+    for case in FIXED:
+        compare(*case)
+    return len(FIXED)
+
+
+def test_fixed_cases_world4(world):
+    assert world.run(run_fixed) == [len(FIXED)] * 4
+
+
+def run_many(u: int, r: int, seed: int) -> int:
+    """Random document mixes (1 to 40 per row) and windows, every layout, on one split."""
+    rng = random.Random(seed)
+    n = 0
+    for layout in ("contiguous", "zigzag", "balanced"):
+        for count in (1, 2, 7, 40):
+            seq = rng.choice([160, 203, 256])
+            docs = [_mix(seq, count, rng)]
+            window = rng.choice([None, (17, 0), (256, 0), (5, 3)])
+            causal = window is None or window[1] == 0 if rng.random() < 0.8 else False
+            if not causal and window is not None and window[1] == 0:
+                window = (window[0], 2)
+            compare(u, r, layout, seq, docs, causal, window, 4, rng.choice([1, 2, 4]), seed=rng.randrange(1 << 16))
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2), (1, 4)])
+def test_random_mixes_world4(world, u, r):
+    assert world.run(run_many, u, r, 10 * u + r) == [12] * 4
+
+
+def test_random_mixes_world8(world8):
+    assert world8.run(run_many, 2, 4, 99) == [12] * 8
+
+
+@st.composite
+def packed_cases(draw):
+    u, r = draw(st.sampled_from([(4, 1), (2, 2), (1, 4)]))
+    seq = draw(st.integers(8, 150))
+    count = draw(st.integers(1, min(40, seq)))
+    cuts = sorted(draw(st.lists(st.integers(1, seq - 1), min_size=count - 1, max_size=count - 1, unique=True))) \
+        if count > 1 else []
+    docs = [b - a for a, b in zip([0] + cuts, cuts + [seq])]
+    causal = draw(st.booleans())
+    window = draw(st.sampled_from([None, (1, 0), (17, 0), (256, 0), (3, 2)]))
+    if window is not None and causal:
+        window = (window[0], 0)
+    return dict(u=u, r=r, layout=draw(st.sampled_from(["contiguous", "zigzag", "balanced"])), seq=seq,
+                docs=[docs], causal=causal, window=window, hq=4, hkv=draw(st.sampled_from([1, 2, 4])),
+                seed=draw(st.integers(0, 1 << 16)), per_row_docs=draw(st.booleans()))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=packed_cases())
+def test_property_packed_matches_reference(world, case):
+    world.run(compare, **case)
+
+
+# ---- work skipped --------------------------------------------------------------------------------------------------
+
+def skipped_work() -> list:
+    """Documents aligned with the ring pieces (contiguous 1x4): each rank needs only its own block."""
+    import ds_usp
+    from ds_usp.cost import measure_attention
+
+    topo = _topo(1, 4)
+    results = []
+    for docs, window in (([16, 16, 16, 16], None), ([64], (15, 0)), ([64], None)):
+        calls = compare(1, 4, "contiguous", 64, [docs], True, window, 4, 2)
+        g = torch.Generator().manual_seed(topo.rank)
+        q, k, v, dout = (torch.randn(1, 16, h, 8, generator=g) for h in (4, 2, 2, 4))
+        fwd, bwd, _ = measure_attention(topo, q, k, v, dout, layout="contiguous", seq_len=64, doc_lens=docs,
+                                        window=window)
+        results.append((calls, fwd.ring, bwd.ring))
+    return results
+
+
+def test_masked_blocks_and_ring_tail_are_skipped(world):
+    per_rank = world.run(skipped_work)
+    for rank, ((aligned_calls, aligned_fwd, aligned_bwd), (win_calls, win_fwd, _), (full_calls, full_fwd, _)) \
+            in enumerate(per_rank):
+        assert aligned_calls == 1 and aligned_fwd == 0 and aligned_bwd == 0, per_rank  # own block only, no hop
+        assert full_calls == rank + 1 and full_fwd > 0  # causal, one document: rank r computes r + 1 blocks
+        # a 15-token window over 16-token pieces: only this block and the one before (cut into band pieces)
+        assert (win_calls == 1) == (rank == 0) and win_calls <= 3
+        assert 0 < win_fwd < full_fwd  # one hop instead of three
+
+
+# ---- balance -------------------------------------------------------------------------------------------------------
+
+def _work(layout: str, docs: list[int], ring: int) -> list[int]:
+    """Allowed causal (query, key) pairs per ring rank, from the block parts the ring computes."""
+    from ds_usp.attention.masks import MaskSpec, block_parts
+    from ds_usp.sharding import normalize_docs, piece_runs, segment_bounds
+
+    seq = sum(docs)
+    starts = normalize_docs(docs, 1, seq)
+    spec = MaskSpec(causal=True, seq_len=seq, docs=starts)
+    pieces = [piece_runs(seq, ring, r, layout, segment_bounds(starts, seq, seq)) for r in range(ring)]
+    work = []
+    for me in range(ring):
+        pairs = 0
+        for src in range(ring):
+            for part in block_parts(spec, starts[0], pieces[me], pieces[src]):
+                nq, nk = part.q.stop - part.q.start, part.k.stop - part.k.start
+                pairs += nq * (nq + 1) // 2 if part.causal else nq * nk
+        work.append(pairs)
+    return work
+
+
+def test_balanced_layout_balances_packed_rows():
+    rng = random.Random(0)
+    seq, ring = 16384, 4
+    for _ in range(5):
+        docs, total = [], 0
+        while total < seq:  # a long-tail mix: lognormal lengths, median ~400 tokens
+            docs.append(min(max(1, int(rng.lognormvariate(6.0, 1.3))), seq - total))
+            total += docs[-1]
+        zig, bal = _work("zigzag", docs, ring), _work("balanced", docs, ring)
+        assert sum(zig) == sum(bal) == sum(d * (d + 1) // 2 for d in docs)  # the parts hold exactly the pairs
+        assert max(bal) / (sum(bal) / ring) <= 1.15, (bal, docs)
+    assert max(zig) / (sum(zig) / ring) > 1.15  # the last mix: zigzag alone does not balance it
+
+
+# ---- HF: packed rows and sliding windows ---------------------------------------------------------------------------
+
+PACKED_DOCS = [40, 1, 100, 60, 49]  # 250 tokens: one 1-token document, documents across shard and ring boundaries
+
+
+def _packed_batch(index: int) -> dict:
+    """A packed row the way DataCollatorWithFlattening builds it: positions restart at 0, labels -100 at doc starts."""
+    from test_training import SEQ, VOCAB
+
+    g = torch.Generator().manual_seed(2000 + index)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=g)
+    positions = torch.cat([torch.arange(n) for n in PACKED_DOCS]).unsqueeze(0)
+    labels = ids.clone()
+    labels[positions == 0] = -100
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def packed_reference(steps: int) -> tuple[list[float], dict]:
+    """Single-process training on the packed rows (HF's sdpa masks per document from the restarting positions)."""
+    from test_training import CLIP, LR, MOMENTUM, _llama
+
+    model = _llama("sdpa")
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(**_packed_batch(step), use_cache=False).loss  # HF masks packed rows only without a KV cache
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_packed(stage: int, u: int, r: int, layout: str, steps: int) -> tuple[list[float], dict]:
+    """On every rank: ds_usp.initialize, packed rows through shard_batch and ``engine(**shard)``."""
+    import ds_usp
+    from test_training import _ds_config, _llama, _params
+
+    ds_usp.hf.register_usp_attention()
+    cfg = _ds_config(stage, u * r, u, r, layout)
+    model = _llama("usp")
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    losses = []
+    for step in range(steps):
+        shard = ds_usp.shard_batch(_packed_batch(step), engine.usp.topo, layout=engine.usp.layout)
+        loss = engine(**shard).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses, _params(engine, stage)
+
+
+def test_reference_masks_documents():
+    """The reference itself: HF's sdpa on the packed row gives the documents' own outputs, one by one.
+
+    Only with ``use_cache=False``: with a KV cache (HF builds one in training when ``config.use_cache`` is
+    true) HF does not apply its per-document mask and the documents see each other (checked too).
+    """
+    from test_training import _llama
+
+    model = _llama("sdpa")
+    batch = _packed_batch(0)
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        assert (leaky[:, 41:] - packed[:, 41:]).abs().max() > 0.1
+        start = 0
+        for n in PACKED_DOCS:
+            alone = model(input_ids=batch["input_ids"][:, start:start + n], use_cache=False).logits
+            torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-5, atol=1e-5)
+            start += n
+
+
+@pytest.mark.parametrize("stage,u,r,layout", [(2, 2, 2, "zigzag"), (3, 1, 4, "balanced"), (3, 4, 1, "contiguous")])
+def test_hf_packed_training_equals_single_process(world, stage, u, r, layout):
+    from test_training import TOL
+
+    steps = 3
+    want_losses, want_params = packed_reference(steps)
+    results = world.run(train_packed, stage, u, r, layout, steps)
+    losses, params = results[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL)
+    for name, value in params.items():
+        torch.testing.assert_close(value, want_params[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def mistral_window(layout: str) -> float:
+    """One forward+backward of a tiny Mistral with a 16-token sliding window through "usp" (2x2) vs sdpa."""
+    import transformers
+
+    import ds_usp
+    from ds_usp.integration.hf import USPContext, attach
+    from test_training import TOL, VOCAB, _batch
+
+    ds_usp.hf.register_usp_attention()
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                     sliding_window=16)
+    batch = _batch(3)
+    torch.manual_seed(0)
+    ref_model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    ref = ref_model(**batch).loss
+    ref.backward()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="usp", dtype=torch.float32)
+    topo = _topo(2, 2)
+    attach(model, USPContext(topo=topo, layout=layout))
+    shard = ds_usp.shard_batch(batch, topo, layout=layout)
+    logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                   cu_seq_lens_q=shard["cu_seq_lens_q"]).logits
+    loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), **TOL)
+    for (name, p), (_, rp) in zip(model.named_parameters(), ref_model.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=topo.sp_group)  # what DeepSpeed sums over the SP ranks
+        torch.testing.assert_close(grad, rp.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return float(ref)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_hf_sliding_window(world, layout):
+    assert len(set(world.run(mistral_window, layout))) == 1
