@@ -28,22 +28,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
-import json
-import math
+import functools
 import os
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from _common import (DTYPES, NATIVE_OP, close_distributed, init_distributed, log, parse, parser, random_qkv,
+                     save_results, sdpa, split_refusal, splits, table)
+
 # (atol, rtol) of the correctness check against the single-rank output and gradients.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (2e-4, 2e-4),
@@ -52,8 +51,6 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 TARGET_EFFICIENCY = 0.90  # issue 3: every split, on CPU time
 TARGET_VS_DEEPSPEED = 1.10  # issue 3: ds-usp time / DeepSpeed-Ulysses time
-TAG = "[attention-bench]"
-NATIVE_OP: dict[str, Any] = {"auto": "auto", "on": True, "off": False}  # --native-op -> usp_attention(native_op=)
 
 Step = Callable[[], Optional[Tensor]]
 
@@ -117,58 +114,13 @@ class Reference:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse and validate the command line.
-
-    Args:
-        argv: arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The parsed arguments; ``kv_heads`` defaults to ``heads``.
-    """
-    p = argparse.ArgumentParser(description="ds-usp attention benchmark (forward+backward)")
-    p.add_argument("--seq", type=int, default=8192, help="global sequence length")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--iters", type=int, default=5, help="timed iterations (the median is reported)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed iterations before them (>= 1: a first call may JIT-build the native op)")
+    """The shared flags (one ``--seq`` and ``--dtype``, ``--iters``/``--warmup``) and ``--causal``."""
+    p = parser("ds-usp attention benchmark (forward+backward)", timing=(5, 2))
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--native-op", choices=sorted(NATIVE_OP), default=None,
-                   help="ds-usp's native_op setting (default: the library's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds any collective may wait before the run fails instead of hanging")
-    p.add_argument("--json", default=None, help="also write the results to this file (rank 0)")
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                   help="set by the deepspeed launcher")
-    args = p.parse_args(argv)
-    if args.kv_heads is None:
-        args.kv_heads = args.heads
-    for name in ("seq", "batch", "heads", "kv_heads", "head_dim", "iters"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 1:
-        p.error(f"--warmup must be >= 1 (the first call of a method is never timed), got {args.warmup}")
-    if args.heads % args.kv_heads != 0:
-        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    return args
+    return parse(p, argv)
 
 
-def log(msg: str) -> None:
-    """Print a progress line on rank 0."""
-    if dist.get_rank() == 0:
-        print(f"{TAG} {msg}", flush=True)
-
-
-def splits(world: int) -> list[tuple[int, int]]:
-    """Every ``(U, R)`` with ``U * R == world``, Ulysses-heaviest first."""
-    return [(world // r, r) for r in range(1, world + 1) if world % r == 0]
-
-
-def plan_methods(args: argparse.Namespace, world: int) -> list[Method]:
+def plan_methods(args: Any, world: int) -> list[Method]:
     """The rows to measure, each with a skip reason when it cannot run (a pure function: same on every rank).
 
     Args:
@@ -179,65 +131,21 @@ def plan_methods(args: argparse.Namespace, world: int) -> list[Method]:
         The methods in measurement order: single rank, compute-only ceiling, DeepSpeed-Ulysses, then the
         ds-usp splits.
     """
-    from ds_usp.attention.ulysses import check_heads
-
-    methods = [Method("single-rank SDPA", "single", 1, 1, "-")]
-    ceiling_skip = None
+    heads_skip = None
     if args.heads % world or args.kv_heads % world:
-        ceiling_skip = f"needs q heads ({args.heads}) and kv heads ({args.kv_heads}) divisible by the {world} ranks"
-    methods.append(Method("compute only (ceiling)", "ceiling", world, 1, "-", ceiling_skip))
-    ds_skip = None
-    if args.heads % world or args.kv_heads % world:
-        ds_skip = (f"DeepSpeed-Ulysses needs q heads ({args.heads}) and kv heads ({args.kv_heads}) divisible by "
-                   f"the {world} ranks")
-    elif args.seq % world:
+        heads_skip = f"needs q heads ({args.heads}) and kv heads ({args.kv_heads}) divisible by the {world} ranks"
+    ds_skip = f"DeepSpeed-Ulysses {heads_skip}" if heads_skip else None
+    if ds_skip is None and args.seq % world:
         ds_skip = f"DeepSpeed-Ulysses needs the sequence ({args.seq}) divisible by the {world} ranks (no padding)"
-    methods.append(Method("DeepSpeed-Ulysses", "deepspeed", world, 1, "contiguous", ds_skip))
+    methods = [Method("single-rank SDPA", "single", 1, 1, "-"),
+               Method("compute only (ceiling)", "ceiling", world, 1, "-", heads_skip),
+               Method("DeepSpeed-Ulysses", "deepspeed", world, 1, "contiguous", ds_skip)]
     for u, r in splits(world):
-        try:
-            check_heads(args.heads, args.kv_heads, u)
-            skip = None
-        except ValueError as err:
-            skip = f"ds-usp: {err}"
+        skip = split_refusal(args.heads, args.kv_heads, u)
         methods.append(Method("ds-usp", "usp", u, r, "zigzag", skip))
         if r > 1:
             methods.append(Method("ds-usp (basic ring)", "usp", u, r, "contiguous", skip))
     return methods
-
-
-class SDPALocal(nn.Module):
-    """Torch SDPA on (batch, seq, heads, head_dim) tensors: the local attention handed to DeepSpeed."""
-
-    def __init__(self, causal: bool, scale: float) -> None:
-        super().__init__()
-        self.causal, self.scale = causal, scale
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attention of ``(b, s, hq, d)`` queries over ``(b, s, hkv, d)`` keys/values."""
-        return sdpa_bshd(q, k, v, self.causal, self.scale)
-
-
-def sdpa_bshd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
-    """``F.scaled_dot_product_attention`` on bshd tensors (transposed views, no copy)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-                                         scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)  # (b, h, s, d) -> (b, s, h, d)
-
-
-def make_inputs(args: argparse.Namespace, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Full q, k, v and output gradient, identical on every rank (seeded generator).
-
-    Returns:
-        ``(q, k, v, dout)``, ``(b, S, h, d)`` with ``h`` = kv heads for k and v.
-    """
-    gen = torch.Generator().manual_seed(args.seed)
-    dtype = DTYPES[args.dtype]
-    b, s, d = args.batch, args.seq, args.head_dim
-
-    def randn(h: int) -> Tensor:
-        return torch.randn(b, s, h, d, generator=gen).to(device=device, dtype=dtype)
-
-    return randn(args.heads), randn(args.kv_heads), randn(args.kv_heads), randn(args.heads)
 
 
 def leaves(*xs: Tensor) -> list[Tensor]:
@@ -257,7 +165,7 @@ def fwd_bwd(attn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tens
     return step
 
 
-def time_step(step: Step, args: argparse.Namespace, device: torch.device) -> tuple[Tensor, Optional[Tensor]]:
+def time_step(step: Step, args: Any, device: torch.device) -> tuple[Tensor, Optional[Tensor]]:
     """Run ``step`` ``warmup + iters`` times, each after a barrier, and time the last ``iters``.
 
     Returns:
@@ -338,42 +246,43 @@ def check(label: str, got: Sequence[Tensor], ref: Optional[Reference], dtype: to
     return status[1].item()
 
 
-def run_single(args: argparse.Namespace, device: torch.device, full: Sequence[Tensor],
-               scale: float) -> tuple[Result, Optional[Reference]]:
+def run_single(args: Any, device: torch.device, full: Sequence[Tensor]) -> tuple[Result, Optional[Reference]]:
     """Time the whole-sequence attention on rank 0 while the other ranks wait at the barrier."""
     rank0 = dist.get_rank() == 0
     step: Step = lambda: None  # noqa: E731 - idle ranks only join the barriers
     if rank0:
         q, k, v = leaves(*full[:3])
-        step = fwd_bwd(lambda a, b, c: sdpa_bshd(a, b, c, args.causal, scale), q, k, v, full[3])
+        step = fwd_bwd(functools.partial(sdpa, causal=args.causal), q, k, v, full[3])
     times, out = time_step(step, args, device)
     ref = Reference(out.detach(), q.grad, k.grad, v.grad) if rank0 else None
     return reduce_times(times, only_rank0=True, device=device), ref
 
 
-def run_ceiling(args: argparse.Namespace, device: torch.device, full: Sequence[Tensor], scale: float) -> Result:
+def run_ceiling(args: Any, device: torch.device, full: Sequence[Tensor]) -> Result:
     """Time the ideal per-rank work with no communication: every rank at once runs SDPA over the whole
     sequence for its ``1/N`` of the heads. Its efficiency is the most this machine's contention allows."""
     n, me = dist.get_world_size(), dist.get_rank()
     q, k, v, dout = (x.chunk(n, dim=2)[me] for x in full)  # (b, S, h/N, d): head group ``me``
     q, k, v = leaves(q, k, v)
-    step = fwd_bwd(lambda a, b, c: sdpa_bshd(a, b, c, args.causal, scale), q, k, v, dout.contiguous())
-    times, _ = time_step(step, args, device)
+    times, _ = time_step(fwd_bwd(functools.partial(sdpa, causal=args.causal), q, k, v, dout.contiguous()), args,
+                         device)
     return reduce_times(times, only_rank0=False, device=device)
 
 
-def run_deepspeed(args: argparse.Namespace, device: torch.device, full: Sequence[Tensor], scale: float,
-                  group: Any, ref: Optional[Reference]) -> Result:
+def run_deepspeed(args: Any, device: torch.device, full: Sequence[Tensor], group: Any,
+                  ref: Optional[Reference]) -> Result:
     """Time DeepSpeed's ``DistributedAttention`` (Ulysses over ``group``) on contiguous shards."""
+    import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # its layer talks to deepspeed.comm
 
     n, me = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, dout = (x.chunk(n, dim=1)[me] for x in full)  # contiguous shards, (b, S/N, h, d)
     q, k, v = leaves(q, k, v)
-    dout = dout.contiguous()
-    layer = DistributedAttention(SDPALocal(args.causal, scale), group, scatter_idx=2, gather_idx=1)
+    layer = DistributedAttention(functools.partial(sdpa, causal=args.causal), group, scatter_idx=2, gather_idx=1)
     # batch_dim_idx=0: the tensors are (batch, seq, heads, head_dim)
-    times, out = time_step(fwd_bwd(lambda a, b, c: layer(a, b, c, 0), q, k, v, dout), args, device)
+    times, out = time_step(fwd_bwd(lambda a, b, c: layer(a, b, c, 0), q, k, v, dout.contiguous()), args, device)
     result = reduce_times(times, only_rank0=False, device=device)
     with torch.no_grad():
         got = [gather_contiguous(x, group) for x in (out, q.grad, k.grad, v.grad)]
@@ -381,22 +290,19 @@ def run_deepspeed(args: argparse.Namespace, device: torch.device, full: Sequence
     return result
 
 
-def run_usp(args: argparse.Namespace, device: torch.device, full: Sequence[Tensor], scale: float, topo: Any,
-            layout: str, label: str, ref: Optional[Reference]) -> Result:
+def run_usp(args: Any, device: torch.device, full: Sequence[Tensor], topo: Any, layout: str, label: str,
+            ref: Optional[Reference]) -> Result:
     """Time ``ds_usp.usp_attention`` on one topology and layout."""
     import ds_usp
 
     q, k, v, dout = (ds_usp.shard_sequence(x, topo, dim=1, layout=layout) for x in full)
     q, k, v = leaves(q, k, v)
-    dout = dout.contiguous()
-
-    extra = {} if args.native_op is None else {"native_op": NATIVE_OP[args.native_op]}
 
     def attn(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-        return ds_usp.usp_attention(a, b, c, topo, causal=args.causal, layout=layout, softmax_scale=scale,
-                                    seq_len=args.seq, **extra)
+        return ds_usp.usp_attention(a, b, c, topo, causal=args.causal, layout=layout, seq_len=args.seq,
+                                    native_op=NATIVE_OP[args.native_op])
 
-    times, out = time_step(fwd_bwd(attn, q, k, v, dout), args, device)
+    times, out = time_step(fwd_bwd(attn, q, k, v, dout.contiguous()), args, device)
     result = reduce_times(times, only_rank0=False, device=device)
     with torch.no_grad():
         got = [ds_usp.gather_sequence(x, topo, dim=1, layout=layout, seq_len=args.seq)
@@ -405,48 +311,44 @@ def run_usp(args: argparse.Namespace, device: torch.device, full: Sequence[Tenso
     return result
 
 
-def fmt(x: Optional[float], spec: str) -> str:
-    """Format a number, or ``-`` when there is none."""
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def render(args: argparse.Namespace, world: int, cores: int, cpu_valid: bool,
-           rows: list[tuple[Method, Optional[Result]]], native: str) -> str:
-    """The results table, its notes and the skipped rows, as text."""
+def table_rows(rows: list[tuple[Method, Result]], world: int, cpu_valid: bool) -> list[dict[str, Any]]:
+    """One dict per measured method: its times (ms), efficiencies, ratios to DeepSpeed and target verdict."""
     single = next(r for m, r in rows if m.kind == "single")
     ds = next((r for m, r in rows if m.kind == "deepspeed"), None)
-    head = (f"{'method':<22} {'UxR':>4} {'layout':<10} {'wall ms':>8} {'cpu ms':>8} {'thr ms':>8} {'eff cpu':>7} "
-            f"{'eff thr':>7} {'eff wall':>8} {'/DS cpu':>7} {'/DS wall':>8} {'cpu imb':>7} {'max|err|':>8} "
-            f"{'target':>6}")
-    lines = [f"attention fwd+bwd: N={world} ranks, S={args.seq}, batch={args.batch}, heads={args.heads}, "
-             f"kv_heads={args.kv_heads}, head_dim={args.head_dim}, {args.dtype}, "
-             f"{'causal' if args.causal else 'non-causal'}, iters={args.iters} (median), warmup={args.warmup}, "
-             f"1 thread/rank, {cores} cores; {native}", head, "-" * len(head)]
-    skipped = []
+    out = []
     for m, r in rows:
-        if r is None:
-            skipped.append(f"  {m.label} {m.ulysses}x{m.ring} {m.layout}: skipped, {m.skip}")
-            continue
         n = 1 if m.kind == "single" else world
         eff_cpu = single.cpu / (n * r.cpu) if cpu_valid else None
-        eff_thr = single.thread / (n * r.thread) if cpu_valid else None
         eff_wall = single.wall / (n * r.wall)
         vs_cpu = r.cpu / ds.cpu if ds is not None and cpu_valid else None
         vs_wall = r.wall / ds.wall if ds is not None else None
         target = "-"
         if m.kind == "usp" and m.layout == "zigzag":
-            eff = eff_cpu if cpu_valid else eff_wall
-            vs = vs_cpu if cpu_valid else vs_wall
+            eff, vs = (eff_cpu, vs_cpu) if cpu_valid else (eff_wall, vs_wall)
             ok = eff >= TARGET_EFFICIENCY and (vs is None or vs <= TARGET_VS_DEEPSPEED)
             target = "ok" if ok else "MISS"
-        ms = (lambda x: fmt(x * 1e3 if cpu_valid else None, ".1f"))  # noqa: E731
-        lines.append(f"{m.label:<22} {f'{m.ulysses}x{m.ring}':>4} {m.layout:<10} {r.wall * 1e3:>8.1f} "
-                     f"{ms(r.cpu):>8} {ms(r.thread):>8} {fmt(eff_cpu, '.2f'):>7} {fmt(eff_thr, '.2f'):>7} "
-                     f"{eff_wall:>8.2f} {fmt(vs_cpu, '.2f'):>7} {fmt(vs_wall, '.2f'):>8} "
-                     f"{fmt(r.imbalance if cpu_valid else None, '.2f'):>7} "
-                     f"{fmt(r.max_err if m.kind in ('usp', 'deepspeed') else None, '.1e'):>8} {target:>6}")
+        out.append({"method": m.label, "UxR": f"{m.ulysses}x{m.ring}", "layout": m.layout, "wall ms": r.wall * 1e3,
+                    "cpu ms": r.cpu * 1e3 if cpu_valid else None, "thr ms": r.thread * 1e3 if cpu_valid else None,
+                    "eff cpu": eff_cpu, "eff thr": single.thread / (n * r.thread) if cpu_valid else None,
+                    "eff wall": eff_wall, "/DS cpu": vs_cpu, "/DS wall": vs_wall,
+                    "cpu imb": r.imbalance if cpu_valid else None,
+                    "max|err|": r.max_err if m.kind in ("usp", "deepspeed") else None, "target": target,
+                    "rank cpu ms": [t * 1e3 for t in r.rank_cpu], "elapsed s": r.elapsed})
+    return out
+
+
+def render(args: Any, world: int, cores: int, rows: list[dict[str, Any]], skipped: list[Method], native: str) -> str:
+    """The results table, its notes and the skipped rows, as text."""
+    cols = ["method", "UxR", "layout", "wall ms", "cpu ms", "thr ms", "eff cpu", "eff thr", "eff wall", "/DS cpu",
+            "/DS wall", "cpu imb", "max|err|", "target"]
+    fmt = {c: ".1f" if c.endswith(" ms") else ".2f" for c in cols} | {"max|err|": ".1e"}
+    lines = [f"attention fwd+bwd: N={world} ranks, S={args.seq}, batch={args.batch}, heads={args.heads}, "
+             f"kv_heads={args.kv_heads}, head_dim={args.head_dim}, {args.dtype}, "
+             f"{'causal' if args.causal else 'non-causal'}, iters={args.iters} (median), warmup={args.warmup}, "
+             f"1 thread/rank, {cores} cores; {native}",
+             table(rows, cols, fmt)]
     if skipped:
-        lines += ["skipped:"] + skipped
+        lines += ["skipped:"] + [f"  {m.label} {m.ulysses}x{m.ring} {m.layout}: {m.skip}" for m in skipped]
     atol, rtol = TOLERANCES[DTYPES[args.dtype]]
     lines += [
         "notes:",
@@ -460,7 +362,8 @@ def render(args: argparse.Namespace, world: int, cores: int, cpu_valid: bool,
         "    no communication: the efficiency that contention between concurrently running ranks leaves.",
         "  /DS = time / DeepSpeed-Ulysses time (same clock); cpu imb = slowest rank's CPU / mean rank's CPU.",
         f"  target: issue 3 (at S=8192, H=8, D=64, causal, fp32): eff >= {TARGET_EFFICIENCY:.2f} and "
-        f"/DS <= {TARGET_VS_DEEPSPEED:.2f}, on {'cpu' if cpu_valid else 'wall'} time, zigzag rows.",
+        f"/DS <= {TARGET_VS_DEEPSPEED:.2f}, on {'cpu' if rows[0]['cpu ms'] is not None else 'wall'} time, "
+        "zigzag rows.",
         f"  max|err|: gathered out/dq/dk/dv vs the single-rank ones; checked with atol={atol:g}, rtol={rtol:g}.",
     ]
     if args.causal:
@@ -469,41 +372,22 @@ def render(args: argparse.Namespace, world: int, cores: int, cpu_valid: bool,
     return "\n".join(lines)
 
 
-def init(args: argparse.Namespace) -> torch.device:
-    """Join the process group (NCCL on CUDA, else gloo) with a timeout, one intra-op thread per rank."""
-    import deepspeed
-
-    torch.set_num_threads(1)
-    cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False,
-                               timeout=datetime.timedelta(seconds=args.timeout))
-    if cuda:
-        torch.cuda.set_device(args.local_rank)
-        return torch.device("cuda", args.local_rank)
-    return torch.device("cpu")
-
-
-def native_op_note(args: argparse.Namespace, device: torch.device) -> str:
+def native_op_note(args: Any, device: torch.device) -> str:
     """Which implementation ds-usp's ``native_op`` setting resolved to (call after the ds-usp rows ran: cached)."""
-    import ds_usp
+    from ds_usp.ops import NativeOps, resolve_native_op
 
-    param = inspect.signature(ds_usp.usp_attention).parameters.get("native_op")
-    if param is None:
-        return "ds-usp native op: none in this ds-usp"
-    setting = param.default if args.native_op is None else NATIVE_OP[args.native_op]
+    setting = NATIVE_OP[args.native_op]
     try:
-        from ds_usp.ops import resolve_native_op
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            used = "native op" if resolve_native_op(setting, device) is not None else "PyTorch twins"
+            used = "native op" if isinstance(resolve_native_op(setting, device), NativeOps) else "PyTorch twins"
     except Exception as err:  # noqa: BLE001 - a note, not a result
         used = f"unknown ({type(err).__name__}: {err})"
     return f"ds-usp native_op={setting!r}: {used}"
 
 
-def run_method(m: Method, args: argparse.Namespace, device: torch.device, full: Sequence[Tensor], scale: float,
-               ref: Optional[Reference], cache: dict[Any, Any], name: str) -> tuple[Result, Optional[Reference]]:
+def run_method(m: Method, args: Any, device: torch.device, full: Sequence[Tensor], ref: Optional[Reference],
+               cache: dict[Any, Any], name: str) -> tuple[Result, Optional[Reference]]:
     """Measure one runnable method; ``cache`` keeps process groups across methods (created collectively).
 
     Returns:
@@ -513,35 +397,30 @@ def run_method(m: Method, args: argparse.Namespace, device: torch.device, full: 
 
     timeout = datetime.timedelta(seconds=args.timeout)
     if m.kind == "single":
-        return run_single(args, device, full, scale)
+        return run_single(args, device, full)
     if m.kind == "ceiling":
-        return run_ceiling(args, device, full, scale), ref
+        return run_ceiling(args, device, full), ref
     if m.kind == "deepspeed":
         if "deepspeed" not in cache:
             cache["deepspeed"] = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
-        return run_deepspeed(args, device, full, scale, cache["deepspeed"], ref), ref
+        return run_deepspeed(args, device, full, cache["deepspeed"], ref), ref
     key = (m.ulysses, m.ring)
     if key not in cache:
         cache[key] = ds_usp.USPTopology.build(m.ulysses, m.ring, timeout=timeout)
-    return run_usp(args, device, full, scale, cache[key], m.layout, name, ref), ref
+    return run_usp(args, device, full, cache[key], m.layout, name, ref), ref
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Measure every method, check it, print the table (rank 0); raise on any failure."""
     args = parse_args(argv)
-    device = init(args)
-    import ds_usp
-
-    if args.native_op is not None and "native_op" not in inspect.signature(ds_usp.usp_attention).parameters:
-        raise SystemExit("--native-op: this ds-usp's usp_attention has no native_op parameter")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    device = init_distributed(args.timeout)
+    world = dist.get_world_size()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cpu_valid = device.type == "cpu"
     methods = plan_methods(args, world)
-    full = make_inputs(args, device)
-    scale = 1.0 / math.sqrt(args.head_dim)
+    full = random_qkv(args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype], device,
+                      args.seed)
     cache: dict[Any, Any] = {}
-    results: dict[int, Result] = {}
+    measured: list[tuple[Method, Result]] = []
     ref: Optional[Reference] = None
     runnable = [m for m in methods if m.skip is None]
     log(f"N={world} ranks on {device.type}, {cores} cores; {len(runnable)} of {len(methods)} methods run")
@@ -552,25 +431,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         name = f"({i}/{len(runnable)}) {m.label} {m.ulysses}x{m.ring} {m.layout}"
         log(f"{name}: warmup {args.warmup}, iters {args.iters} ...")
         start = time.perf_counter()
-        result, ref = run_method(m, args, device, full, scale, ref, cache, name)
+        result, ref = run_method(m, args, device, full, ref, cache, name)
         result.elapsed = time.perf_counter() - start
-        results[id(m)] = result
-        cpu = f", cpu {result.cpu * 1e3:.1f} ms" if cpu_valid else ""
+        measured.append((m, result))
         check_note = f", check ok (max|err| {result.max_err:.1e})" if m.kind in ("usp", "deepspeed") else ""
-        log(f"{name}: wall {result.wall * 1e3:.1f} ms{cpu}{check_note} [{result.elapsed:.1f} s]")
-    rows = [(m, results.get(id(m))) for m in methods]
-    if rank == 0:
+        log(f"{name}: wall {result.wall * 1e3:.1f} ms, cpu {result.cpu * 1e3:.1f} ms{check_note} "
+            f"[{result.elapsed:.1f} s]")
+    if dist.get_rank() == 0:
         native = native_op_note(args, device) if any(m.kind == "usp" for m in runnable) else "ds-usp did not run"
-        print(render(args, world, cores, cpu_valid, rows, native), flush=True)
-        if args.json:
-            payload = {"args": {k: v for k, v in vars(args).items() if k != "local_rank"}, "world": world,
-                       "cores": cores, "device": device.type, "native_op": native,
-                       "rows": [{"method": asdict(m), "result": None if r is None else asdict(r)} for m, r in rows]}
-            with open(args.json, "w") as f:
-                json.dump(payload, f, indent=2)
-            log(f"results written to {args.json}")
-    dist.barrier()
-    dist.destroy_process_group()
+        rows = table_rows(measured, world, cpu_valid=device.type == "cpu")
+        skipped = [m for m in methods if m.skip is not None]
+        print(render(args, world, cores, rows, skipped, native), flush=True)
+        meta = dict(vars(args), native_op_used=native, skipped=[f"{m.label} {m.ulysses}x{m.ring}: {m.skip}"
+                                                                  for m in skipped])
+        log(f"results written to {save_results(args.json, meta, rows)}")
+    close_distributed()
 
 
 if __name__ == "__main__":

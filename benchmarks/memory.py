@@ -1,6 +1,6 @@
 """Peak memory of attention forward+backward per rank (issue 6): one rank's full attention vs each USP split.
 
-Run (4 CPU ranks over gloo; on GPUs add ``--device cuda``):
+Run (4 CPU ranks over gloo; on a CUDA machine the same command measures the GPUs):
 
     deepspeed --num_gpus 4 benchmarks/memory.py --seqs 2048,4096,8192 --heads 8 --head-dim 64 --dtype fp32 \
         --causal --plot docs/img/memory.png
@@ -23,8 +23,9 @@ q, k, v and the output gradient dout, which exist before (their bytes are printe
 * ``tracked``: a ``TorchDispatchMode`` that sees every ATen op's outputs, registers each new storage
   (not a view or in-place result of an argument) with its size, and drops it when the storage dies
   (a weakref finalizer on the storage object, which PyTorch keeps alive exactly as long as the
-  storage). It attributes each byte to the op and the ds-usp source line that allocated it: the
-  breakdown printed at the peak.
+  storage). ds-usp's ``torch.library`` custom ops are entered (the mode runs their Python bodies), so
+  the buffers inside them count too. It attributes each byte to the op and the ds-usp source line that
+  allocated it: the breakdown printed at the peak.
 * ``allocator`` (a cross-check): ``torch.profiler`` with ``profile_memory=True``: the allocations
   and frees of PyTorch's CPU allocator, in time order, cumulated; its maximum. It also sees scratch
   buffers inside kernels (SDPA's backward: about 1 MiB here), which the tracker cannot. But it
@@ -34,9 +35,13 @@ q, k, v and the output gradient dout, which exist before (their bytes are printe
   moment is overcounted by that buffer. So it is an upper bound that is sometimes off by one
   all-to-all buffer.
 
-The reported peak is the tracker's; the allocator's is printed beside it. With ``--device cuda``:
+The reported peak is the tracker's; the allocator's is printed beside it. On CUDA:
 ``torch.cuda.max_memory_allocated`` minus the allocation before the call (the inputs), after
 ``torch.cuda.reset_peak_memory_stats``.
+
+Beside each split the model :func:`ds_usp.cost.attention_memory` is printed (``model`` columns:
+``output + saved`` beside ``kept``, ``forward_peak`` beside the forward's peak, ``backward_peak``
+beside the backward's peak beyond ``kept``), so that the table shows how close the model is.
 
 Target (issue 6): per-rank peak <= 1.2 x (single-rank peak / N), printed as ``ratio`` =
 per-rank peak / (single-rank peak / N) per split and S. Also printed: ``kept``, the bytes alive
@@ -47,8 +52,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import math
 import os
 import sys
 import time
@@ -59,15 +62,18 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
+from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+import ds_usp
+from _common import (DTYPES, MIB, NATIVE_OP, close_distributed, comma_list, init_distributed, log, parse, parser,
+                     random_qkv, save_results, sdpa, split_refusal, splits, table)
+from ds_usp.cost import AttentionMemory, attention_memory
+from ds_usp.sharding import padded_length
+
 TARGET = 1.2  # issue 6: per-rank peak <= 1.2 x single-rank peak / N
-TAG = "[memory-bench]"
-MIB = 2.0 ** 20
 # Seconds to wait after the forward before reading what it kept: a communication buffer lives until the
 # transfer's work object is dropped, sometimes on gloo's worker thread a moment after the forward returned.
 KEPT_SETTLE_S = 0.2
@@ -92,6 +98,9 @@ def _call_site() -> str:
 class LiveBytes(TorchDispatchMode):
     """Live bytes of the tensor storages that ATen ops allocate while this mode is active, and their peak.
 
+    ds-usp's attention is ``torch.library`` custom ops, whose bodies a dispatch mode does not see into;
+    the mode runs their Python bodies itself, so that the buffers allocated inside are counted too.
+
     Args:
         exclude: tensors that exist before (the inputs): their storages are never counted, nor views of them.
         attribute: remember which op and source line allocated each storage (for :attr:`at_peak`).
@@ -105,7 +114,13 @@ class LiveBytes(TorchDispatchMode):
         self._attribute = attribute
         self.live = 0
         self.peak = 0
+        self.phase_peak = 0  # the most live bytes since the last :meth:`mark`
         self.at_peak: dict[str, list[int]] = {}  # label -> [bytes, tensors]
+
+    def mark(self) -> int:
+        """Start a new phase: the most bytes live since the last mark (or the start); then reset to the live bytes."""
+        most, self.phase_peak = self.phase_peak, self.live
+        return most
 
     def _free(self, key: int) -> None:
         self.live -= self._bytes.pop(key, 0)
@@ -113,7 +128,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        opdef = OPDEFS.get(func._schema.name) if func.namespace == "ds_usp" else None
+        if opdef is not None:  # one of ds-usp's custom ops: run its body under this mode to see its buffers
+            with self:
+                out = opdef._init_fn(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         arg_keys: Optional[set[int]] = None
         for t in tree_leaves(out):
             if not isinstance(t, Tensor) or t.device.type == "meta":
@@ -132,6 +152,7 @@ class LiveBytes(TorchDispatchMode):
                 self._label[key] = f"{func.__name__.split('.')[0]} {dtype} @ {_call_site()}"
             weakref.finalize(st, self._free, key)
             self.live += n
+            self.phase_peak = max(self.phase_peak, self.live)
             if self.live > self.peak:
                 self.peak = self.live
                 if self._attribute:
@@ -163,6 +184,8 @@ class Peak:
     tracked: int  # CPU: LiveBytes (0 on CUDA)
     inputs: int  # q, k, v, dout of this rank
     kept: int  # alive between forward and backward: the output and what autograd saved
+    forward: int  # the most alive during the forward
+    backward: int  # the most alive during the backward beyond ``kept``
     at_peak: dict[str, list[int]] = field(default_factory=dict)  # label -> [bytes, tensors]
 
     @property
@@ -174,7 +197,8 @@ class Peak:
 def measure(forward: Callable[[], Tensor], dout: Tensor, inputs: Sequence[Tensor], device: torch.device) -> Peak:
     """Peak memory of ``forward()`` and ``out.backward(dout)`` beyond ``inputs`` (and ``dout``), one warm-up call first.
 
-    Also records what is alive between the two (the output and what autograd saved for the backward).
+    Also records what is alive between the two (the output and what autograd saved for the backward),
+    the forward's peak, and the backward's peak beyond that.
     """
     forward().backward(dout)
     for t in inputs:
@@ -188,18 +212,21 @@ def measure(forward: Callable[[], Tensor], dout: Tensor, inputs: Sequence[Tensor
         torch.cuda.synchronize(device)
         time.sleep(KEPT_SETTLE_S)
         kept = torch.cuda.memory_allocated(device) - base
+        fwd = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.reset_peak_memory_stats(device)
         out.backward(dout)
         torch.cuda.synchronize(device)
-        return Peak(torch.cuda.max_memory_allocated(device) - base, 0, n_in, kept)
+        bwd = torch.cuda.max_memory_allocated(device) - base
+        return Peak(max(fwd, bwd), 0, n_in, kept, fwd, bwd - kept)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with LiveBytes(exclude=list(inputs) + [dout]) as meter:
             out = forward()
             time.sleep(KEPT_SETTLE_S)  # let gloo's worker thread drop its reference to the last send buffer
-            kept = meter.live
+            kept, fwd = meter.live, meter.mark()
             out.backward(dout)
-    return Peak(allocator_peak(prof), meter.peak, n_in, kept, meter.at_peak)
+    return Peak(allocator_peak(prof), meter.peak, n_in, kept, fwd, meter.mark() - kept, meter.at_peak)
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -207,7 +234,7 @@ def measure(forward: Callable[[], Tensor], dout: Tensor, inputs: Sequence[Tensor
 
 @dataclass
 class Row:
-    """One method at one length, with the peak of every rank that ran it."""
+    """One method at one length, with the peak of every rank that ran it and, for a split, the model."""
 
     seq: int
     label: str  # "single" or "UxR"
@@ -215,6 +242,7 @@ class Row:
     ulysses: int
     ring: int
     peaks: list[Peak]  # per rank that ran it
+    model: Optional[AttentionMemory] = None  # a split's ds_usp.cost.attention_memory
 
     @property
     def worst(self) -> Peak:
@@ -222,53 +250,35 @@ class Row:
         return max(self.peaks, key=lambda p: p.peak)
 
 
-def splits(n: int) -> list[tuple[int, int]]:
-    """Every ``(U, R)`` with ``U * R == n``, Ulysses-heaviest first."""
-    return [(n // r, r) for r in range(1, n + 1) if n % r == 0]
-
-
-def rand(shape: Sequence[int], dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Tensor:
-    """Random tensor built on the CPU from ``gen`` and moved (same values on any device)."""
-    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-
 def run_single(args: argparse.Namespace, seq: int, device: torch.device) -> Optional[Peak]:
     """Rank 0: whole-sequence SDPA forward+backward; others return None."""
     if dist.get_rank() != 0:
         return None
-    gen = torch.Generator().manual_seed(seq)
-    dtype = DTYPES[args.dtype]
-    b, h, hk, d = args.batch, args.heads, args.kv_heads, args.head_dim
-    q, k, v = (rand((b, seq, n, d), dtype, device, gen).requires_grad_() for n in (h, hk, hk))
-    dout = rand((b, seq, h, d), dtype, device, gen)
-    scale = 1.0 / math.sqrt(d)
-
-    def forward() -> Tensor:
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=args.causal, scale=scale, enable_gqa=h != hk).transpose(1, 2)
-
-    return measure(forward, dout, [q, k, v], device)
+    q, k, v, dout = random_qkv(args.batch, seq, args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype],
+                               device, args.seed + seq)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    return measure(lambda: sdpa(q, k, v, args.causal), dout, [q, k, v], device)
 
 
 def run_usp(args: argparse.Namespace, seq: int, topo: Any, device: torch.device) -> Peak:
     """This rank: ``usp_attention`` forward+backward on its zigzag shard."""
-    import ds_usp
-
-    gen = torch.Generator().manual_seed(seq * 1000 + topo.rank)
-    dtype = DTYPES[args.dtype]
-    n = topo.sp_size
-    from ds_usp.sharding import padded_length
-
-    s_local = padded_length(seq, topo.ulysses_degree, topo.ring_degree, "zigzag") // n
-    b, h, hk, d = args.batch, args.heads, args.kv_heads, args.head_dim
-    q, k, v = (rand((b, s_local, x, d), dtype, device, gen).requires_grad_() for x in (h, hk, hk))
-    dout = rand((b, s_local, h, d), dtype, device, gen)
-    native = {"off": False, "auto": "auto", "on": True}[args.native_op]
+    s_local = padded_length(seq, topo.ulysses_degree, topo.ring_degree, "zigzag") // topo.sp_size
+    q, k, v, dout = random_qkv(args.batch, s_local, args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype],
+                               device, args.seed + seq * 1000 + topo.rank)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     def forward() -> Tensor:
-        return ds_usp.usp_attention(q, k, v, topo, causal=args.causal, layout="zigzag", seq_len=seq, native_op=native)
+        return ds_usp.usp_attention(q, k, v, topo, causal=args.causal, layout="zigzag", seq_len=seq,
+                                    native_op=NATIVE_OP[args.native_op])
 
     return measure(forward, dout, [q, k, v], device)
+
+
+def model(args: argparse.Namespace, seq: int, ulysses: int, ring: int) -> AttentionMemory:
+    """:func:`ds_usp.cost.attention_memory` of this split at ``seq`` (padded as ds-usp pads it)."""
+    e = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
+    return attention_memory(args.batch, padded_length(seq, ulysses, ring, "zigzag"), args.heads, args.kv_heads,
+                            args.head_dim, ulysses, ring, e)
 
 
 def gather_peaks(peak: Optional[Peak]) -> list[Peak]:
@@ -281,44 +291,46 @@ def gather_peaks(peak: Optional[Peak]) -> list[Peak]:
 # ----------------------------------------------------------------------------------------- report
 
 
+def cells(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The table's columns per row (MiB, the rank with the largest peak; ratios to the single row of the same S)."""
+    singles = {r.seq: r.worst for r in rows if r.label == "single"}
+    out = []
+    for row in rows:
+        w, s, m = row.worst, singles[row.seq], row.model
+        ideal = s.peak / row.n if m else None
+        out.append({"S": row.seq, "method": row.label, "N": row.n, "peak MiB": w.peak / MIB,
+                    "alloc MiB": w.allocator / MIB, "single/N": ideal and ideal / MIB,
+                    "ratio": ideal and w.peak / ideal,
+                    "target": ("ok" if w.peak <= TARGET * ideal else "MISS") if ideal else "-",
+                    "in MiB": w.inputs / MIB, "ratio+in": ideal and (w.peak + w.inputs) / ((s.peak + s.inputs) / row.n),
+                    "kept MiB": w.kept / MIB, "model kept": m and (m.output + m.saved) / MIB,
+                    "kept ratio": ideal and s.kept and w.kept / (s.kept / row.n),
+                    "fwd MiB": w.forward / MIB, "model fwd": m and m.forward_peak / MIB,
+                    "bwd MiB": w.backward / MIB, "model bwd": m and m.backward_peak / MIB})
+    return out
+
+
 def render(args: argparse.Namespace, world: int, rows: Sequence[Row], device: torch.device) -> str:
-    """The table: per S the single-rank row, then every split with its ratio to single/N."""
+    """The table: per S the single-rank row, then every split with its ratio to single/N and the model."""
     meter = "tracked (dispatch mode), allocator (torch.profiler) as a cross-check" if device.type == "cpu" else \
         "torch.cuda.max_memory_allocated"
-    head = (f"{'S':>6} {'method':<8} {'N':>2} {'peak MiB':>9} {'alloc MiB':>9} {'track MiB':>9} {'single/N':>9} "
-            f"{'ratio':>6} {'target':>6} {'in MiB':>7} {'ratio+in':>8} {'kept MiB':>8} {'kept ratio':>10}")
-    lines = [f"attention fwd+bwd peak memory per rank beyond the inputs: world={world}, batch={args.batch}, "
-             f"H={args.heads}, H_kv={args.kv_heads}, D={args.head_dim}, {args.dtype}, "
-             f"{'causal' if args.causal else 'non-causal'}, zigzag, native_op={args.native_op}, {device.type}; "
-             f"meter: {meter}", head, "-" * len(head)]
-    singles = {r.seq: r.worst for r in rows if r.label == "single"}
-    for row in rows:
-        w = row.worst
-        kept = max(p.kept for p in row.peaks)
-        if row.label == "single":
-            lines.append(f"{row.seq:>6} {'single':<8} {1:>2} {w.peak / MIB:>9.2f} {w.allocator / MIB:>9.2f} "
-                         f"{w.tracked / MIB:>9.2f} {'-':>9} {'-':>6} {'-':>6} {w.inputs / MIB:>7.2f} {'-':>8} "
-                         f"{kept / MIB:>8.2f} {'-':>10}")
-            continue
-        s = singles[row.seq]
-        ideal = s.peak / row.n
-        ratio = w.peak / ideal
-        ratio_in = (w.peak + w.inputs) / ((s.peak + s.inputs) / row.n)
-        kept_ratio = kept / (s.kept / row.n) if s.kept else float("nan")
-        lines.append(f"{row.seq:>6} {row.label:<8} {row.n:>2} {w.peak / MIB:>9.2f} {w.allocator / MIB:>9.2f} "
-                     f"{w.tracked / MIB:>9.2f} {ideal / MIB:>9.2f} {ratio:>6.2f} "
-                     f"{'ok' if ratio <= TARGET else 'MISS':>6} {w.inputs / MIB:>7.2f} {ratio_in:>8.2f} "
-                     f"{kept / MIB:>8.2f} {kept_ratio:>10.2f}")
-    lines += [
-        "columns: peak = track on CPU (the rank with the largest peak); track = live tensor storages allocated by",
-        "  ATen ops (dispatch mode); alloc = CPU allocator peak from the profiler's memory events (cross-check: adds",
-        "  kernel scratch, and overcounts when a gloo thread frees a comm buffer: see the module docstring);",
-        f"  ratio = peak / (single peak / N), target <= {TARGET} (issue 6); in = q, k, v, dout of the rank;",
-        "  ratio+in = the same ratio with the inputs added on both sides; kept = alive between forward and",
+    rows_ = cells(rows)
+    fmt = {c: ".2f" for c in rows_[0] if c not in ("S", "N")}
+    return "\n".join([
+        f"attention fwd+bwd peak memory per rank beyond the inputs: world={world}, batch={args.batch}, "
+        f"H={args.heads}, H_kv={args.kv_heads}, D={args.head_dim}, {args.dtype}, "
+        f"{'causal' if args.causal else 'non-causal'}, zigzag, native_op={args.native_op}, {device.type}; "
+        f"meter: {meter}",
+        table(rows_, fmt=fmt),
+        "columns: peak = the tracker's on CPU (live tensor storages allocated by ATen ops, ds-usp's custom ops",
+        "  entered; the rank with the largest peak); alloc = CPU allocator peak from the profiler's memory events",
+        "  (cross-check: adds kernel scratch, and overcounts when a gloo thread frees a comm buffer: see the module",
+        f"  docstring); ratio = peak / (single peak / N), target <= {TARGET} (issue 6); in = q, k, v, dout of the",
+        "  rank; ratio+in = the same ratio with the inputs added on both sides; kept = alive between forward and",
         "  backward (the output and what autograd saved for the backward: what a layer holds while the rest of the",
-        "  model runs), kept ratio = kept / (single kept / N).",
-    ]
-    return "\n".join(lines)
+        "  model runs), kept ratio = kept / (single kept / N); fwd = the forward's peak, bwd = the backward's",
+        "  peak beyond kept. model = ds_usp.cost.attention_memory: output + saved, forward_peak, backward_peak.",
+    ])
 
 
 def render_breakdown(rows: Sequence[Row], seq: int, top: int) -> str:
@@ -378,96 +390,54 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse the command line."""
-    p = argparse.ArgumentParser(description="peak memory of attention fwd+bwd per rank: single rank vs USP splits")
-    p.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096, 8192])
-    p.add_argument("--sp", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    """The shared flags (``--seqs`` as a list, one ``--dtype``) and the memory benchmark's own."""
+    p = parser("peak memory of attention fwd+bwd per rank: single rank vs USP splits", seq=[2048, 4096, 8192])
+    p.add_argument("--sp", type=comma_list(int), default=None,
                    help="SP sizes N to measure (default: the world size and half of it)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--native-op", choices=("off", "auto", "on"), default="auto",
-                   help="ds-usp's native_op (default: the library default, auto)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--breakdown", type=int, default=10, help="top entries of the at-peak breakdown (0: none)")
     p.add_argument("--plot", default=None, help="write a PNG here (rank 0, needs matplotlib)")
-    p.add_argument("--json", default=None, help="write the rows here (rank 0)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a split misses the target")
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    args = p.parse_args(argv)
-    if args.kv_heads is None:
-        args.kv_heads = args.heads
-    return args
+    return parse(p, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Measure, print the table (rank 0); with ``--strict`` exit 1 if a split misses the target."""
     args = parse_args(argv)
-    import ds_usp
-    from ds_usp.attention.ulysses import check_heads
-
-    torch.set_num_threads(1)
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device")
-        torch.cuda.set_device(args.local_rank)
-        device = torch.device("cuda", args.local_rank)
-    else:
-        device = torch.device("cpu")
-    # torch.distributed directly (the deepspeed launcher sets RANK, WORLD_SIZE, MASTER_ADDR/PORT): on CPU
-    # deepspeed.init_distributed also sets up DeepSpeed's shared-memory all-reduce, whose ~66 MB per rank
-    # /dev/shm buffers outlive the run.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    device = init_distributed(args.timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     sps = args.sp or sorted({world, world // 2} - {0, 1}, reverse=True)
-    topos: dict[tuple[int, int], Any] = {}
     plans = [(n, u, r) for n in sps for u, r in splits(n)]
-    for n, u, r in plans:
-        topos[(u, r)] = ds_usp.USPTopology.build(u, r, timeout=datetime.timedelta(seconds=args.timeout))
+    topos = {(u, r): ds_usp.USPTopology.build(u, r, timeout=datetime.timedelta(seconds=args.timeout))
+             for _, u, r in plans}
     rows: list[Row] = []
     for seq in args.seqs:
         dist.barrier()
         rows.append(Row(seq, "single", 1, 1, 1, gather_peaks(run_single(args, seq, device))))
-        if rank == 0:
-            print(f"{TAG} S={seq} single: {rows[-1].worst.peak / MIB:.2f} MiB", flush=True)
+        log(f"S={seq} single: {rows[-1].worst.peak / MIB:.2f} MiB")
         for n, u, r in plans:
-            try:
-                check_heads(args.heads, args.kv_heads, u)
-            except ValueError as err:
-                if rank == 0:
-                    print(f"{TAG} S={seq} {u}x{r}: skipped, {err}", flush=True)
+            skip = split_refusal(args.heads, args.kv_heads, u)
+            if skip:
+                log(f"S={seq} {u}x{r}: skipped, {skip}")
                 continue
             dist.barrier()
-            rows.append(Row(seq, f"{u}x{r}", n, u, r, gather_peaks(run_usp(args, seq, topos[(u, r)], device))))
-            if rank == 0:
-                print(f"{TAG} S={seq} {u}x{r}: {rows[-1].worst.peak / MIB:.2f} MiB", flush=True)
-    ok = True
+            rows.append(Row(seq, f"{u}x{r}", n, u, r, gather_peaks(run_usp(args, seq, topos[(u, r)], device)),
+                            model(args, seq, u, r)))
+            log(f"S={seq} {u}x{r}: {rows[-1].worst.peak / MIB:.2f} MiB")
+    ok = all(c["target"] != "MISS" for c in cells(rows))
     if rank == 0:
         print(render(args, world, rows, device), flush=True)
         if args.breakdown and device.type == "cpu":
             print(render_breakdown(rows, max(args.seqs), args.breakdown), flush=True)
-        singles = {r.seq: r.worst.peak for r in rows if r.label == "single"}
-        ok = all(r.worst.peak <= TARGET * singles[r.seq] / r.n for r in rows if r.label != "single")
-        print(f"{TAG} target (per-rank peak <= {TARGET} x single/N): {'met by every split' if ok else 'MISSED'}",
-              flush=True)
+        log(f"target (per-rank peak <= {TARGET} x single/N): {'met by every split' if ok else 'MISSED'}")
         if args.plot:
             plot(rows, args.plot, f"attention fwd+bwd peak per rank, H={args.heads}, D={args.head_dim}, "
                                   f"{args.dtype}, {'causal' if args.causal else 'full'}, {device.type}")
-            print(f"{TAG} plot written to {args.plot}", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": {k: v for k, v in vars(args).items() if k != "local_rank"},
-                           "rows": [asdict(r) for r in rows]}, f, indent=1)
-    flag = torch.tensor([1.0 if ok else 0.0], device=device)
-    dist.broadcast(flag, src=0)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if args.strict and not flag.item() else 0
+            log(f"plot written to {args.plot}")
+        raw = [dict(c, peaks=[asdict(p) for p in r.peaks]) for c, r in zip(cells(rows), rows)]
+        log(f"results written to {save_results(args.json, vars(args), raw)}")
+    close_distributed()
+    return 1 if args.strict and not ok else 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ One launch measures, on the same model config, the same initial weights and the 
 
 * ``ds-usp UxR`` for every split U x R of the ranks: ``ds_usp.initialize`` with
   ``attn_implementation="usp"``, batches sharded by ``ds_usp.shard_batch``, loss
-  ``ds_usp.sp_cross_entropy`` (logged with ``ds_usp.sp_loss_value``);
+  ``ds_usp.sp_cross_entropy`` (the whole sequence's mean loss on every rank);
 * ``DeepSpeed-Ulysses``: DeepSpeed's own HF path, ``UlyssesSPAttentionHF.register_with_transformers``
   (sdpa core attention, its ``mpu`` passed to ``deepspeed.initialize``), batches from
   ``UlyssesSPDataLoaderAdapter`` and the loss aggregated over the SP group the way DeepSpeed's tests
@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
+import importlib
 import json
 import math
 import os
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,10 +47,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-TAG = "[train-bench]"
+import torch
+import torch.distributed as dist
+
+from _common import (NATIVE_OP, close_distributed, free_port, init_distributed, log, parse, parser, save_results,
+                     splits, table)
+
 IGNORE_INDEX = -100
 FIRST_LOSS_RTOL = 1e-4  # ds-usp splits must agree on the first-step loss to this relative tolerance
-NATIVE_OP: dict[str, Any] = {"auto": "auto", "on": True, "off": False}
 
 
 @dataclass(frozen=True)
@@ -80,60 +83,39 @@ class SetupRefused(Exception):
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Command-line options (see the module docstring and docs/benchmarks.md)."""
-    p = argparse.ArgumentParser(description="ds-usp training benchmark: tiny Llama, every U x R split vs "
-                                "DeepSpeed-Ulysses")
-    p.add_argument("--seq", type=int, default=8192, help="global sequence length (tokens per sample)")
-    p.add_argument("--batch", type=int, default=1, help="micro batch size (sequences per step)")
+    """The shared flags (fp32 only: no ``--dtype``) and the model, training and method flags."""
+    p = parser("ds-usp training benchmark: tiny Llama, every U x R split vs DeepSpeed-Ulysses", dtype=None,
+               head_dim=None)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: = --heads)")
-    p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them (at least 1)")
     p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ring-impl", default="zigzag", choices=("zigzag", "basic"), help="ds-usp usp.ring_impl")
-    p.add_argument("--native-op", default=None, choices=tuple(NATIVE_OP), help="ds-usp usp.native_op "
-                   "(default: the library's)")
     p.add_argument("--methods", default="all", help="comma list of rows to run: 'deepspeed', 'usp' (every "
                    "split) or splits like '2x2'; default all")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one method may take (its worker "
-                   "processes are killed after that) and every collective's timeout")
-    p.add_argument("--json", default=None, help="also write the rows to this file (rank 0)")
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                   help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON of the worker's job
-    args = p.parse_args(argv)
-    if args.kv_heads is None:
-        args.kv_heads = args.heads
+    args = parse(p, argv)
     if args.hidden % args.heads:  # transformers' LlamaConfig refuses it, whatever head_dim is
         p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
     if args.head_dim is None:
         args.head_dim = args.hidden // args.heads
-    for name in ("seq", "batch", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
-                 "steps", "warmup"):
+    for name in ("layers", "hidden", "intermediate", "vocab", "steps", "warmup"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.heads % args.kv_heads:
-        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    if args.timeout <= 0:
-        p.error("--timeout must be positive")
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     return args
 
 
 def plan_methods(methods: str, world: int) -> list[Method]:
     """The rows to run: every split U x R = world of ds-usp, then DeepSpeed-Ulysses (U = world)."""
-    splits = [(u, world // u) for u in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True)]
-    rows = [Method("usp", u, r) for u, r in splits] + [Method("deepspeed", world, 1)]
+    rows = [Method("usp", u, r) for u, r in splits(world)] + [Method("deepspeed", world, 1)]
     if methods == "all":
         return rows
     wanted = {w.strip() for w in methods.split(",") if w.strip()}
-    known = {"usp", "deepspeed"} | {f"{u}x{r}" for u, r in splits}
+    known = {"usp", "deepspeed"} | {f"{u}x{r}" for u, r in splits(world)}
     if not wanted or wanted - known:
         raise SystemExit(f"--methods {methods!r}: unknown {sorted(wanted - known)}; valid: {sorted(known)}")
     return [m for m in rows if m.kind in wanted or (m.kind == "usp" and f"{m.ulysses}x{m.ring}" in wanted)]
@@ -145,7 +127,6 @@ def plan_methods(methods: str, world: int) -> list[Method]:
 
 def build_model(args: argparse.Namespace, attn: str) -> Any:
     """The tiny Llama, fp32, initialized from ``args.seed`` (same weights for every method)."""
-    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -160,8 +141,6 @@ def build_model(args: argparse.Namespace, attn: str) -> Any:
 def make_batch(args: argparse.Namespace, index: int) -> dict[str, Any]:
     """Sample ``index``: ``(batch, seq)`` token ids from a Zipf-like unigram distribution (learnable, so
     the loss falls within a few steps), labels = ids, global positions. Same on every rank."""
-    import torch
-
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + 17 + index)
     probs = 1.0 / torch.arange(1, args.vocab + 1, dtype=torch.float64)
     ids = torch.multinomial(probs.expand(args.batch, -1), args.seq, replacement=True, generator=g)
@@ -206,18 +185,22 @@ def die_with_parent(parent_pid: int) -> None:
     except OSError:
         pass
     if os.getppid() != parent_pid:  # the driver died before the prctl
-        raise SystemExit(f"{TAG} driver {parent_pid} is gone")
+        raise SystemExit(f"driver {parent_pid} is gone")
 
 
-def setup_usp(args: argparse.Namespace, m: Method) -> tuple[Any, Callable[[int], Any], Callable[[Any], float]]:
-    """ds-usp: ``ds_usp.initialize`` for split U x R; returns the engine, a batch preparer and a step."""
+def setup_usp(args: argparse.Namespace, m: Method) -> tuple[Any, Callable[[int], Any], Callable[[Any], torch.Tensor]]:
+    """ds-usp: ``ds_usp.initialize`` for split U x R.
+
+    Returns:
+        The engine, a batch preparer (sample index -> this rank's batch) and the loss of a batch (the
+        whole sequence's mean on every rank, for ``engine.backward``).
+    """
     import ds_usp
 
     ds_usp.hf.register_usp_attention()
     model = build_model(args, "usp")
     usp: dict[str, Any] = {"ulysses_degree": m.ulysses, "ring_degree": m.ring, "ring_impl": args.ring_impl}
-    if args.native_op is not None:
-        usp["native_op"] = NATIVE_OP[args.native_op]
+    usp["native_op"] = NATIVE_OP[args.native_op]
     cfg = dict(ds_config(args), sequence_parallel="usp", sequence_parallel_size=m.ulysses * m.ring, usp=usp)
     try:
         engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -230,14 +213,11 @@ def setup_usp(args: argparse.Namespace, m: Method) -> tuple[Any, Callable[[int],
     def prepare(index: int) -> Any:
         return ds_usp.shard_batch(make_batch(args, index), topo, layout=engine.usp.layout)
 
-    def step(shard: Any) -> float:
+    def loss_of(shard: Any) -> torch.Tensor:
         logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-        loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
-        engine.backward(loss)
-        engine.step()
-        return ds_usp.sp_loss_value(loss, topo)
+        return ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
 
-    return engine, prepare, step
+    return engine, prepare, loss_of
 
 
 class _RankBatches:
@@ -258,12 +238,13 @@ class _RankBatches:
 
 
 def setup_deepspeed(args: argparse.Namespace, m: Method, total_steps: int
-                    ) -> tuple[Any, Callable[[int], Any], Callable[[Any], float]]:
+                    ) -> tuple[Any, Callable[[int], Any], Callable[[Any], torch.Tensor]]:
     """DeepSpeed's HF Ulysses path (``UlyssesSPAttentionHF``); same contract as :func:`setup_usp`."""
     import deepspeed
     import torch.distributed.nn.functional as dist_fn
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # its ALST path uses deepspeed.comm
     sp = m.ulysses * m.ring
     model = build_model(args, "sdpa")
     try:
@@ -286,7 +267,7 @@ def setup_deepspeed(args: argparse.Namespace, m: Method, total_steps: int
         del index  # the adapter yields sample i at step i (see _RankBatches)
         return next(loader)
 
-    def step(batch: Any) -> float:
+    def loss_of(batch: Any) -> torch.Tensor:
         shift_labels = batch["shift_labels"].to(engine.device)
         out = engine(input_ids=batch["input_ids"].to(engine.device),
                      position_ids=batch["position_ids"].to(engine.device))
@@ -296,43 +277,33 @@ def setup_deepspeed(args: argparse.Namespace, m: Method, total_steps: int
         losses = dist_fn.all_gather(local, group=group)
         good = (shift_labels != IGNORE_INDEX).sum()
         goods = dist_fn.all_gather(good, group=group)
-        loss = sum(losses[r] * goods[r] for r in range(sp)) / sum(goods)
-        engine.backward(loss)
-        engine.step()
-        return float(loss.detach())
+        return sum(losses[r] * goods[r] for r in range(sp)) / sum(goods)
 
-    return engine, prepare, step
+    return engine, prepare, loss_of
 
 
 def run_worker(args: argparse.Namespace) -> None:
     """One rank of one method: train ``warmup + steps`` steps and write this rank's result JSON."""
     job = json.loads(args.worker)
     die_with_parent(job["parent_pid"])
-    import torch
-
-    torch.set_num_threads(1)
-    import deepspeed
-    import torch.distributed as dist
-
     m = Method(**job["method"])
     out_path = Path(job["out"])
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               timeout=datetime.timedelta(seconds=args.timeout))
+    init_distributed(args.timeout)
     rank = dist.get_rank()
     # Import what either method uses before the baseline, so that it is not counted as the method's memory.
-    import transformers.models.llama.modeling_llama  # noqa: F401
-    from deepspeed.runtime.sequence_parallel import ulysses_sp  # noqa: F401
-
-    import ds_usp  # noqa: F401
+    for module in ("transformers.models.llama.modeling_llama", "deepspeed.runtime.sequence_parallel.ulysses_sp",
+                   "ds_usp"):
+        importlib.import_module(module)
 
     result: dict[str, Any] = {"rank": rank, "status": "ok", "reason": None, "rss_base": rss_bytes()}
     total = args.warmup + args.steps
     try:
         setup = setup_usp if m.kind == "usp" else (lambda a, mm: setup_deepspeed(a, mm, total))
-        engine, prepare, step = setup(args, m)
+        engine, prepare, loss_of = setup(args, m)
     except SetupRefused as e:
         result.update(status="skipped", reason=str(e).splitlines()[0] if str(e) else repr(e))
         out_path.write_text(json.dumps(result))
+        close_distributed()
         return
     result["rss_setup"] = rss_bytes()
     walls, cpus, losses = [], [], []
@@ -340,20 +311,21 @@ def run_worker(args: argparse.Namespace) -> None:
         batch = prepare(i)
         dist.barrier()
         w0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step(batch))
+        loss = loss_of(batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
-        if rank == 0:
-            print(f"{TAG} {m.label} {m.ulysses}x{m.ring} step {i + 1}/{total}: loss {losses[-1]:.6f} "
-                  f"{walls[-1]:.2f} s", flush=True)
+        log(f"{m.label} {m.ulysses}x{m.ring} step {i + 1}/{total}: loss {losses[-1]:.6f} {walls[-1]:.2f} s")
     result.update(walls=walls, cpus=cpus, losses=losses, rss_peak=peak_rss_bytes(), rss_end=rss_bytes())
     if torch.cuda.is_available():
         result["cuda_peak"] = torch.cuda.max_memory_allocated()
-    dist.barrier()
     out_path.write_text(json.dumps(result))
     del engine
+    close_distributed()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,13 +348,6 @@ class Row:
     rss_train_mib: float = math.nan
     first_loss: float = math.nan
     last_loss: float = math.nan
-
-
-def free_port() -> int:
-    """A TCP port free right now on this host (for one method's worker process group)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def reduce_rows(m: Method, per_rank: list[dict[str, Any]], tokens_per_step: int, warmup: int) -> Row:
@@ -408,25 +373,20 @@ def reduce_rows(m: Method, per_rank: list[dict[str, Any]], tokens_per_step: int,
 
 
 def render(args: argparse.Namespace, world: int, rows: list[Row], first_check: str) -> str:
-    """The table printed by rank 0."""
+    """The table printed by rank 0 (skipped rows with their reason below it)."""
     head = (f"train: {world} ranks, Llama layers={args.layers} hidden={args.hidden} heads={args.heads} "
             f"kv_heads={args.kv_heads} head_dim={args.head_dim} ffn={args.intermediate} vocab={args.vocab}, "
             f"seq={args.seq} batch={args.batch} fp32, ZeRO-{args.zero}, AdamW lr={args.lr}, steps={args.steps} "
             f"(median) after warmup={args.warmup}, 1 thread/rank, {os.cpu_count()} cores")
-    cols = ("method", "UxR", "tok/s", "s/step", "cpu s/step", "tok/cpu-s", "peak RSS MiB", "+train MiB",
-            "loss step 1", f"loss step {args.warmup + args.steps}")
-    lines = [head, f"{cols[0]:<18} {cols[1]:>4} {cols[2]:>8} {cols[3]:>7} {cols[4]:>10} {cols[5]:>9} "
-             f"{cols[6]:>12} {cols[7]:>10} {cols[8]:>12} {cols[9]:>12}"]
-    lines.append("-" * len(lines[1]))
-    for r in rows:
-        if r.status != "ok":
-            lines.append(f"{r.method:<18} {r.split:>4} skipped: {r.reason}")
-            continue
-        lines.append(f"{r.method:<18} {r.split:>4} {r.tokens_per_s:8.0f} {r.s_per_step:7.2f} {r.cpu_s_per_step:10.2f} "
-                     f"{r.tokens_per_cpu_s:9.0f} {r.rss_peak_mib:12.0f} {r.rss_train_mib:10.0f} "
-                     f"{r.first_loss:12.6f} {r.last_loss:12.6f}")
-    lines.append(first_check)
-    return "\n".join(lines)
+    cols = {"method": "method", "split": "UxR", "tokens_per_s": "tok/s", "s_per_step": "s/step",
+            "cpu_s_per_step": "cpu s/step", "tokens_per_cpu_s": "tok/cpu-s", "rss_peak_mib": "peak RSS MiB",
+            "rss_train_mib": "+train MiB", "first_loss": "loss step 1",
+            "last_loss": f"loss step {args.warmup + args.steps}"}
+    ok = [{cols[k]: v for k, v in asdict(r).items() if k in cols} for r in rows if r.status == "ok"]
+    fmt = {"tok/s": ".0f", "s/step": ".2f", "cpu s/step": ".2f", "tok/cpu-s": ".0f", "peak RSS MiB": ".0f",
+           "+train MiB": ".0f", "loss step 1": ".6f", cols["last_loss"]: ".6f"}
+    skipped = [f"{r.method} {r.split} skipped: {r.reason}" for r in rows if r.status != "ok"]
+    return "\n".join([head, table(ok, list(cols.values()), fmt)] + skipped + [first_check])
 
 
 def first_loss_check(rows: list[Row]) -> tuple[str, bool]:
@@ -455,15 +415,8 @@ def tail(path: Path, n: int = 40) -> str:
 
 def run_driver(args: argparse.Namespace) -> None:
     """Start each method's worker on this rank, collect the results (rank 0 prints the table)."""
-    import torch
-    import torch.distributed as dist
 
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if var not in os.environ:
-            raise SystemExit(f"{TAG} {var} is not set: run through the launcher, e.g. "
-                             f"deepspeed --num_gpus 4 benchmarks/train.py")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout + 300))
+    init_distributed(args.timeout + 300, gloo=True)  # only coordinates: the workers form their own groups
     rank, world = dist.get_rank(), dist.get_world_size()
     methods = plan_methods(args.methods, world)
     shared: list[Any] = [None, None]
@@ -471,22 +424,19 @@ def run_driver(args: argparse.Namespace) -> None:
         shared = [tempfile.mkdtemp(prefix="ds_usp_train_"), [free_port() for _ in methods]]
     dist.broadcast_object_list(shared, src=0)
     workdir, ports = Path(shared[0]), shared[1]
-    if rank == 0:
-        print(f"{TAG} {len(methods)} methods, each in fresh worker processes; logs in {workdir}", flush=True)
+    log(f"{len(methods)} methods, each in fresh worker processes; logs in {workdir}")
     rows: list[Row] = []
     failed: Optional[str] = None
     for m, port in zip(methods, ports):
-        log = workdir / f"{m.key}.rank{rank}.log"
-        out = workdir / f"{m.key}.rank{rank}.json"
-        job = {"method": asdict(m), "out": str(out), "parent_pid": os.getpid()}
+        logfile = workdir / f"{m.key}.rank{rank}.log"
+        job = {"method": asdict(m), "out": str(workdir / f"{m.key}.rank{rank}.json"), "parent_pid": os.getpid()}
         env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
         cmd = [sys.executable, os.path.abspath(__file__), *argv, f"--local_rank={args.local_rank}",
                "--worker", json.dumps(job)]
-        if rank == 0:
-            print(f"{TAG} {m.label} {m.ulysses}x{m.ring}: start", flush=True)
+        log(f"{m.label} {m.ulysses}x{m.ring}: start")
         t0 = time.perf_counter()
-        with open(log, "w") as f:
+        with open(logfile, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             try:
                 rc = proc.wait(timeout=args.timeout)
@@ -495,7 +445,7 @@ def run_driver(args: argparse.Namespace) -> None:
                 proc.wait()
                 rc = -1000
         status = [None] * world
-        dist.all_gather_object(status, (rc, str(log)))
+        dist.all_gather_object(status, (rc, str(logfile)))
         bad = [(r, c, p) for r, (c, p) in enumerate(status) if c != 0]
         if bad:
             r, c, p = bad[0]
@@ -507,30 +457,24 @@ def run_driver(args: argparse.Namespace) -> None:
             rows.append(reduce_rows(m, per_rank, args.batch * args.seq, args.warmup))
             row = rows[-1]
             done = f"{row.s_per_step:.2f} s/step" if row.status == "ok" else f"skipped: {row.reason}"
-            print(f"{TAG} {m.label} {m.ulysses}x{m.ring}: {done} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            log(f"{m.label} {m.ulysses}x{m.ring}: {done} ({time.perf_counter() - t0:.0f} s)")
     if rank == 0:
         check, ok = first_loss_check(rows) if rows else ("", True)
         print(render(args, world, rows, check), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
-                                                           if k not in ("local_rank", "worker")},
-                                                  "world": world, "rows": [asdict(r) for r in rows],
-                                                  "first_loss_check": check}, indent=1))
+        meta = {k: v for k, v in vars(args).items() if k != "worker"} | {"first_loss_check": check}
+        log(f"results written to {save_results(args.json, meta, rows)}")
         if failed is None and not ok:
             failed = check
-    dist.barrier()
-    dist.destroy_process_group()
+    close_distributed()
     if rank == 0 and failed is None:
         shutil.rmtree(workdir, ignore_errors=True)  # kept (with the worker logs) when the run failed
     if failed is not None:
-        raise SystemExit(f"{TAG} FAILED: {failed}")
+        raise SystemExit(f"[train] FAILED: {failed}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point: the driver (launched by deepspeed) or, internally, one method's worker."""
     args = parse_args(argv)
-    if args.warmup < 1:
-        raise SystemExit("--warmup must be at least 1")
     if args.worker is not None:
         run_worker(args)
     else:
