@@ -413,3 +413,48 @@ def test_auto_never_picks_flash_attn_for_fp32(monkeypatch):
     assert get_backend("auto", "cuda", torch.float32).name == "torch"
     with pytest.raises(ValueError, match="supports float16 and bfloat16 only, the inputs are torch.float32"):
         get_backend("flash_attn", "cuda", torch.float32)
+
+
+# ------------------------------------------------------------------------------------------- bands
+
+
+@pytest.mark.parametrize("nq,nk", [(5, 5), (7, 3), (3, 9), (40, 40), (37, 51), (1, 1)])
+def test_band_pieces_hold_each_allowed_pair_once(nq, nk):
+    """The cut of a band rectangle into full, causal and masked pieces covers exactly its pairs, once each."""
+    from ds_usp.kernels.band import band_mask, band_pieces
+
+    for lo in (None, -20, -5, -1, 0, 2):
+        for hi in (None, -3, 0, 1, 4, 30):
+            if lo is not None and hi is not None and lo > hi:
+                continue
+            cover = torch.zeros(nq, nk, dtype=torch.int)
+            for piece in band_pieces(nq, nk, lo, hi, tile=8):
+                rows, cols = piece.q.stop - piece.q.start, piece.k.stop - piece.k.start
+                if piece.kind == "full":
+                    keep = torch.ones(rows, cols, dtype=torch.bool)
+                elif piece.kind == "causal":
+                    assert rows == cols
+                    keep = torch.ones(rows, cols, dtype=torch.bool).tril()
+                else:
+                    keep = band_mask(rows, cols, piece.lo, piece.hi, CPU)
+                cover[piece.q, piece.k] += keep.int()
+            assert torch.equal(cover, band_mask(nq, nk, lo, hi, CPU).int()), (lo, hi)
+
+
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=HEAD_IDS)
+def test_masked_tiles_fused_cpu_kernel_matches_math(hq, hkv):
+    """The CPU fused kernel with an additive mask gives the exact math's out, lse and grads, empty rows included."""
+    from ds_usp.kernels import band
+
+    q, k, v = make_qkv(2, 12, 9, hq, hkv, 16, torch.float32)
+    keep = band.band_mask(12, 9, -4, 2, CPU)
+    keep[3] = False  # a row that sees nothing
+    out, lse = torch_sdpa.masked_forward(q, k, v, keep, 0.3)
+    want_out, want_lse = band.masked_forward(q, k, v, keep, 0.3)
+    assert torch.isneginf(lse[:, :, 3]).all() and (out[:, 3] == 0).all()
+    assert_close(out, want_out, 1e-5)
+    assert_close(lse.masked_fill(lse.isinf(), 0), want_lse.masked_fill(want_lse.isinf(), 0), 1e-5)
+    dout = torch.randn_like(q)
+    for got, want in zip(torch_sdpa.masked_backward(dout, q, k, v, out, lse, keep, 0.3),
+                         band.masked_backward(dout, q, k, v, want_out, want_lse, keep, 0.3)):
+        assert_close(got, want, 1e-5)

@@ -44,11 +44,16 @@ class AttnBackend:
         name: "torch" or "flash_attn".
         forward_fn: kernel forward on validated inputs with a resolved float scale.
         backward_fn: kernel backward on validated inputs with a resolved float scale.
+        masked_forward: attention of a small tile with an explicit ``(sq, sk)`` bool mask (band edges);
+            default: exact fp32 math (:mod:`ds_usp.kernels.band`).
+        masked_backward: its gradients.
     """
 
     name: str
     forward_fn: ForwardFn = field(repr=False)
     backward_fn: BackwardFn = field(repr=False)
+    masked_forward: Callable[..., tuple[Tensor, Tensor]] = field(default=_band.masked_forward, repr=False)
+    masked_backward: Callable[..., tuple[Tensor, Tensor, Tensor]] = field(default=_band.masked_backward, repr=False)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool,
                 scale: float | None = None) -> tuple[Tensor, Tensor]:
@@ -157,7 +162,8 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
                          f"usable on {device}: {usable_here}")
     if chosen == "flash_attn":
         return AttnBackend("flash_attn", _flash_attn.attention_forward, _flash_attn.attention_backward)
-    return AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward)
+    return AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward,
+                       _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
 
 
 def _resolve_scale(scale: float | None, q: Tensor) -> float:
@@ -213,7 +219,7 @@ def forward_pieces(backend: AttnBackend, q: Tensor, k: Tensor, v: Tensor, lo: Op
         qs, ks = piece.q, piece.k
         if piece.kind == "mask":
             keep = _band.band_mask(qs.stop - qs.start, ks.stop - ks.start, piece.lo, piece.hi, q.device)
-            yield qs, *_band.masked_forward(q[:, qs], k[:, ks], v[:, ks], keep, scale)
+            yield qs, *backend.masked_forward(q[:, qs], k[:, ks], v[:, ks], keep, scale)
         else:
             yield qs, *backend.forward(q[:, qs], k[:, ks], v[:, ks], piece.kind == "causal", scale)
 
@@ -235,6 +241,6 @@ def backward_pieces(backend: AttnBackend, dout: Tensor, q: Tensor, k: Tensor, v:
         args = (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs])
         if piece.kind == "mask":
             keep = _band.band_mask(qs.stop - qs.start, ks.stop - ks.start, piece.lo, piece.hi, q.device)
-            yield qs, ks, *_band.masked_backward(*args, keep, scale)
+            yield qs, ks, *backend.masked_backward(*args, keep, scale)
         else:
             yield qs, ks, *backend.backward(*args, piece.kind == "causal", scale)

@@ -52,13 +52,20 @@ def band_pieces(nq: int, nk: int, lo: Optional[int], hi: Optional[int], tile: in
             continue
         m0 = k0 if lo is None else max(k0, b - 1 + lo)  # keys every query of [a, b) sees
         m1 = k1 if hi is None else min(k1, a + hi + 1)
-        if m0 >= m1:  # no key all of them see: one masked piece (it is at most tile x (tile + window))
+        diagonal = hi is not None and 0 <= a + hi and b + hi <= nk and (lo is None or lo <= hi - (b - a - 1)) \
+            and a + hi >= m0
+        if diagonal:  # the band's upper edge is a causal square: keys [a + hi, b + hi)
+            m1 = a + hi
+        if m0 >= m1 and not diagonal:  # no key all of them see: one masked piece (at most tile x (tile + window))
             pieces.append(_edge(a, b, k0, k1, lo, hi))
             continue
-        if k0 < m0:
-            pieces.append(_edge(a, b, k0, m0, lo, hi))
-        pieces.append(Piece(slice(a, b), slice(m0, m1), "full"))
-        if m1 < k1:
+        if k0 < min(m0, m1):
+            pieces.append(_edge(a, b, k0, min(m0, m1), lo, hi))
+        if m0 < m1:
+            pieces.append(Piece(slice(a, b), slice(m0, m1), "full"))
+        if diagonal:
+            pieces.append(Piece(slice(a, b), slice(a + hi, b + hi), "causal"))
+        elif m1 < k1:
             pieces.append(_edge(a, b, m1, k1, lo, hi))
     return pieces
 

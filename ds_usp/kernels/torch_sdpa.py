@@ -220,3 +220,60 @@ def _cuda_efficient_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
         _bhsd(dout), _bhsd(q), _bhsd(_expand_kv_heads(k, groups)), _bhsd(_expand_kv_heads(v, groups)), None,
         _bhsd(out.contiguous()), lse, rng, rng, 0.0, [True, True, True, False], causal, scale=scale)
     return _bshd(dq), _sum_kv_groups(_bshd(dk), groups), _sum_kv_groups(_bshd(dv), groups)
+
+
+# ----------------------------------------------------------------------------- masked tiles (CPU)
+
+
+def masked_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention with an explicit ``(sq, sk)`` bool mask, rows with no key at ``lse = -inf`` and zero output.
+
+    On CPU the fused kernel takes the mask as an additive bias (it returns ``lse = 0`` for a row with no
+    key, which is fixed here); elsewhere the exact fp32 math of :mod:`ds_usp.kernels.band`.
+
+    Args:
+        q: ``(b, sq, hq, d)``.
+        k: ``(b, sk, hkv, d)``.
+        v: ``(b, sk, hkv, d)``.
+        keep: ``(sq, sk)`` bool, True where the pair meets.
+        scale: softmax scale.
+
+    Returns:
+        out ``(b, sq, hq, d)`` in q's dtype and lse ``(b, hq, sq)`` fp32.
+    """
+    if q.device.type != "cpu" or not _CPU_NATIVE_GQA:
+        from ds_usp.kernels.band import masked_forward as math_forward
+
+        return math_forward(q, k, v, keep, scale)
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        _bhsd(q), _bhsd(k), _bhsd(v), 0.0, False, attn_mask=_bias(keep, q.dtype), scale=scale)
+    out, lse = _bshd(out), lse.to(torch.float32).contiguous()
+    empty = ~keep.any(dim=1)  # (sq,) rows that see no key
+    if bool(empty.any()):
+        lse[..., empty] = float("-inf")
+        out[:, empty] = 0
+    return out, lse
+
+
+def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, keep: Tensor,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`masked_forward` given the final ``out``/``lse`` of the rows.
+
+    Returns:
+        dq, dk, dv in the inputs' dtypes.
+    """
+    if q.device.type != "cpu" or not _CPU_NATIVE_GQA:
+        from ds_usp.kernels.band import masked_backward as math_backward
+
+        return math_backward(dout, q, k, v, out, lse, keep, scale)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = lse.to(lse_dtype).masked_fill(torch.isneginf(lse), float("inf"))  # a row that sees nothing: p = 0, not NaN
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, False,
+        attn_mask=_bias(keep, q.dtype), scale=scale)
+    return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+def _bias(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(sq, sk)`` bool -> additive ``(1, 1, sq, sk)`` bias: 0 where kept, -inf elsewhere."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))[None, None]
