@@ -47,7 +47,10 @@ setup(
     extras_require={
         "hf": ["transformers>=4.51"],  # attn_implementation="usp" (tested with 5.23)
         "demo": ["transformers>=4.51", "matplotlib>=3.7"],  # examples/train_llama.py with its loss.png
-        "dev": ["pytest>=7", "hypothesis>=6", "transformers>=4.51"],
+        # ds_usp.hf_trainer (USPTrainer, USPSFTTrainer): the versions it was tested with, see its check_versions
+        "trainer": ["transformers>=5.23,<5.24", "accelerate>=1.15,<1.16", "trl>=1.16,<1.17", "datasets>=3"],
+        "dev": ["pytest>=7", "hypothesis>=6", "transformers>=5.23,<5.24", "accelerate>=1.15,<1.16", "trl>=1.16,<1.17",
+                "datasets>=3", "triton>=3.0"],  # triton: its kernels run on CPU under TRITON_INTERPRET=1 in the tests
         "gpu": ["flash-attn>=2.5", "triton>=3.0"],
     },
     **_prebuilt_native_op(),

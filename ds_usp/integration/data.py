@@ -165,7 +165,8 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         pad_token_id: token used to pad the sequence end.
 
     Returns:
-        ``input_ids``, ``position_ids`` and ``shift_labels``, each ``(b, padded_S / (U*R))``, and the
+        ``input_ids``, ``position_ids``, ``shift_labels`` and ``attention_mask`` (1 on real tokens, 0 on
+        the end padding; the ``"usp"`` attention builds no mask from it), each ``(b, padded_S / (U*R))``, and the
         documents over the global sequence as HF's ``cu_seq_lens_q``/``cu_seq_lens_k`` and
         ``max_length_q``/``max_length_k`` (one document per row when not packed: they also tell the
         attention the real length). Call ``engine(**shard)``: the model's attention reads the
@@ -210,6 +211,7 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         "input_ids": shard(ids.long(), pad_token_id),
         "position_ids": shard(positions.long()),  # padding gets position 0: it belongs to no document, meets nothing
         "shift_labels": shard(shift_labels(labels.long(), docs), IGNORE_INDEX),
+        "attention_mask": shard(torch.ones_like(ids, dtype=torch.long), 0),  # 0 on the end padding only
         "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
     }
 

@@ -1,0 +1,316 @@
+"""HuggingFace ``Trainer`` and TRL ``SFTTrainer`` with USP: an import and a class name.
+
+    from ds_usp.hf_trainer import USPTrainer          # instead of: from transformers import Trainer
+    ds_usp.hf.register_usp_attention()                # done by the import; then attn_implementation="usp"
+    trainer = USPTrainer(model=model, args=TrainingArguments(..., deepspeed="ds.json"), train_dataset=...)
+
+    from ds_usp.hf_trainer import USPSFTTrainer       # instead of: from trl import SFTTrainer
+
+The DeepSpeed JSON gets ``"sequence_parallel": "usp"`` (and optionally the ``"usp"`` block); the model
+is built with ``attn_implementation="usp"`` (``ds_usp.hf.register_usp_attention()``; the two
+trainers register it on import). Without ``"sequence_parallel"`` they are the plain trainers. Launch
+is unchanged (``deepspeed``, ``accelerate launch``, ``torchrun``).
+
+What happens inside (transformers 5.23 / accelerate 1.15 / TRL 1.16; other versions are refused,
+see :func:`check_versions`):
+
+* the engine: accelerate creates it with ``deepspeed.initialize`` and offers no way to pass an
+  ``mpu``; while the trainer's ``accelerator.prepare`` runs (the only call that creates engines),
+  ``deepspeed.initialize`` is routed to :func:`ds_usp.initialize`, which builds the groups and hands
+  DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks;
+* data: the loaders split batches over replicas only (every rank of an SP group gets the same
+  batch), and each batch is sharded by :func:`ds_usp.shard_batch` (layout of ``usp.ring_impl``,
+  labels shifted before sharding, packed documents found as HF's collators describe them);
+* loss: ``model(**shard)`` returns the SP token-weighted mean (the chunked loss at long lengths), and
+  the Trainer's ``num_items_in_batch`` is the count of targets of the whole optimizer step, each
+  counted once; the loss is returned already scaled for gradient accumulation
+  (``loss_is_scaled_for_ga``), so accumulation and ``max_grad_norm`` behave as without SP;
+* logging shows the true loss (the same on every rank of a group), tokens/s counts each real token
+  once (the shards' ``attention_mask`` marks the real tokens), evaluation gives the loss and ``predict`` the logits of the whole sequences, gathered inside
+  each SP group and over replicas only; ``save_model`` and checkpoint resume are DeepSpeed's own.
+
+DeepSpeed's ``train_batch_size``: HF fills an ``"auto"`` one with ``world x micro x accumulation``
+while DeepSpeed counts replicas only (``world / sequence_parallel_size``); importing this module
+corrects that one value in HF's config processing (:func:`_divide_train_batch_size_by_sp`).
+"""
+from __future__ import annotations
+
+import functools
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens, shard_batch
+from ds_usp.integration.hf import register_usp_attention
+
+# tested versions: the integration uses Trainer/accelerate internals that change between minor versions
+SUPPORTED = {"transformers": ((5, 23), (5, 24)), "accelerate": ((1, 15), (1, 16)), "trl": ((1, 16), (1, 17))}
+
+
+def _installed(package: str) -> Optional[str]:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def check_versions(packages: tuple[str, ...] = ("transformers", "accelerate")) -> None:
+    """Refuse versions of transformers/accelerate/TRL the integration was not tested with.
+
+    Args:
+        packages: which to check.
+
+    Raises:
+        ImportError: naming each package, its installed version and the supported range.
+    """
+    problems = []
+    for package in packages:
+        low, high = SUPPORTED[package]
+        found = _installed(package)
+        parts = tuple(int(x) for x in (found or "0.0").split(".")[:2] if x.isdigit())
+        if found is None or not low <= parts < high:
+            problems.append(f"{package} {found or 'not installed'} (supported: >={low[0]}.{low[1]},<{high[0]}.{high[1]})")
+    if problems:
+        raise ImportError("ds_usp.hf_trainer needs " + "; ".join(problems) + ": it hooks Trainer and accelerate "
+                          "internals that change between minor versions. Install the supported versions, e.g. "
+                          "pip install 'transformers>=5.23,<5.24' 'accelerate>=1.15,<1.16' 'trl>=1.16,<1.17'")
+
+
+def _sp_size(ds_config: dict) -> int:
+    """``sequence_parallel_size`` when ``"sequence_parallel"`` is set (default: the world), else 1."""
+    if not ds_config.get("sequence_parallel"):
+        return 1
+    return int(ds_config.get("sequence_parallel_size", dist.get_world_size() if dist.is_initialized() else 1))
+
+
+def _divide_train_batch_size_by_sp() -> None:
+    """Make HF fill an ``"auto"`` ``train_batch_size`` with replicas (``world / sp``), not the world.
+
+    ``HfTrainerDeepSpeedConfig.trainer_config_process`` runs when ``TrainingArguments`` is created and
+    computes ``world x micro x accumulation``. DeepSpeed's own config divides the world by
+    ``sequence_parallel_size`` (``deepspeed/runtime/config.py``) and refuses the mismatch, already in
+    ``zero.Init`` when ZeRO-3 builds the model. The wrapper fixes the value after the original fills it;
+    ``tests/test_hf_trainer.py`` checks that the patched function is still HF's.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    cls = hf_deepspeed.HfTrainerDeepSpeedConfig
+    original = cls.trainer_config_process
+    if getattr(original, "_ds_usp", False):
+        return
+
+    @functools.wraps(original)
+    def trainer_config_process(self: Any, args: Any, auto_find_batch_size: bool = False) -> None:
+        was_auto = self.config.get("train_batch_size") == "auto"
+        original(self, args, auto_find_batch_size)
+        sp = _sp_size(self.config) if self.config.get("sequence_parallel") else 1
+        if sp > 1 and was_auto:
+            self.config["train_batch_size"] = (args.world_size // sp * args.per_device_train_batch_size
+                                               * args.gradient_accumulation_steps)
+
+    trainer_config_process._ds_usp = True
+    cls.trainer_config_process = trainer_config_process
+
+
+class USPTrainerMixin:
+    """What turns a Trainer (or a subclass such as TRL's) into a USP one; see the module docstring."""
+
+    _usp_sp: int = 1
+
+    # ---- the engine ---------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator, whose ``prepare`` creates the DeepSpeed engine through ``ds_usp.initialize``."""
+        super().create_accelerator_and_postprocess()
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        config = plugin.deepspeed_config if plugin is not None else {}
+        self._usp_sp = _sp_size(config)
+        if not config.get("sequence_parallel"):
+            return  # a plain Trainer
+        if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
+            raise ValueError('USPTrainer: train_sampling_strategy="batch_rebalance" is not supported with '
+                             '"sequence_parallel" (it reshuffles batches across the ranks of a sequence group)')
+        prepare = self.accelerator.prepare
+
+        @functools.wraps(prepare)
+        def prepare_with_usp(*args: Any, **kwargs: Any) -> Any:
+            with _routed_deepspeed_initialize():
+                return prepare(*args, **kwargs)
+
+        self.accelerator.prepare = prepare_with_usp
+        self.loss_is_scaled_for_ga = True  # compute_loss returns the loss already divided as the step needs
+
+    @property
+    def _usp(self) -> Any:
+        return getattr(self.model_wrapped, "usp", None)
+
+    # ---- data: one batch per SP group, sharded --------------------------------------------------------------
+    def _replicas_only(self, loader: Any) -> Any:
+        if self._usp_sp == 1:
+            return loader
+        if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
+            raise ValueError("USPTrainer: iterable datasets are not supported with \"sequence_parallel\" (accelerate "
+                             "shards them over every rank before ds-usp can give the ranks of a sequence group the "
+                             "same batches); use a map-style dataset")
+        sampler = getattr(loader, "batch_sampler", None)
+        if sampler is None or not hasattr(sampler, "num_processes"):
+            raise ValueError(f"USPTrainer: unexpected data loader {type(loader).__name__} (no accelerate batch "
+                             f"sampler to split over replicas)")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        sampler.num_processes, sampler.process_index = world // self._usp_sp, rank // self._usp_sp  # SP groups are contiguous ranks
+        return loader
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's loader, split over replicas only."""
+        return self._replicas_only(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """The Trainer's loader, split over replicas only."""
+        return self._replicas_only(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """The Trainer's loader, split over replicas only."""
+        return self._replicas_only(super().get_test_dataloader(test_dataset))
+
+    def _shard(self, batch: dict) -> dict:
+        usp = self._usp
+        pad = getattr(getattr(self, "processing_class", None), "pad_token_id", None) or 0
+        return shard_batch({k: v for k, v in batch.items() if k in _BATCH_KEYS}, usp.topo, layout=usp.layout,
+                           pad_token_id=pad)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """The step's batches, sharded, and the number of targets of the whole step (all ranks, each once)."""
+        if self._usp_sp == 1 or self._usp is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._refuse_other_losses()
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        shards = [self._shard(self._prepare_inputs(b)) for b in batches]
+        count = torch.tensor(sum(int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards), device=device)
+        dist.all_reduce(count)  # the shards partition a group's targets, the replicas hold different ones
+        return shards, count
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Sequences per optimizer step: the ranks of an SP group share one."""
+        return super().get_total_train_batch_size(args) // self._usp_sp
+
+    # ---- the loss ------------------------------------------------------------------------------------------
+    def _refuse_other_losses(self) -> None:
+        """Loss options that need the whole logits of a rank, which the SP loss never builds (no silent change)."""
+        loss_type = getattr(self.args, "loss_type", None)
+        for wanted, what in ((self.compute_loss_func is not None, "compute_loss_func"),
+                             (self.label_smoother is not None, "label_smoothing_factor"),
+                             (loss_type not in (None, "nll"), f"loss_type={loss_type!r}")):
+            if wanted:
+                raise ValueError(f"USPTrainer: {what} is not supported with \"sequence_parallel\": the loss is the "
+                                 f"token-weighted cross entropy computed chunk by chunk over the sequence shards")
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: Optional[Tensor] = None) -> Any:
+        """The SP token-weighted mean over the whole step's targets, scaled for DeepSpeed's average over replicas."""
+        if self._usp_sp == 1 or self._usp is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        out = model(**inputs, num_items_in_batch=num_items_in_batch)
+        loss = out.loss
+        if num_items_in_batch is not None:
+            loss = loss * self._usp.topo.dp_size  # DeepSpeed sums over SP x DP ranks and divides by DP
+        elif model.training:
+            loss = loss / self.current_gradient_accumulation_steps
+        return (loss, out) if return_outputs else loss
+
+    # ---- evaluation and prediction ----------------------------------------------------------------------------
+    def prediction_step(self, model: Any, inputs: dict, prediction_loss_only: bool,
+                        ignore_keys: Any = None) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """Loss of a batch (and the whole sequences' logits unless ``prediction_loss_only``)."""
+        if self._usp_sp == 1 or self._usp is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        self._refuse_other_losses()
+        inputs = self._prepare_inputs(inputs)
+        shard = self._shard(inputs)
+        with torch.no_grad():
+            out = model(**shard, return_logits=not prediction_loss_only)
+        if prediction_loss_only:
+            return out.loss.detach(), None, None
+        from ds_usp.sharding import gather_sequence
+
+        usp = self._usp
+        seq = int(shard["cu_seq_lens_q"][-1]) // shard["input_ids"].shape[0]
+        logits = gather_sequence(out.logits, usp.topo, dim=1, layout=usp.layout, seq_len=seq,
+                                 doc_lens=_doc_lens(shard))  # (b, S, V): the same on every rank of the group
+        self.gather_function = self._gather_over_replicas  # the Trainer gathers right after this call
+        return out.loss.detach(), logits, inputs.get("labels")
+
+    def _gather_over_replicas(self, tensor: Any) -> Any:
+        """``gather_for_metrics`` over the replicas only: the ranks of an SP group hold the same results."""
+        usp = self._usp
+        if usp.topo.dp_size > 1:
+            parts = [torch.empty_like(tensor) for _ in range(usp.topo.dp_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=usp.topo.dp_group)
+            tensor = torch.cat(parts)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            tensor = tensor[:state.remainder]  # the last uneven batch was padded with repeated samples
+        return tensor
+
+
+_BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "seq_lens", "cu_seq_lens_q")
+
+
+def _doc_lens(shard: dict) -> Optional[list[list[int]]]:
+    _, docs = docs_from_cu_seq_lens(shard["cu_seq_lens_q"], shard["input_ids"].shape[0])
+    return None if all(len(row) == 1 for row in docs) else docs
+
+
+class _RoutedInitialize:
+    """``deepspeed.initialize`` -> ``ds_usp.initialize`` while accelerate prepares (see the module docstring)."""
+
+    def __init__(self) -> None:
+        import deepspeed
+
+        self.deepspeed = deepspeed
+        self.original = deepspeed.initialize
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from ds_usp.integration.engine import initialize
+
+        self.deepspeed.initialize = self.original  # ds_usp.initialize calls DeepSpeed's own
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            self.deepspeed.initialize = self
+
+
+class _routed_deepspeed_initialize:  # noqa: N801 - a context manager used as a function
+    def __enter__(self) -> None:
+        self.route = _RoutedInitialize()
+        self.route.deepspeed.initialize = self.route
+
+    def __exit__(self, *exc: Any) -> None:
+        self.route.deepspeed.initialize = self.route.original
+
+
+check_versions()
+_divide_train_batch_size_by_sp()
+register_usp_attention()
+
+from transformers import Trainer  # noqa: E402 - after the version check
+
+
+class USPTrainer(USPTrainerMixin, Trainer):
+    """``transformers.Trainer`` with USP when the DeepSpeed JSON sets ``"sequence_parallel"``."""
+
+
+if _installed("trl") is not None:
+    check_versions(("trl",))
+    from trl import SFTTrainer  # noqa: E402
+
+    class USPSFTTrainer(USPTrainerMixin, SFTTrainer):
+        """``trl.SFTTrainer`` with USP (packed rows are exact; TRL's token accuracy and entropy metrics are not
+        logged under sequence parallelism: they need the whole logits of each rank, which the chunked loss
+        never builds)."""
