@@ -354,9 +354,6 @@ def load_usp_config(
     except ValidationError as e:
         raise USPConfigError(_explain(e)) from None
 
-    if block.attn_backend == "triton":
-        raise USPConfigError("usp.attn_backend ('triton') is not available: this version of ds-usp has no Triton "
-                             "kernel yet; use 'auto', 'torch' or 'flash_attn'")
     u, r = block.ulysses_degree, block.ring_degree
     if mode == "ulysses":
         if r not in (None, 1):

@@ -44,8 +44,6 @@ BAD_CONFIGS = [
     ({"sequence_parallel": "usp", "usp": {"ulysess_degree": 2}}, 4,
      "usp.ulysess_degree is not a known key; valid keys are: ulysses_degree, ring_degree"),
     ({"sequence_parallel": "usp", "usp": [2, 2]}, 4, "usp ([2, 2]) must be a JSON object"),
-    ({"sequence_parallel": "usp", "usp": {"attn_backend": "triton"}}, 4,
-     "usp.attn_backend ('triton') is not available: this version of ds-usp has no Triton kernel yet"),
     ({"sequence_parallel": "usp", "usp": {"timeout_seconds": 0}}, 4,
      "usp.timeout_seconds (0) is invalid: must be a positive number of seconds"),
     ({"sequence_parallel": "usp", "usp": {"timeout_seconds": float("inf")}}, 4,
@@ -324,7 +322,25 @@ def test_shipped_configs_load(path):
     assert c.ulysses_degree <= 8  # the all-to-all never leaves a node of 8
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    DeepSpeedConfig(str(path))  # DeepSpeed itself accepts the file (and ignores the USP keys)
+    # DeepSpeed itself accepts the file (and ignores the USP keys); HF Trainer configs get their "auto"
+    # values as HF fills them for one sequence per replica and step (ds_configs/hf_trainer.json)
+    filled = _fill_hf_auto(raw, replicas=1)
+    DeepSpeedConfig(filled if filled != raw else str(path))
+
+
+_HF_AUTO = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "warmup_min_lr": 0.0,
+            "warmup_max_lr": 1e-3, "warmup_num_steps": 3, "total_num_steps": 30}
+
+
+def _fill_hf_auto(cfg, replicas: int):
+    """``cfg`` with HF's ``"auto"`` values filled (train_batch_size counts replicas, as ds_usp.hf_trainer does)."""
+    if isinstance(cfg, dict):
+        out = {k: (_HF_AUTO[k] if v == "auto" and k in _HF_AUTO else _fill_hf_auto(v, replicas)) for k, v in cfg.items()}
+        if out.get("train_batch_size") == "auto":
+            out["train_batch_size"] = replicas * out["train_micro_batch_size_per_gpu"] * out["gradient_accumulation_steps"]
+        return out
+    return cfg
 
 
 def test_reliability_doc_counts_the_bad_configs():

@@ -62,7 +62,7 @@ def reference_mask(seq: int, docs: list[list[int]], causal: bool, window) -> tor
 
 
 def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal: bool, window, hq: int, hkv: int,
-            dtype_name: str = "float32", seed: int = 0, per_row_docs: bool = True) -> int:
+            dtype_name: str = "float32", seed: int = 0, per_row_docs: bool = True, attn_backend: str = "auto") -> int:
     """On every rank: one case against the reference; returns the number of kernel forward calls of this rank."""
     import ds_usp
     from ds_usp.kernels import band, torch_sdpa
@@ -88,7 +88,7 @@ def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal
     torch_sdpa.attention_forward, band.masked_forward = (counting(fn) for fn in originals)
     try:  # count the forward's kernel calls: fused ones and masked band edges
         out = ds_usp.usp_attention(ql, kl, vl, topo, causal=causal, layout=layout, seq_len=seq, doc_lens=doc_lens,
-                                   window=window)
+                                   window=window, attn_backend=attn_backend)
     finally:
         torch_sdpa.attention_forward, band.masked_forward = originals
     out.backward(shard(dout, 1.0))  # a gradient on padding too: it must not leak anywhere
@@ -140,6 +140,22 @@ def run_fixed() -> int:
 
 def test_fixed_cases_world4(world):
     assert world.run(run_fixed) == [len(FIXED)] * 4
+
+
+def run_fixed_triton() -> int:
+    from ds_usp.kernels import triton_attn
+
+    reason = triton_attn.unavailable_reason(torch.device("cpu"))
+    assert reason is None, reason  # conftest runs the kernels in Triton's interpreter
+    for case in FIXED:
+        assert compare(*case, attn_backend="triton") == 0  # no torch kernel ran: every block went through triton
+    return len(FIXED)
+
+
+def test_fixed_cases_triton_world4(world):
+    """The same cases with attn_backend="triton" (interpreter on CPU): fused merge and in-kernel band masks."""
+    pytest.importorskip("triton", reason="triton is installed with the dev extra")
+    assert world.run(run_fixed_triton) == [len(FIXED)] * 4
 
 
 def run_many(u: int, r: int, seed: int) -> int:

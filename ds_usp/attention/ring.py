@@ -103,6 +103,10 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, mask: MaskSpec
         wait = ring_shift(kv, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
         for rows, parts in schedule[t]:
             for part in parts:
+                if backend.band_forward_merge_ is not None:  # attention and merge in one kernel pass
+                    backend.band_forward_merge_(q[rows, part.q], kv[0][rows, part.k], kv[1][rows, part.k], part.lo,
+                                                part.hi, scale, out[rows, part.q], lse[rows, :, part.q])
+                    continue
                 for qs, block_out, block_lse in forward_pieces(backend, q[rows, part.q], kv[0][rows, part.k],
                                                                 kv[1][rows, part.k], part.lo, part.hi, scale):
                     at = slice(part.q.start + qs.start, part.q.start + qs.stop)

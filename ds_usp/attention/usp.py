@@ -216,7 +216,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         seq_len: real global length when the sequence was padded by ``shard_sequence``;
             ``None`` means ``s_local * U * R`` (no padding).
-        attn_backend: local kernel: ``"auto"``, ``"torch"``, ``"flash_attn"`` (``"triton"`` is not built yet).
+        attn_backend: local kernel: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"triton"``.
         native_op: ``usp.native_op``: ``"auto"`` uses the native op (:mod:`ds_usp.ops`) for the
             packing, merge and accumulation when it builds and else the PyTorch twins, with one
             warning; ``True`` requires it; ``False`` never builds it. Same numbers either way.

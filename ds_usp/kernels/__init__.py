@@ -11,7 +11,9 @@ Conventions shared by every backend:
   can call it per KV block with the globally merged out/lse.
 
 Backends: "torch" (PyTorch fused SDPA ATen ops, CPU + CUDA), "flash_attn" (flash-attn 2.x, CUDA,
-fp16/bf16), "triton" (not implemented in this build). Select one with :func:`get_backend`.
+fp16/bf16), "triton" (ds-usp's Triton kernels: CUDA/ROCm, or CPU under ``TRITON_INTERPRET=1`` for tests;
+band masks computed in-kernel and the ring's LSE merge fused into the forward). Select one with
+:func:`get_backend`.
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ from torch import Tensor
 from ds_usp.kernels import band as _band
 from ds_usp.kernels import flash_attn as _flash_attn
 from ds_usp.kernels import torch_sdpa as _torch_sdpa
+from ds_usp.kernels import triton_attn as _triton  # imports triton itself only when a kernel first runs
 
 __all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "backward_pieces", "forward_pieces", "get_backend"]
 
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "flash_attn", "triton")
-_TRITON_REASON = "triton: no Triton kernel in this build yet"
 
 ForwardFn = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
 BackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
@@ -47,6 +49,11 @@ class AttnBackend:
         masked_forward: attention of a small tile with an explicit ``(sq, sk)`` bool mask (band edges);
             default: exact fp32 math (:mod:`ds_usp.kernels.band`).
         masked_backward: its gradients.
+        band_forward_merge_: ``(q, k, v, lo, hi, scale, out_acc, lse_acc)``: the attention of the band
+            ``lo <= k - q <= hi`` folded in place into a running fp32 ``(out, lse)``, mask from indices, in one
+            pass; None when the backend has none (then :func:`forward_pieces` and the separate merge run).
+        band_backward: ``(dout, q, k, v, out, lse, lo, hi, scale) -> (dq, dk, dv)`` of any band in one call;
+            None: :func:`backward_pieces` cuts the band.
     """
 
     name: str
@@ -54,6 +61,8 @@ class AttnBackend:
     backward_fn: BackwardFn = field(repr=False)
     masked_forward: Callable[..., tuple[Tensor, Tensor]] = field(default=_band.masked_forward, repr=False)
     masked_backward: Callable[..., tuple[Tensor, Tensor, Tensor]] = field(default=_band.masked_backward, repr=False)
+    band_forward_merge_: Optional[Callable[..., None]] = field(default=None, repr=False)
+    band_backward: Optional[Callable[..., tuple[Tensor, Tensor, Tensor]]] = field(default=None, repr=False)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool,
                 scale: float | None = None) -> tuple[Tensor, Tensor]:
@@ -123,7 +132,7 @@ def available_backends(device: torch.device | str) -> dict[str, str | None]:
     return {
         "torch": _torch_sdpa.unavailable_reason(device),
         "flash_attn": _flash_attn.unavailable_reason(device),
-        "triton": _TRITON_REASON,
+        "triton": _triton.unavailable_reason(device),
     }
 
 
@@ -132,7 +141,8 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
 
     Args:
         name: "auto", "torch", "flash_attn" or "triton". "auto" picks flash_attn on CUDA when
-            flash-attn imports and the dtype is fp16/bf16 (all it supports), else torch.
+            flash-attn imports and the dtype is fp16/bf16 (all it supports), else torch; it never picks
+            triton (no GPU measurement shows it faster yet: docs/benchmarks.md), name it to use it.
         device: the device attention will run on.
         dtype: the inputs' dtype (None: not known yet, not checked).
 
@@ -162,6 +172,9 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
                          f"usable on {device}: {usable_here}")
     if chosen == "flash_attn":
         return AttnBackend("flash_attn", _flash_attn.attention_forward, _flash_attn.attention_backward)
+    if chosen == "triton":
+        return AttnBackend("triton", _triton.attention_forward, _triton.attention_backward,
+                           band_forward_merge_=_triton.band_forward_merge_, band_backward=_triton.band_backward)
     return AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward,
                        _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
 
@@ -235,6 +248,9 @@ def backward_pieces(backend: AttnBackend, dout: Tensor, q: Tensor, k: Tensor, v:
     nq, nk = q.shape[1], k.shape[1]
     if lo is None and (hi is None or (hi == 0 and nq == nk)):
         yield slice(0, nq), slice(0, nk), *backend.backward(dout, q, k, v, out, lse, hi == 0, scale)
+        return
+    if backend.band_backward is not None:  # the kernel masks from indices: one call for any band
+        yield slice(0, nq), slice(0, nk), *backend.band_backward(dout, q, k, v, out, lse, lo, hi, scale)
         return
     for piece in _band.band_pieces(nq, nk, lo, hi):
         qs, ks = piece.q, piece.k

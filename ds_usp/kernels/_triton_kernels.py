@@ -1,0 +1,232 @@
+"""The Triton kernels behind :mod:`ds_usp.kernels.triton_attn` (imported on first use: needs triton).
+
+Scores are kept in base 2 (``s = q.k * scale * log2(e)``, ``exp2``); LSEs are stored in natural log.
+A pair ``(i, j)`` (local query and key index) is kept when ``lo <= j - i <= hi`` and, with documents,
+``q_doc[i] == k_doc[j]``; ``lo``/``hi`` arrive as integers (an absent edge is one no pair reaches).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b``; IEEE: exact fp32 products (fp32 inputs, and bf16 in the interpreter, whose bf16 dot
+    is wrong on triton 3.9)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _keep(offs_m, offs_n, nq, nk, lo, hi, qdoc, kdoc, HAS_DOC: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) mask of kept pairs of a tile."""
+    diff = offs_n[None, :] - offs_m[:, None]
+    keep = (diff >= lo) & (diff <= hi) & (offs_n[None, :] < nk) & (offs_m[:, None] < nq)
+    if HAS_DOC:
+        keep = keep & (qdoc[:, None] == kdoc[None, :])
+    return keep
+
+
+@triton.jit
+def fwd(Q, K, V, O, L, QD, KD,
+        sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sls,
+        nq, nk, hq, groups, scale_log2, lo, hi,
+        HAS_DOC: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (query tile, batch x head): online softmax over the key tiles the mask allows."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    bi = pid_bh // hq
+    h = pid_bh % hq
+    kh = h // groups
+    m_start = pid_m * BLOCK_M
+    m_end = tl.minimum(m_start + BLOCK_M, nq)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < nq
+    q = tl.load(Q + bi * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    qdoc = tl.zeros([BLOCK_M], tl.int32)
+    qd_first = 0
+    qd_last = 0
+    if HAS_DOC:
+        qdoc = tl.load(QD + offs_m, mask=row_ok, other=-1)
+        qd_first = tl.load(QD + m_start)
+        qd_last = tl.load(QD + m_end - 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + bi * skb + kh * skh
+    v_base = V + bi * svb + kh * svh
+    j_lo = tl.maximum(m_start + lo, 0)  # keys some row of the tile may see: [j_lo, j_hi)
+    j_hi = tl.minimum(m_end - 1 + hi + 1, nk)
+    for n_start in range((j_lo // BLOCK_N) * BLOCK_N, j_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_last = tl.minimum(n_start + BLOCK_N, nk) - 1
+        visit = n_start < nk
+        need_mask = (n_start - (m_end - 1) < lo) | (n_start + BLOCK_N - 1 - m_start > hi) | (n_start + BLOCK_N > nk)
+        kdoc = tl.zeros([BLOCK_N], tl.int32)
+        if HAS_DOC:
+            kd_first = tl.load(KD + n_start)
+            kd_last = tl.load(KD + n_last)
+            visit = visit & (kd_last >= qd_first) & (kd_first <= qd_last)
+            need_mask = need_mask | (kd_first != kd_last) | (qd_first != qd_last) | (kd_first != qd_first)
+            kdoc = tl.load(KD + offs_n, mask=offs_n < nk, other=-2)
+        if visit:
+            col_ok = offs_n < nk
+            k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * scale_log2
+            if need_mask:
+                s = tl.where(_keep(offs_m, offs_n, nq, nk, lo, hi, qdoc, kdoc, HAS_DOC), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept yet stay at zero
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+            m_i = m_new
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    o_ptr = O + bi * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :]
+    l_ptr = L + bi * slb + h * slh + offs_m * sls
+    if MERGE:  # fold into the running (out, lse): exact log-sum-exp merge, rows seeing nothing stay 0 / -inf
+        lse_old = tl.load(l_ptr, mask=row_ok, other=float("-inf"))
+        o_old = tl.load(o_ptr, mask=row_ok[:, None], other=0.0)
+        top = tl.maximum(lse_old, lse)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.exp(lse_old - top_safe) + tl.exp(lse - top_safe)
+        new = tl.where(total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        new_safe = tl.where(new == float("-inf"), 0.0, new)
+        o = o_old * tl.exp(lse_old - new_safe)[:, None] + o * tl.exp(lse - new_safe)[:, None]
+        lse = new
+    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(l_ptr, lse, mask=row_ok)
+
+
+@triton.jit
+def bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV, QD, KD,
+             sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sls, seb, seh, ses,
+             skgb, skgs, skgh, svgb, svgs, svgh,
+             nq, nk, hq, groups, scale_log2, lo, hi,
+             HAS_DOC: tl.constexpr, IEEE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (key tile, batch x kv head): dK and dV summed over the head's q-head group and the query tiles."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    hkv = hq // groups
+    bi = pid_bh // hkv
+    kh = pid_bh % hkv
+    n_start = pid_n * BLOCK_N
+    n_end = tl.minimum(n_start + BLOCK_N, nk)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = offs_n < nk
+    k = tl.load(K + bi * skb + kh * skh + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + bi * svb + kh * svh + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    kdoc = tl.zeros([BLOCK_N], tl.int32)
+    kd_first = 0
+    kd_last = 0
+    if HAS_DOC:
+        kdoc = tl.load(KD + offs_n, mask=col_ok, other=-2)
+        kd_first = tl.load(KD + n_start)
+        kd_last = tl.load(KD + n_end - 1)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    i_lo = tl.maximum(n_start - hi, 0)  # queries that may see a key of the tile: [i_lo, i_hi)
+    i_hi = tl.minimum(n_end - 1 - lo + 1, nq)
+    for g in range(0, groups):
+        h = kh * groups + g
+        for m_start in range((i_lo // BLOCK_M) * BLOCK_M, i_hi, BLOCK_M):
+            offs_m = m_start + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < nq
+            visit = m_start < nq
+            qdoc = tl.zeros([BLOCK_M], tl.int32)
+            if HAS_DOC:
+                qd_first = tl.load(QD + m_start)
+                qd_last = tl.load(QD + tl.minimum(m_start + BLOCK_M, nq) - 1)
+                visit = visit & (kd_last >= qd_first) & (kd_first <= qd_last)
+                qdoc = tl.load(QD + offs_m, mask=row_ok, other=-1)
+            if visit:
+                q = tl.load(Q + bi * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None],
+                            other=0.0)
+                do = tl.load(DO + bi * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :],
+                             mask=row_ok[:, None], other=0.0)
+                lse2 = tl.load(L + bi * slb + h * slh + offs_m * sls, mask=row_ok, other=float("-inf")) * LOG2E
+                lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that saw nothing: p = 0
+                delta = tl.load(DELTA + bi * seb + h * seh + offs_m * ses, mask=row_ok, other=0.0)
+                s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * scale_log2
+                keep = _keep(offs_m, offs_n, nq, nk, lo, hi, qdoc, kdoc, HAS_DOC)
+                p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
+                dv = _dot(tl.trans(p.to(do.dtype)), do, dv, IEEE)
+                dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+                ds = p * (dp - delta[:, None])
+                dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, IEEE)
+    dk = dk * (scale_log2 * LN2)
+    tl.store(DK + bi * skgb + kh * skgh + offs_n[:, None] * skgs + offs_d[None, :], dk, mask=col_ok[:, None])
+    tl.store(DV + bi * svgb + kh * svgh + offs_n[:, None] * svgs + offs_d[None, :], dv, mask=col_ok[:, None])
+
+
+@triton.jit
+def bwd_dq(Q, K, V, DO, L, DELTA, DQ, QD, KD,
+           sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sls, seb, seh, ses,
+           sqgb, sqgs, sqgh,
+           nq, nk, hq, groups, scale_log2, lo, hi,
+           HAS_DOC: tl.constexpr, IEEE: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (query tile, batch x head): dQ over the key tiles the mask allows."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    bi = pid_bh // hq
+    h = pid_bh % hq
+    kh = h // groups
+    m_start = pid_m * BLOCK_M
+    m_end = tl.minimum(m_start + BLOCK_M, nq)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < nq
+    q = tl.load(Q + bi * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + bi * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(L + bi * slb + h * slh + offs_m * sls, mask=row_ok, other=float("-inf")) * LOG2E
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    delta = tl.load(DELTA + bi * seb + h * seh + offs_m * ses, mask=row_ok, other=0.0)
+    qdoc = tl.zeros([BLOCK_M], tl.int32)
+    qd_first = 0
+    qd_last = 0
+    if HAS_DOC:
+        qdoc = tl.load(QD + offs_m, mask=row_ok, other=-1)
+        qd_first = tl.load(QD + m_start)
+        qd_last = tl.load(QD + m_end - 1)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + bi * skb + kh * skh
+    v_base = V + bi * svb + kh * svh
+    j_lo = tl.maximum(m_start + lo, 0)
+    j_hi = tl.minimum(m_end - 1 + hi + 1, nk)
+    for n_start in range((j_lo // BLOCK_N) * BLOCK_N, j_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < nk
+        visit = n_start < nk
+        kdoc = tl.zeros([BLOCK_N], tl.int32)
+        if HAS_DOC:
+            kd_first = tl.load(KD + n_start)
+            kd_last = tl.load(KD + tl.minimum(n_start + BLOCK_N, nk) - 1)
+            visit = visit & (kd_last >= qd_first) & (kd_first <= qd_last)
+            kdoc = tl.load(KD + offs_n, mask=col_ok, other=-2)
+        if visit:
+            k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * scale_log2
+            keep = _keep(offs_m, offs_n, nq, nk, lo, hi, qdoc, kdoc, HAS_DOC)
+            p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
+            dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
+            ds = p * (dp - delta[:, None])
+            dq = _dot(ds.to(k.dtype), k, dq, IEEE)
+    dq = dq * (scale_log2 * LN2)
+    tl.store(DQ + bi * sqgb + h * sqgh + offs_m[:, None] * sqgs + offs_d[None, :], dq, mask=row_ok[:, None])
