@@ -15,6 +15,9 @@ rectangle, plus its diagonal block, causal): ``triton fused`` merges into the ru
 forward and then ds-usp's separate merge (the native op's when it builds, else PyTorch's).
 Targets: Triton >= 0.9 x flash-attn's TFLOPS on the plain block; the fused ring step faster than the
 kernel followed by the merge.
+
+``--sweep`` first times the Triton kernels under a few tile configurations (block sizes, warps, stages)
+at the first length, the table from which ``triton_attn._config``'s defaults were chosen.
 """
 from __future__ import annotations
 
@@ -65,6 +68,18 @@ def plain_rows(args, seq: int, causal: bool, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+def _fused_ring_step(q, k, v, scale: float) -> Callable[[], None]:
+    """A zigzag rank's ring step with the fused kernel: a full block and a causal one merged into fp32 (out, lse)."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+
+    def step() -> None:
+        triton_attn.band_forward_merge_(q, k, v, None, None, scale, out, lse)
+        triton_attn.band_forward_merge_(q, k, v, None, 0, scale, out, lse)
+
+    return step
+
+
 def ring_rows(args, seq: int, dtype: torch.dtype) -> list[dict]:
     """One zigzag ring step of a rank: its queries (2 halves) against a K/V block: full + causal diagonal."""
     q, k, v, _ = random_qkv(args.batch, seq, args.heads, args.kv_heads or args.heads, args.head_dim, dtype,
@@ -73,12 +88,7 @@ def ring_rows(args, seq: int, dtype: torch.dtype) -> list[dict]:
     scale = args.head_dim ** -0.5
     out = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
     lse = torch.full((q.shape[0], q.shape[2], seq), float("-inf"), device="cuda")
-
-    def fused() -> None:
-        triton_attn.band_forward_merge_(q, k, v, None, None, scale, out, lse)
-        triton_attn.band_forward_merge_(q, k, v, None, 0, scale, out, lse)
-
-    rows = [dict(S=seq, step="triton fused", ms=_time(fused, args.iters, args.warmup))]
+    rows = [dict(S=seq, step="triton fused", ms=_time(_fused_ring_step(q, k, v, scale), args.iters, args.warmup))]
     for name in ("triton", "flash_attn", "torch"):
         if available_backends("cuda")[name] is not None:
             continue
@@ -93,19 +103,56 @@ def ring_rows(args, seq: int, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+SWEEP = [dict(BM=bm, BN=bn, warps=w, stages=st) for bm, bn, w, st in
+         ((128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 2),
+          (64, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 128, 4, 3), (32, 64, 4, 3))]
+
+
+def sweep_rows(args, seq: int, dtype: torch.dtype) -> list[dict]:
+    """Per tile configuration of :data:`SWEEP`: forward and backward ms (full and causal) and the fused ring step."""
+    q, k, v, dout = random_qkv(args.batch, seq, args.heads, args.kv_heads or args.heads, args.head_dim, dtype,
+                               torch.device("cuda"), args.seed)
+    scale = args.head_dim ** -0.5
+    chosen, rows = triton_attn._config, []
+    try:
+        for cfg in SWEEP:
+            triton_attn._config = lambda device, backward=False, cfg=cfg: cfg
+            row = dict(S=seq, **cfg)
+            try:
+                for causal, tag in ((False, "full"), (True, "causal")):
+                    out, lse = triton_attn.attention_forward(q, k, v, causal, scale)
+                    row[f"fwd_{tag}"] = _time(lambda: triton_attn.attention_forward(q, k, v, causal, scale),
+                                              args.iters, args.warmup)
+                    row[f"bwd_{tag}"] = _time(lambda: triton_attn.attention_backward(dout, q, k, v, out, lse, causal,
+                                                                                     scale), args.iters, args.warmup)
+                row["ring_fused"] = _time(_fused_ring_step(q, k, v, scale), args.iters, args.warmup)
+            except Exception as e:  # a configuration that does not fit (shared memory) is a row, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+            rows.append(row)
+    finally:
+        triton_attn._config = chosen
+    return rows
+
+
 def main() -> None:
     p = parser(__doc__.split("\n")[0], seq=[8192, 16384, 32768, 65536], dtype="bf16", heads=32, head_dim=128,
                timing=(10, 3), native_op=False)
+    p.add_argument("--sweep", action="store_true", help="first time the Triton kernels under several tile configs")
     args = parse(p)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/triton_attn.py needs a CUDA GPU (on CPU Triton runs in its interpreter)")
     dtype = DTYPES[args.dtype]
+    sweep = []
+    if args.sweep:
+        sweep = sweep_rows(args, args.seqs[0], dtype)
+        timed = ["fwd_full", "bwd_full", "fwd_causal", "bwd_causal", "ring_fused"]
+        print(table(sweep, ["S", "BM", "BN", "warps", "stages", *timed, "error"], fmt={c: ".2f" for c in timed}))
     plain = [row for seq in args.seqs for causal in (False, True) for row in plain_rows(args, seq, causal, dtype)]
     print(table(plain, ["S", "causal", "backend", "fwd_ms", "bwd_ms", "fwd_tflops", "fwd_bwd_tflops"],
                 fmt={"fwd_ms": ".2f", "bwd_ms": ".2f", "fwd_tflops": ".0f", "fwd_bwd_tflops": ".0f"}))
     ring = [row for seq in args.seqs for row in ring_rows(args, seq, dtype)]
     print(table(ring, ["S", "step", "ms"], fmt={"ms": ".2f"}))
-    save_results(args.json, args, plain + ring)
+    save_results(args.json, args, sweep + plain + ring)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -93,20 +93,22 @@ def fwd(Q, K, V, O, L, QD, KD,
             m_i = m_new
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    o = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     o_ptr = O + bi * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :]
     l_ptr = L + bi * slb + h * slh + offs_m * sls
     if MERGE:  # fold into the running (out, lse): exact log-sum-exp merge, rows seeing nothing stay 0 / -inf
         lse_old = tl.load(l_ptr, mask=row_ok, other=float("-inf"))
-        o_old = tl.load(o_ptr, mask=row_ok[:, None], other=0.0)
         top = tl.maximum(lse_old, lse)
         top_safe = tl.where(top == float("-inf"), 0.0, top)
         total = tl.exp(lse_old - top_safe) + tl.exp(lse - top_safe)
         new = tl.where(total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
         new_safe = tl.where(new == float("-inf"), 0.0, new)
-        o = o_old * tl.exp(lse_old - new_safe)[:, None] + o * tl.exp(lse - new_safe)[:, None]
+        # row weights first, then one pass over the tile: acc is scaled in place before the old tile is loaded
+        o = acc * (tl.exp(lse - new_safe) / l_safe)[:, None]
+        o += tl.load(o_ptr, mask=row_ok[:, None], other=0.0) * tl.exp(lse_old - new_safe)[:, None]
         lse = new
+    else:
+        o = acc / l_safe[:, None]
     tl.store(o_ptr, o.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(l_ptr, lse, mask=row_ok)
 
