@@ -18,6 +18,7 @@ The first test that needs the op JIT-builds it (about a minute; cached in ~/.cac
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import subprocess
 import warnings
@@ -328,6 +329,21 @@ def test_cuda_sources_compile(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "usp_cuda.o").stat().st_size > 0
+
+
+def test_cuda_builder_takes_arch_specific_entries(monkeypatch):
+    """An H100 image sets TORCH_CUDA_ARCH_LIST=9.0a; DeepSpeed 0.19.8 fails on it, ours builds for 9.0."""
+    from ds_usp.ops.builder import USPCUDABuilder, plain_arch_list
+
+    assert plain_arch_list("8.0 9.0a+PTX;10.0f") == "8.0 9.0+PTX;10.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    builder = USPCUDABuilder()
+    builder.jit_mode = True
+    assert builder.compute_capability_args() == []  # JIT: torch derives -gencode from the list it leaves
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"
+    builder.jit_mode = False
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert "-gencode=arch=compute_90,code=sm_90" in builder.compute_capability_args()
 
 
 @pytest.mark.gpu

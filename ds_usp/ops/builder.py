@@ -16,6 +16,7 @@ This file imports nothing from ``ds_usp`` (setup.py loads it by path before ds_u
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -32,6 +33,11 @@ def _cxx_problem() -> str | None:
     if shutil.which(cxx) is None:
         return f"no C++ compiler: {cxx!r} (from $CXX, default 'c++') was not found"
     return None
+
+
+def plain_arch_list(archs: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` with arch-specific suffixes dropped: ``"8.0 9.0a+PTX"`` -> ``"8.0 9.0+PTX"``."""
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", archs)
 
 
 class _USPBuilderMixin:
@@ -103,6 +109,20 @@ class USPCUDABuilder(_USPBuilderMixin, CUDAOpBuilder):
     def nvcc_args(self) -> list[str]:
         """DeepSpeed's nvcc flags without ``--use_fast_math`` (the merge must round like the twin)."""
         return [a for a in super().nvcc_args() if a != "--use_fast_math"]
+
+    def compute_capability_args(self, cross_compile_archs: str | None = None) -> list[str]:
+        """DeepSpeed's, after reducing arch-specific entries of ``TORCH_CUDA_ARCH_LIST`` to the plain capability.
+
+        CUDA images for Hopper/Blackwell set entries like ``9.0a`` or ``10.0f``; DeepSpeed 0.19.8 reads each
+        entry's minor as an integer and fails (``invalid literal for int() with base 10: '0a'``), so the op
+        never built on an H100 image. These kernels use no arch-specific instructions: ``9.0a`` -> ``9.0``.
+        """
+        for holder, key in ((os.environ, "TORCH_CUDA_ARCH_LIST"), (self.__dict__, "_jit_arch_list")):
+            if holder.get(key):
+                holder[key] = plain_arch_list(holder[key])
+        if cross_compile_archs:
+            cross_compile_archs = plain_arch_list(cross_compile_archs)
+        return super().compute_capability_args(cross_compile_archs)
 
     def is_compatible(self, verbose: bool = False) -> bool:
         """A C++ compiler and nvcc (CUDA_HOME) are present (``error_log`` says what is missing otherwise)."""
