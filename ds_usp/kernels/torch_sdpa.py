@@ -21,6 +21,9 @@ Facts about the ops that this module relies on (checked on torch 2.13, see tests
 * CUDA ``_scaled_dot_product_efficient_attention`` (used for everything else, notably fp32)
   requires hq == hkv, returns lse padded along seq to a multiple of 32 (unpadded on ROCm), and
   its backward wants ``out`` packed bshd-contiguous and lse in the padded layout.
+* On CUDA, head dims that are not a multiple of 8 are zero-padded to one before either op: the
+  memory-efficient op has no fp16/bf16 kernel for them on an H100 (``cutlassF: no kernel found to
+  launch``, torch 2.11), and zero columns change neither ``q.k`` nor the output's real columns.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ _CPU_NATIVE_GQA: bool = torch.__version__ >= "2.9"
 # The CUDA memory-efficient kernel pads its lse along seq to this multiple (not on ROCm).
 _EFFICIENT_LSE_ALIGN: int = 32
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# Head dims the CUDA ops are given are multiples of this (zero-padded otherwise).
+_CUDA_HEAD_DIM_ALIGN: int = 8
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -72,6 +77,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
         ValueError: on a device other than cpu/cuda.
     """
     if q.device.type == "cuda":
+        d = q.shape[-1]
+        if d % _CUDA_HEAD_DIM_ALIGN:
+            out, lse = attention_forward(*(_pad_head_dim(x) for x in (q, k, v)), causal, scale)
+            return out[..., :d].contiguous(), lse
         if _cuda_use_flash(q):
             return _cuda_flash_forward(q, k, v, causal, scale)
         return _cuda_efficient_forward(q, k, v, causal, scale)
@@ -104,6 +113,10 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         ValueError: on a device other than cpu/cuda.
     """
     if q.device.type == "cuda":
+        d = q.shape[-1]
+        if d % _CUDA_HEAD_DIM_ALIGN:
+            grads = attention_backward(*(_pad_head_dim(x) for x in (dout, q, k, v, out)), lse, causal, scale)
+            return tuple(g[..., :d].contiguous() for g in grads)  # type: ignore[return-value]
         if _cuda_use_flash(q):
             return _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale)
         return _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale)
@@ -169,6 +182,11 @@ def _cpu_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 
 # -------------------------------------------------------------------------------------------- CUDA
+
+
+def _pad_head_dim(x: Tensor) -> Tensor:
+    """``x`` with its last dim zero-padded to a multiple of :data:`_CUDA_HEAD_DIM_ALIGN`."""
+    return F.pad(x, (0, -x.shape[-1] % _CUDA_HEAD_DIM_ALIGN))
 
 
 def _cuda_use_flash(q: Tensor) -> bool:
