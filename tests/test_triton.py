@@ -10,6 +10,11 @@ zigzag-like half bands, documents, documents with a window, and rows that see no
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -117,6 +122,55 @@ def test_unavailable_reason_on_cpu(monkeypatch):
     assert "TRITON_INTERPRET=1" in triton_attn.unavailable_reason(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_attn.unavailable_reason(torch.device("cpu")) is None
+
+
+# Compiles each kernel to Triton IR for an H100 (sm_90), in a process without TRITON_INTERPRET (under the
+# interpreter @triton.jit gives interpreted functions). Uses triton's compiler entry points (ASTSource,
+# make_backend, make_ir), which are not public API: the dev extra pins triton's minor versions for this.
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import itertools
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from ds_usp.kernels import _triton_kernels as kernels
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options({"num_warps": 4, "num_stages": 3})
+    halves = {"Q", "K", "V", "O", "DO"}
+    for name, flags in itertools.product(("fwd", "bwd_dkdv", "bwd_dq"), itertools.product((False, True), repeat=2)):
+        fn = getattr(kernels, name)
+        consts = dict(HAS_DOC=flags[0], IEEE=flags[1], BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
+        if name == "fwd":
+            consts["MERGE"] = flags[0]
+        signature = {}
+        for arg in fn.arg_names:
+            if arg in consts:
+                signature[arg] = "constexpr"
+            elif arg.isupper():  # pointers
+                signature[arg] = "*bf16" if arg in halves else "*i32" if arg in ("QD", "KD") else "*fp32"
+            else:
+                signature[arg] = "fp32" if arg == "scale_log2" else "i32"
+        src = ASTSource(fn=fn, signature=signature,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                    context)
+        print("compiled", name, flags)
+""")
+
+
+def test_kernels_compile_for_a_gpu_target():
+    """The interpreter runs code the GPU compiler refuses (e.g. a global annotated ``tl.constexpr`` instead
+    of made one); this compiles every kernel variant for sm_90 on a machine without a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("compiled") == 12, res.stdout
 
 
 def test_bad_inputs_are_refused():
