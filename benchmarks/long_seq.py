@@ -70,6 +70,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--cap-gib", type=float, default=4.5, help="per-rank budget for the peak growth of a step")
     p.add_argument("--out", default="", help="write the rows as JSON here (benchmarks/results/...)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    p.add_argument("--from-json", default="", help="comma-separated result files of earlier runs: merge them (a later "
+                   "file's row replaces an earlier one of the same system and S), print the table and the targets "
+                   "(and --plot), run nothing")
+    p.add_argument("--plot", default="", help="write a plot of peak memory against S here (needs matplotlib)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "system|seq|steps|result path"
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -283,6 +287,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.worker:
         run_worker(args)
         return
+    if args.from_json:
+        merged = {(row["system"], row["S"]): row for path in args.from_json.split(",")
+                  for row in json.loads(Path(path).read_text())["rows"]}
+        report(sorted(merged.values(), key=lambda r: (r["S"], list(SYSTEMS).index(r["system"]))), args)
+        return
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -297,10 +306,39 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rows.append(summarize(run_one(system, seq, 2 if seq == args.longest else args.steps, args.timeout, scratch),
                               args.cap_gib))
         print(f"{TAG} {rows[-1]}", flush=True)
+    report(rows, args)
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    """The table, the targets, and the JSON (``--out``) and plot (``--plot``) when asked for."""
     print(table(rows, ["system", "S", "peak_MiB", "step_s", "first_loss", "fits", "note"]))
     print(compare(rows))
     if args.out:
         save_results(args.out, vars(args), rows)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Peak memory growth of a step against S, one line per system (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        points = sorted((r["S"], r["peak_MiB"]) for r in rows if r["system"] == system and r["peak_MiB"] != "-")
+        if points:
+            ax.plot(*zip(*points), marker="o", label=system)
+    ax.set(xscale="log", yscale="log", xlabel="sequence length S (tokens, over 4 ranks)",
+           ylabel="per-rank peak growth of a step (MiB)", title="Llama 4x256, vocab 32000, fp32, ZeRO-3, SP 4")
+    ax.set_xticks(sorted({r["S"] for r in rows}), [f"{r // 1024}K" for r in sorted({r["S"] for r in rows})])
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"{TAG} plot written to {path}")
 
 
 def compare(rows: list[dict]) -> str:
