@@ -34,6 +34,20 @@ def _keep(offs_m, offs_n, nq, nk, lo, hi, qdoc, kdoc, HAS_DOC: tl.constexpr):
 
 
 @triton.jit
+def _tile_docs(D, start, end, offs, n, HAS_DOC: tl.constexpr, OTHER: tl.constexpr):
+    """A tile's document ids (``OTHER`` past ``n``) and the documents of its first and last row ``end - 1``
+    (ids ascend along the sequence, so the tile's documents are the range between); zeros without documents."""
+    doc = tl.zeros(offs.shape, tl.int32)
+    first = 0
+    last = 0
+    if HAS_DOC:
+        doc = tl.load(D + offs, mask=offs < n, other=OTHER)
+        first = tl.load(D + start)
+        last = tl.load(D + end - 1)
+    return doc, first, last
+
+
+@triton.jit
 def fwd(Q, K, V, O, L, QD, KD,
         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sls,
         nq, nk, hq, groups, scale_log2, lo, hi,
@@ -51,13 +65,7 @@ def fwd(Q, K, V, O, L, QD, KD,
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < nq
     q = tl.load(Q + bi * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    qdoc = tl.zeros([BLOCK_M], tl.int32)
-    qd_first = 0
-    qd_last = 0
-    if HAS_DOC:
-        qdoc = tl.load(QD + offs_m, mask=row_ok, other=-1)
-        qd_first = tl.load(QD + m_start)
-        qd_last = tl.load(QD + m_end - 1)
+    qdoc, qd_first, qd_last = _tile_docs(QD, m_start, m_end, offs_m, nq, HAS_DOC, -1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -70,13 +78,10 @@ def fwd(Q, K, V, O, L, QD, KD,
         n_last = tl.minimum(n_start + BLOCK_N, nk) - 1
         visit = n_start < nk
         need_mask = (n_start - (m_end - 1) < lo) | (n_start + BLOCK_N - 1 - m_start > hi) | (n_start + BLOCK_N > nk)
-        kdoc = tl.zeros([BLOCK_N], tl.int32)
+        kdoc, kd_first, kd_last = _tile_docs(KD, n_start, n_last + 1, offs_n, nk, HAS_DOC, -2)
         if HAS_DOC:
-            kd_first = tl.load(KD + n_start)
-            kd_last = tl.load(KD + n_last)
             visit = visit & (kd_last >= qd_first) & (kd_first <= qd_last)
             need_mask = need_mask | (kd_first != kd_last) | (qd_first != qd_last) | (kd_first != qd_first)
-            kdoc = tl.load(KD + offs_n, mask=offs_n < nk, other=-2)
         if visit:
             col_ok = offs_n < nk
             k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
@@ -133,13 +138,7 @@ def bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV, QD, KD,
     col_ok = offs_n < nk
     k = tl.load(K + bi * skb + kh * skh + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
     v = tl.load(V + bi * svb + kh * svh + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    kdoc = tl.zeros([BLOCK_N], tl.int32)
-    kd_first = 0
-    kd_last = 0
-    if HAS_DOC:
-        kdoc = tl.load(KD + offs_n, mask=col_ok, other=-2)
-        kd_first = tl.load(KD + n_start)
-        kd_last = tl.load(KD + n_end - 1)
+    kdoc, kd_first, kd_last = _tile_docs(KD, n_start, n_end, offs_n, nk, HAS_DOC, -2)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     i_lo = tl.maximum(n_start - hi, 0)  # queries that may see a key of the tile: [i_lo, i_hi)
@@ -150,12 +149,10 @@ def bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV, QD, KD,
             offs_m = m_start + tl.arange(0, BLOCK_M)
             row_ok = offs_m < nq
             visit = m_start < nq
-            qdoc = tl.zeros([BLOCK_M], tl.int32)
+            qdoc, qd_first, qd_last = _tile_docs(QD, m_start, tl.minimum(m_start + BLOCK_M, nq), offs_m, nq, HAS_DOC,
+                                                 -1)
             if HAS_DOC:
-                qd_first = tl.load(QD + m_start)
-                qd_last = tl.load(QD + tl.minimum(m_start + BLOCK_M, nq) - 1)
                 visit = visit & (kd_last >= qd_first) & (kd_first <= qd_last)
-                qdoc = tl.load(QD + offs_m, mask=row_ok, other=-1)
             if visit:
                 q = tl.load(Q + bi * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None],
                             other=0.0)
@@ -199,13 +196,7 @@ def bwd_dq(Q, K, V, DO, L, DELTA, DQ, QD, KD,
     lse2 = tl.load(L + bi * slb + h * slh + offs_m * sls, mask=row_ok, other=float("-inf")) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(DELTA + bi * seb + h * seh + offs_m * ses, mask=row_ok, other=0.0)
-    qdoc = tl.zeros([BLOCK_M], tl.int32)
-    qd_first = 0
-    qd_last = 0
-    if HAS_DOC:
-        qdoc = tl.load(QD + offs_m, mask=row_ok, other=-1)
-        qd_first = tl.load(QD + m_start)
-        qd_last = tl.load(QD + m_end - 1)
+    qdoc, qd_first, qd_last = _tile_docs(QD, m_start, m_end, offs_m, nq, HAS_DOC, -1)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + bi * skb + kh * skh
     v_base = V + bi * svb + kh * svh
@@ -215,12 +206,9 @@ def bwd_dq(Q, K, V, DO, L, DELTA, DQ, QD, KD,
         offs_n = n_start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < nk
         visit = n_start < nk
-        kdoc = tl.zeros([BLOCK_N], tl.int32)
+        kdoc, kd_first, kd_last = _tile_docs(KD, n_start, tl.minimum(n_start + BLOCK_N, nk), offs_n, nk, HAS_DOC, -2)
         if HAS_DOC:
-            kd_first = tl.load(KD + n_start)
-            kd_last = tl.load(KD + tl.minimum(n_start + BLOCK_N, nk) - 1)
             visit = visit & (kd_last >= qd_first) & (kd_first <= qd_last)
-            kdoc = tl.load(KD + offs_n, mask=col_ok, other=-2)
         if visit:
             k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
