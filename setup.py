@@ -1,7 +1,9 @@
 """ds-usp: Unified Sequence Parallelism (Ulysses x Ring attention) for DeepSpeed.
 
-The native op's sources ship as package data (``ds_usp/ops/csrc``) and are JIT-built on first use,
-also after a plain ``pip install .``. ``DS_BUILD_USP=1`` prebuilds them at install time instead
+The native op lives at the repository top, as DeepSpeed keeps ``op_builder/`` and ``csrc/``: ``ops/`` holds
+its DeepSpeed op builders (``ops/__init__.py``) and its C++/CUDA sources (``ops/csrc``). Installing maps that
+folder into the package as ``ds_usp.ops.op_builder`` (sources as package data), so the op is JIT-built on
+first use, also after a plain ``pip install .``. ``DS_BUILD_USP=1`` prebuilds them at install time instead
 (DeepSpeed's ``DS_BUILD_<OP>`` convention); torch and deepspeed must then be importable by the build:
 
     DS_BUILD_USP=1 pip install --no-build-isolation .
@@ -9,6 +11,8 @@ also after a plain ``pip install .``. ``DS_BUILD_USP=1`` prebuilds them at insta
 import os
 
 from setuptools import find_packages, setup
+
+OP_PACKAGE = "ds_usp.ops.op_builder"
 
 
 def _prebuilt_native_op() -> dict:
@@ -20,7 +24,7 @@ def _prebuilt_native_op() -> dict:
     from torch.utils.cpp_extension import BuildExtension
 
     # by path: ds_usp itself is not importable before it is installed
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_usp", "ops", "builder.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "__init__.py")
     spec = importlib.util.spec_from_file_location("ds_usp_op_builder", path)
     builders = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builders)
@@ -39,8 +43,10 @@ setup(
     name="ds-usp",
     version="0.1.0",
     description="Unified Sequence Parallelism (DeepSpeed-Ulysses x Ring-Attention) as a DeepSpeed extension",
-    packages=find_packages(include=["ds_usp", "ds_usp.*"]),
-    package_data={"ds_usp.ops": ["csrc/*.cpp", "csrc/*/*.cpp", "csrc/*/*.cu", "csrc/*/*.h"]},
+    # the top-level ops/ (builders + sources) is installed as ds_usp.ops.op_builder, DeepSpeed's op_builder/ layout
+    packages=find_packages(include=["ds_usp", "ds_usp.*"]) + [OP_PACKAGE],
+    package_dir={OP_PACKAGE: "ops"},
+    package_data={OP_PACKAGE: ["csrc/*.cpp", "csrc/*/*.cpp", "csrc/*/*.cu", "csrc/*/*.h"]},
     python_requires=">=3.10",
     # torch is pinned by the install command on CPU machines (torch==2.13.0); any torch>=2.3 works.
     install_requires=["torch>=2.3", "deepspeed>=0.16", "pydantic>=2"],

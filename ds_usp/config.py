@@ -3,7 +3,7 @@
 The user writes them in the same file they pass to ``deepspeed``::
 
     {"sequence_parallel": "usp", "sequence_parallel_size": 8,
-     "usp": {"ulysses_degree": 4, "ring_degree": 2, "ring_impl": "zigzag"}}
+     "usp": {"ulysses_degree": 4, "ring_degree": 2, "layout": "zigzag"}}
 
 :func:`load_usp_config` turns that into a validated, frozen :class:`USPConfig`. It is a pure
 function of its arguments (no collectives, no process groups), so every rank that calls it with
@@ -21,11 +21,12 @@ from typing import Any, Literal, Mapping, Optional, Union
 import hjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
-from ds_usp.kernels import BACKEND_CHOICES
 from ds_usp.log import log_info, log_warning
-from ds_usp.sharding import LAYOUTS
 
 SP_MODES = ("usp", "ulysses", "ring")
+LAYOUTS = ("contiguous", "zigzag", "balanced")  # how a sequence is cut over the ranks (ds_usp.sharding)
+BACKEND_CHOICES = ("auto", "torch", "flash_attn", "triton")  # local attention kernels (ds_usp.kernels)
+OLD_KEYS = {"ring_impl": "layout"}  # old name -> key: still accepted
 DEFAULT_TIMEOUT_SECONDS = 600  # a collective that waits longer than this means a peer died or stalled
 
 
@@ -54,9 +55,10 @@ class _USPBlock(BaseModel):
     ring_degree: Optional[StrictInt] = _key(
         None, "a positive integer", "ranks of one K/V ring; divides `sequence_parallel_size` (default: the rest)",
         ge=1)
-    ring_impl: Literal[LAYOUTS] = _key(  # type: ignore[valid-type]
+    layout: Literal[LAYOUTS] = _key(  # type: ignore[valid-type]
         "zigzag", _choices(LAYOUTS), "how the sequence is cut over the ranks: `zigzag` balances causal work over "
-        "the ring, `balanced` does so per packed document, `contiguous` gives each rank one slice")
+        "the ring, `balanced` does so per packed document, `contiguous` gives each rank one slice (old name: "
+        "`ring_impl`)")
     attn_backend: Literal[BACKEND_CHOICES] = _key(  # type: ignore[valid-type]
         "auto", _choices(BACKEND_CHOICES), "local attention kernel")
     native_op: Union[Literal["auto"], StrictBool] = _key(
@@ -128,7 +130,7 @@ class USPConfig:
         ulysses_degree: ranks in one all-to-all (Ulysses) group.
         ring_degree: ranks in one K/V ring.
         data_parallel_size: ``world_size // sequence_parallel_size``.
-        ring_impl: the sequence layout: ``"contiguous"`` or ``"zigzag"`` (causal load balance).
+        layout: the sequence layout: ``"contiguous"``, ``"zigzag"`` (causal load balance) or ``"balanced"``.
         attn_backend: local attention kernel choice.
         native_op: ``"auto"``, ``True`` or ``False``.
         timeout_seconds: timeout of every collective on the USP process groups.
@@ -146,7 +148,7 @@ class USPConfig:
     ulysses_degree: int
     ring_degree: int
     data_parallel_size: int
-    ring_impl: str = "zigzag"
+    layout: str = "zigzag"
     attn_backend: str = "auto"
     native_op: Union[str, bool] = "auto"
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
@@ -161,11 +163,6 @@ class USPConfig:
     def enabled(self) -> bool:
         """True when sequence parallelism is on (``"sequence_parallel"`` was given)."""
         return self.mode is not None
-
-    @property
-    def layout(self) -> str:
-        """The sequence sharding layout (``ring_impl``): ``"contiguous"`` or ``"zigzag"``."""
-        return self.ring_impl
 
 
 def read_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -195,19 +192,39 @@ def read_ds_config(ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> Map
     raise USPConfigError(f"ds_config must be a path or a dict, got {type(ds_config).__name__}")
 
 
-def _explain(err: ValidationError) -> str:
-    """Turn pydantic's errors into one message per key: ``usp.<key> (<value>) ... must be <valid>``."""
+def _explain(err: ValidationError, written: Mapping[str, str]) -> str:
+    """Turn pydantic's errors into one message per key: ``usp.<key> (<value>) ... must be <valid>``.
+
+    ``written`` maps a key to the old name the user wrote it under (the message then names both).
+    """
     lines: dict[str, str] = {}
     for e in err.errors():
         key = str(e["loc"][0])
+        name = f"usp.{written[key]} (the old name of usp.{key})" if key in written else f"usp.{key}"
         if e["type"] == "extra_forbidden":
             lines[key] = f"usp.{key} is not a known key; valid keys are: {', '.join(_USPBlock.model_fields)}"
-        elif key == "ring_impl" and e.get("input") == "basic":
-            lines[key] = ("usp.ring_impl ('basic') is the old name of 'contiguous': write \"ring_impl\": "
-                          "\"contiguous\"")
+        elif key == "layout" and e.get("input") == "basic":
+            lines[key] = f"{name} ('basic') is the old name of 'contiguous': write \"layout\": \"contiguous\""
         else:
-            lines.setdefault(key, f"usp.{key} ({e.get('input')!r}) is invalid: must be {_valid(key)}")
+            lines.setdefault(key, f"{name} ({e.get('input')!r}) is invalid: must be {_valid(key)}")
     return "; ".join(lines.values())
+
+
+def _renamed(block: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``"usp"`` block with old key names (:data:`OLD_KEYS`) under their current names.
+
+    Raises:
+        USPConfigError: an old and a current name both given, with different values.
+    """
+    out = dict(block)
+    for old, new in OLD_KEYS.items():
+        if old in out:
+            value = out.pop(old)
+            if new in out and out[new] != value:
+                raise USPConfigError(f"usp.{old} ({value!r}) is the old name of usp.{new} ({out[new]!r}): give one of "
+                                     f"them")
+            out[new] = value
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -291,8 +308,8 @@ def process_group_timeout(ds_config: Mapping[str, Any]) -> Optional[float]:
         return None
     block = ds_config.get("usp", {})
     try:
-        return float(_USPBlock(**block).timeout_seconds) if isinstance(block, Mapping) else DEFAULT_TIMEOUT_SECONDS
-    except (ValidationError, TypeError):
+        return float(_USPBlock(**_renamed(block)).timeout_seconds) if isinstance(block, Mapping) else DEFAULT_TIMEOUT_SECONDS
+    except (ValidationError, TypeError, USPConfigError):
         return DEFAULT_TIMEOUT_SECONDS
 
 
@@ -349,10 +366,11 @@ def load_usp_config(
     raw_block = cfg.get("usp", {})
     if not isinstance(raw_block, Mapping):
         raise USPConfigError(f"usp ({raw_block!r}) must be a JSON object")
+    written = {new: old for old, new in OLD_KEYS.items() if old in raw_block}
     try:
-        block = _USPBlock(**raw_block)
+        block = _USPBlock(**_renamed(raw_block))
     except ValidationError as e:
-        raise USPConfigError(_explain(e)) from None
+        raise USPConfigError(_explain(e, written)) from None
 
     u, r = block.ulysses_degree, block.ring_degree
     if mode == "ulysses":
@@ -402,7 +420,7 @@ def load_usp_config(
                              f"must be a multiple or a divisor of ulysses_degree")
 
     return USPConfig(mode=mode, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
-                     ring_degree=r, data_parallel_size=world_size // sp, ring_impl=block.ring_impl,
+                     ring_degree=r, data_parallel_size=world_size // sp, layout=block.layout,
                      attn_backend=block.attn_backend, native_op=block.native_op,
                      timeout_seconds=float(block.timeout_seconds), degrees_chosen_automatically=chosen,
                      chunked_loss=block.chunked_loss, tiled_mlp=block.tiled_mlp,

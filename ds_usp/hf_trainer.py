@@ -19,7 +19,7 @@ see :func:`check_versions`):
   ``deepspeed.initialize`` is routed to :func:`ds_usp.initialize`, which builds the groups and hands
   DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks;
 * data: the loaders split batches over replicas only (every rank of an SP group gets the same
-  batch), and each batch is sharded by :func:`ds_usp.shard_batch` (layout of ``usp.ring_impl``,
+  batch), and each batch is sharded by :func:`ds_usp.shard_batch` (layout of ``usp.layout``,
   labels shifted before sharding, packed documents found as HF's collators describe them);
 * loss: ``model(**shard)`` returns the SP token-weighted mean (the chunked loss at long lengths), and
   the Trainer's ``num_items_in_batch`` is the count of targets of the whole optimizer step, each

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from ds_usp.comm import gather_seq
+from ds_usp.config import LAYOUTS
 from ds_usp.topology import USPTopology
 
-LAYOUTS = ("contiguous", "zigzag", "balanced")
 Runs = tuple[tuple[int, int], ...]  # (first global position, length), in piece order
 Docs = tuple[tuple[int, ...], ...]  # per batch row: the first position of every document (0 first)
 

@@ -53,7 +53,7 @@ def _ds_config(stage: int, u: int, r: int, dp: int, universal: bool = False) -> 
                                                         "warmup_num_steps": 5, "warmup_type": "linear"}},
            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
            "sequence_parallel": "usp", "sequence_parallel_size": u * r,
-           "usp": {"ulysses_degree": u, "ring_degree": r, "ring_impl": "zigzag", "native_op": False}}
+           "usp": {"ulysses_degree": u, "ring_degree": r, "layout": "zigzag", "native_op": False}}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg

@@ -29,10 +29,14 @@ BAD_CONFIGS = [
      'usp.ring_degree (2) must be 1 (or left out) when "sequence_parallel" is "ulysses"'),
     ({"sequence_parallel": "ring", "usp": {"ulysses_degree": 2}}, 4,
      'usp.ulysses_degree (2) must be 1 (or left out) when "sequence_parallel" is "ring"'),
+    ({"sequence_parallel": "usp", "usp": {"layout": "zag"}}, 4,
+     "usp.layout ('zag') is invalid: must be one of 'contiguous', 'zigzag', 'balanced'"),
     ({"sequence_parallel": "usp", "usp": {"ring_impl": "zag"}}, 4,
-     "usp.ring_impl ('zag') is invalid: must be one of 'contiguous', 'zigzag', 'balanced'"),
-    ({"sequence_parallel": "usp", "usp": {"ring_impl": "basic"}}, 4,
-     "usp.ring_impl ('basic') is the old name of 'contiguous': write \"ring_impl\": \"contiguous\""),
+     "usp.ring_impl (the old name of usp.layout) ('zag') is invalid: must be one of 'contiguous', 'zigzag', 'balanced'"),
+    ({"sequence_parallel": "usp", "usp": {"layout": "basic"}}, 4,
+     "usp.layout ('basic') is the old name of 'contiguous': write \"layout\": \"contiguous\""),
+    ({"sequence_parallel": "usp", "usp": {"ring_impl": "zigzag", "layout": "contiguous"}}, 4,
+     "usp.ring_impl ('zigzag') is the old name of usp.layout ('contiguous'): give one of them"),
     ({"sequence_parallel": "usp", "usp": {"attn_backend": "xformers"}}, 4,
      "usp.attn_backend ('xformers') is invalid: must be one of 'auto', 'torch', 'flash_attn', 'triton'"),
     ({"sequence_parallel": "usp", "usp": {"native_op": "yes"}}, 4,
@@ -104,7 +108,7 @@ def test_file_path_and_missing_file(tmp_path):
     # what DeepSpeed accepts (hjson: comments, trailing commas) is read the same way
     (tmp_path / "hjson.json").write_text('{"sequence_parallel": "ring", // ring only\n "usp": {"ring_impl": "contiguous",},}')
     c = load_usp_config(str(tmp_path / "hjson.json"), 4)
-    assert (c.ulysses_degree, c.ring_degree, c.ring_impl) == (1, 4, "contiguous")
+    assert (c.ulysses_degree, c.ring_degree, c.layout) == (1, 4, "contiguous")  # ring_impl: layout's old name
 
 
 def test_modes_and_defaults():
@@ -112,7 +116,7 @@ def test_modes_and_defaults():
     assert not off.enabled and off.sequence_parallel_size == 1 and off.data_parallel_size == 4
     uly = load_usp_config({"sequence_parallel": "ulysses", "sequence_parallel_size": 4}, 8)
     assert (uly.ulysses_degree, uly.ring_degree, uly.data_parallel_size) == (4, 1, 2)
-    ring = load_usp_config({"sequence_parallel": "ring", "usp": {"ring_impl": "contiguous"}}, 4)
+    ring = load_usp_config({"sequence_parallel": "ring", "usp": {"layout": "contiguous"}}, 4)
     assert (ring.ulysses_degree, ring.ring_degree, ring.layout) == (1, 4, "contiguous")
     one = load_usp_config({"sequence_parallel": "usp", "sequence_parallel_size": 8, "usp": {"ring_degree": 2}}, 8)
     assert (one.ulysses_degree, one.ring_degree) == (4, 2)

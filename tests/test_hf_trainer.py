@@ -55,7 +55,7 @@ def _ds_config(stage: int, u: int, r: int, layout: str) -> dict:
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": stage}, "sequence_parallel": "usp", "sequence_parallel_size": u * r,
-            "usp": {"ulysses_degree": u, "ring_degree": r, "ring_impl": layout}}
+            "usp": {"ulysses_degree": u, "ring_degree": r, "layout": layout}}
 
 
 def _fresh_accelerate() -> None:

@@ -35,7 +35,7 @@ merge_block_ = TWINS.merge_block_
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NEG_INF = float("-inf")
-CSRC = Path(__file__).resolve().parent.parent / "ds_usp" / "ops" / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "ops" / "csrc"
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +333,7 @@ def test_cuda_sources_compile(tmp_path):
 
 def test_cuda_builder_takes_arch_specific_entries(monkeypatch):
     """An H100 image sets TORCH_CUDA_ARCH_LIST=9.0a; DeepSpeed 0.19.8 fails on it, ours builds for 9.0."""
-    from ds_usp.ops.builder import USPCUDABuilder, plain_arch_list
+    from ds_usp.ops.op_builder import USPCUDABuilder, plain_arch_list
 
     assert plain_arch_list("8.0 9.0a+PTX;10.0f") == "8.0 9.0+PTX;10.0"
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")

@@ -201,7 +201,7 @@ def mismatched_configs() -> str:
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "sequence_parallel": "usp", "usp": {"ulysses_degree": 2, "ring_degree": 2,
-                                               "ring_impl": "contiguous" if dist.get_rank() == 3 else "zigzag"}}
+                                               "layout": "contiguous" if dist.get_rank() == 3 else "zigzag"}}
     with pytest.raises(ValueError) as info:
         ds_usp.initialize(model=torch.nn.Linear(2, 2), config=cfg)
     return str(info.value)

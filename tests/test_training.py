@@ -54,7 +54,7 @@ def _ds_config(stage: int, sp: int, u: int, r: int, impl: str, with_sp: bool = T
            "zero_allow_untested_optimizer": True, "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
     if with_sp:
         cfg.update({"sequence_parallel": "usp", "sequence_parallel_size": sp,
-                    "usp": {"ulysses_degree": u, "ring_degree": r, "ring_impl": impl}})
+                    "usp": {"ulysses_degree": u, "ring_degree": r, "layout": impl}})
     return cfg
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ds_usp.attention.ulysses import check_heads
 from ds_usp.comm import all_gather_rows, backend_device_type
-from ds_usp.sharding import LAYOUTS
+from ds_usp.config import LAYOUTS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -56,7 +56,7 @@ class USPState:
 
     @property
     def layout(self) -> str:
-        """The batch sharding layout that matches ``config.ring_impl``."""
+        """The batch sharding layout, ``usp.layout``."""
         return self.config.layout
 
 

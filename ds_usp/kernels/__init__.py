@@ -25,14 +25,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ds_usp.config import BACKEND_CHOICES
 from ds_usp.kernels import band as _band
 from ds_usp.kernels import flash_attn as _flash_attn
 from ds_usp.kernels import torch_sdpa as _torch_sdpa
 from ds_usp.kernels import triton_attn as _triton  # imports triton itself only when a kernel first runs
 
 __all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "backward_pieces", "forward_pieces", "get_backend"]
-
-BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "flash_attn", "triton")
 
 ForwardFn = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
 BackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]

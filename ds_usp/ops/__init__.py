@@ -1,6 +1,7 @@
 """The native op and its PyTorch twins behind one interface, and the ``usp.native_op`` setting.
 
-The op is built from ``csrc/`` (package data) by the DeepSpeed op builders in :mod:`ds_usp.ops.builder`:
+The op is built from ``ops/csrc`` by the DeepSpeed op builders of the top-level ``ops/`` (installed as
+:mod:`ds_usp.ops.op_builder`):
 prebuilt by ``DS_BUILD_USP=1 pip install --no-build-isolation .``, otherwise JIT-built with ninja on
 first use and cached in torch's extension directory. Nothing happens at import time.
 
@@ -107,7 +108,7 @@ class NativeOpState:
 
 
 def _builder(device_type: str) -> Any:
-    from ds_usp.ops.builder import builder_for  # imports DeepSpeed's op builders: only when needed
+    from ds_usp.ops.op_builder import builder_for  # imports DeepSpeed's op builders: only when needed
 
     try:
         return builder_for(device_type)

@@ -3,8 +3,9 @@
 Two variants, as DeepSpeed does it for ops that run on both: :class:`USPCPUBuilder` (a
 ``CPUOpBuilder``: C++ kernels, OpenMP, ``-march=native``) and :class:`USPCUDABuilder` (a
 ``CUDAOpBuilder``: the same frontend and CPU kernels plus the ``.cu`` kernels, built with
-``-DUSP_WITH_CUDA``). The sources are package data (``ds_usp/ops/csrc``), so a plain
-``pip install .`` can JIT-build them; both builders return absolute source paths.
+``-DUSP_WITH_CUDA``). This folder is the repository's top-level ``ops/`` (beside ``ds_usp/``, as DeepSpeed
+keeps ``op_builder/`` and ``csrc/``); setup.py installs it as ``ds_usp.ops.op_builder`` with ``csrc/`` as
+package data, so a plain ``pip install .`` can JIT-build it; both builders return absolute source paths.
 
 * ``builder.jit_load()`` (DeepSpeed's) builds with ninja into torch's extension cache
   (``~/.cache/torch_extensions``, rebuilt only when a source changes); :mod:`ds_usp.ops` calls it.

@@ -1,5 +1,5 @@
 // ds-usp native op, CUDA kernels. Torch-free on purpose: this file compiles with nvcc alone
-// (`nvcc -c -I ops/csrc/usp/includes usp_cuda.cu`), the frontend passes raw pointers, strides and the stream.
+// (`nvcc -c -I ops/csrc/includes ops/csrc/cuda/usp_cuda.cu`), the frontend passes raw pointers, strides and the stream.
 //
 // One thread per element; every kernel is memory-bound, so the index arithmetic is cheap next to the loads.
 #include <cuda_bf16.h>
