@@ -6,7 +6,7 @@ Run (4 CPU ranks over gloo; NCCL when CUDA is available; 8 ranks work the same w
 
 For every ``(U, R)`` split of the world and every case of the matrix (dtype x kv heads x mask/layout)
 each rank runs one ``ds_usp.usp_attention`` forward and backward under
-:func:`ds_usp.cost.measure_attention`, whose meter counts the bytes it hands to ``torch.distributed``
+:func:`meters.measure_attention` (benchmarks/meters.py), whose meter counts the bytes it hands to ``torch.distributed``
 (``all_to_all_single``: the chunks for the other ranks of the group; ``batch_isend_irecv``: the
 tensors of its ``isend`` ops; any other collective as ``other``, which should be 0). DeepSpeed's
 comms logger cannot do this: ds-usp calls ``torch.distributed`` directly, not ``deepspeed.comm``.
@@ -33,7 +33,8 @@ import torch.distributed as dist
 import ds_usp
 from _common import (DTYPES, MIB, NATIVE_OP, close_distributed, comma_list, init_distributed, log, parse, parser,
                      random_qkv, save_results, split_refusal, splits, table)
-from ds_usp.cost import Volume, backward_bytes, forward_bytes, measure_attention
+from ds_usp.cost import Volume, backward_bytes, forward_bytes
+from meters import measure_attention
 from ds_usp.sharding import padded_length
 
 MASKS = ("causal-zigzag", "causal-contiguous", "full-zigzag", "full-contiguous")  # mask-layout

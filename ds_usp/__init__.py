@@ -2,20 +2,35 @@
 
 The layers (docs/architecture.md), data flowing down: :mod:`.config`, :mod:`.topology`, :mod:`.comm`,
 :mod:`.kernels` and :mod:`.ops`, :mod:`.attention`, :mod:`.sharding`, :mod:`.integration`. Importing the
-package registers its custom operators with torch and does nothing else: no process groups, no
-compilation, no environment changes.
+package registers its custom operators with torch and its config key with DeepSpeed (``deepspeed.initialize``
+given a ``"sequence_parallel"`` config is :func:`initialize`), and does nothing else: no process groups, no
+compilation, no environment changes. ``ds_usp.USPTrainer`` / ``ds_usp.USPSFTTrainer`` import transformers (and
+TRL) on first use.
 """
 from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, usp_attention
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.integration import data, hf
 from ds_usp.integration.data import USPDataLoader, shard_batch, sp_cross_entropy
-from ds_usp.integration.engine import USPState, initialize
+from ds_usp.integration.engine import USPState, initialize, install_deepspeed_hook
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupPlan, USPMpu, USPTopology, plan_groups
 
 __version__ = "0.1.0"
 
+install_deepspeed_hook()
+
+
+def __getattr__(name: str):
+    """``USPTrainer`` / ``USPSFTTrainer``, imported on first use (they import transformers and TRL)."""
+    if name in ("USPTrainer", "USPSFTTrainer"):
+        from ds_usp.integration import hf_trainer
+
+        if not hasattr(hf_trainer, name):  # USPSFTTrainer without TRL
+            raise AttributeError(f"ds_usp.{name} needs TRL: pip install trl")
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module 'ds_usp' has no attribute {name!r}")
+
 __all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupPlan", "USPMpu", "USPTopology", "plan_groups",
            "USPAttention", "gather_sequence", "ring_attention", "shard_sequence", "ulysses_attention",
            "usp_attention", "data", "hf", "USPDataLoader", "shard_batch", "sp_cross_entropy",
-           "USPState", "initialize", "__version__"]
+           "USPState", "initialize", "USPTrainer", "USPSFTTrainer", "__version__"]

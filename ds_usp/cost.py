@@ -12,8 +12,8 @@ the ring passes the stacked K/V piece R-1 times. Backward: the output's all-to-a
 dout; the ring passes K/V again R-1 times (not kept from the forward) and the fp32 dK/dV
 accumulator of each block R times (from its owner around and home), 4 bytes per element whatever
 the input dtype; the q/k/v all-to-all reversed for dq, dk, dv. Derived from
-:mod:`ds_usp.attention.usp`; :class:`CommCounter` measures it (tests/test_comm_volume.py checks
-every split against it) and docs/choosing.md uses it.
+:mod:`ds_usp.attention.usp`; the meter in ``benchmarks/meters.py`` measures it (tests/test_comm_volume.py
+checks every split against it) and docs/choosing.md uses it.
 
 :func:`attention_memory` models what the layer holds: what autograd saves for the backward (exact,
 checked by the tests with ``saved_tensors_hooks``) and the transient peaks of the forward and the
@@ -22,13 +22,8 @@ beside the measured peaks).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Iterator, Optional
-
-import torch
-import torch.distributed as dist
 
 ACC_BYTES = 4  # the ring backward's dK/dV and dQ accumulators and the LSE are fp32 whatever the input dtype
 
@@ -178,139 +173,3 @@ def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
         a2a_back = grads_b + 2 * qkv_b + (t * (heads + 2 * kv_heads) * head_dim * e)
         backward_peak = max(2 * dout_heads, dout_heads + ring_bwd, a2a_back)
     return AttentionMemory(output=q_b, saved=saved, forward_peak=forward_peak, backward_peak=backward_peak)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class CommCounter:
-    """Count the bytes this rank sends through ``torch.distributed`` while inside :meth:`phase`.
-
-    The functions are wrapped on the ``torch.distributed`` module object, where ds-usp looks them up
-    (``dist.all_to_all_single``, ``dist.batch_isend_irecv``) at call time; ``isend``/``irecv``
-    themselves are left alone because ``batch_isend_irecv`` recognises sends by identity with them.
-
-    * ``all_to_all_single``: the input's chunks for the other ranks (equal splits: ``(W-1)/W`` of it).
-    * ``batch_isend_irecv``: the tensors of its ``isend`` ops.
-    * anything else (all_gather, all_reduce, broadcast, send, ...): the input's bytes times the
-      number of other ranks, as ``other``.
-    """
-
-    _OTHER = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor",
-              "all_to_all", "send", "gather", "scatter", "reduce", "all_gather_object", "broadcast_object_list")
-
-    def __init__(self) -> None:
-        self.counts: dict[str, dict[str, int]] = {}
-        self._phase: Optional[str] = None
-
-    def _add(self, kind: str, n: int) -> None:
-        if self._phase is not None:
-            phase = self.counts.setdefault(self._phase, {})
-            phase[kind] = phase.get(kind, 0) + n
-
-    def volume(self, phase: str) -> Volume:
-        """What was counted in ``phase``.
-
-        Args:
-            phase: the name given to :meth:`phase`.
-
-        Returns:
-            The :class:`Volume`.
-        """
-        c = self.counts.get(phase, {})
-        return Volume(c.get("all_to_all", 0), c.get("ring", 0), c.get("other", 0))
-
-    @contextmanager
-    def phase(self, phase: str) -> Iterator["CommCounter"]:
-        """Count the sends made inside the block under ``phase`` (the wrappers are installed only meanwhile).
-
-        Args:
-            phase: a name, e.g. ``"fwd"``.
-
-        Yields:
-            The counter.
-        """
-        a2a, batch = dist.all_to_all_single, dist.batch_isend_irecv
-
-        def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
-                              group: Any = None, async_op: bool = False) -> Any:
-            world, me = dist.get_world_size(group), dist.get_rank(group)
-            if input_split_sizes is None:
-                sent = _nbytes(input) * (world - 1) // world
-            else:
-                row = _nbytes(input) // max(input.shape[0], 1)
-                sent = sum(n for i, n in enumerate(input_split_sizes) if i != me) * row
-            self._add("all_to_all", sent)
-            return a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-        def batch_isend_irecv(p2p_op_list: Any) -> Any:
-            for op in p2p_op_list:
-                if getattr(op.op, "__name__", "") == "isend":
-                    self._add("ring", _nbytes(op.tensor))
-            return batch(p2p_op_list)
-
-        def other(name: str, fn: Any) -> Any:
-            def wrapped(*args: Any, **kwargs: Any) -> Any:
-                tensors = [x for x in args if isinstance(x, torch.Tensor)]
-                peers = dist.get_world_size(kwargs.get("group")) - 1 if name != "send" else 1
-                self._add("other", sum(_nbytes(x) for x in tensors[-1:]) * peers)
-                return fn(*args, **kwargs)
-            return wrapped
-
-        replacements = {"all_to_all_single": all_to_all_single, "batch_isend_irecv": batch_isend_irecv}
-        replacements.update({name: other(name, getattr(dist, name)) for name in self._OTHER if hasattr(dist, name)})
-        saved = {name: getattr(dist, name) for name in replacements}
-        for name, fn in replacements.items():
-            setattr(dist, name, fn)
-        self._phase = phase
-        self.counts.setdefault(phase, {})
-        try:
-            yield self
-        finally:
-            self._phase = None
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
-
-
-def measure_attention(topo: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                      warmup: bool = True, **kwargs: Any) -> tuple[Volume, Volume, int]:
-    """Run one :func:`ds_usp.usp_attention` forward and backward on these shards and meter it.
-
-    Every rank of ``topo``'s SP group must call it with shards of the same shapes. With ``warmup``
-    one unmetered call comes first, so that what is counted is a layer's steady state (the first call
-    of a new input signature also checks, with a small all-gather, that all ranks agree on it).
-
-    Args:
-        topo: the :class:`ds_usp.USPTopology`.
-        q: this rank's q shard ``(b, s_local, H, D)``; ``requires_grad`` is set here.
-        k: this rank's k shard.
-        v: this rank's v shard.
-        dout: the output gradient to backpropagate.
-        warmup: run one unmetered forward+backward first.
-        **kwargs: passed to ``usp_attention`` (``causal``, ``layout``, ``seq_len``, ``native_op``...).
-
-    Returns:
-        ``(forward, backward, saved)``: the two :class:`Volume` of this rank and the bytes autograd
-        saved for the backward in distinct storages other than the inputs and the output.
-    """
-    from ds_usp.attention import usp_attention
-
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    if warmup:
-        usp_attention(q, k, v, topo, **kwargs).backward(dout)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    counter = CommCounter()
-    with counter.phase("fwd"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = usp_attention(q, k, v, topo, **kwargs)
-    for x in (q, k, v, out):
-        saved.pop(x.untyped_storage().data_ptr(), None)
-    with counter.phase("bwd"):
-        out.backward(dout)
-    return counter.volume("fwd"), counter.volume("bwd"), sum(saved.values())

@@ -4,7 +4,7 @@
 
 What differs from a plain Trainer script (marked ``# USP`` below):
 
-1. ``from ds_usp.hf_trainer import USPTrainer`` and ``USPTrainer`` instead of ``Trainer``;
+1. ``from ds_usp import USPTrainer`` and ``USPTrainer`` instead of ``Trainer``;
 2. the model is built with ``attn_implementation="usp"``;
 3. the DeepSpeed JSON has ``"sequence_parallel": "usp"`` (ds_configs/hf_trainer.json: 2 Ulysses x 2 ring,
    ZeRO-3, HF's ``"auto"`` values).
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_llama import VOCAB, packed_sequences, stdlib_corpus  # noqa: E402
 
-from ds_usp.hf_trainer import USPTrainer  # noqa: E402  # USP (1/3)
+from ds_usp import USPTrainer  # noqa: E402  # USP (1/3)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     deepspeed --num_gpus 4 examples/trl_sft.py --deepspeed ds_configs/hf_trainer.json
 
 What differs from a plain SFTTrainer script (marked ``# USP`` below): ``USPSFTTrainer`` from
-``ds_usp.hf_trainer`` instead of ``trl.SFTTrainer``, the model built with ``attn_implementation="usp"``,
+``ds_usp.USPSFTTrainer`` instead of ``trl.SFTTrainer``, the model built with ``attn_implementation="usp"``,
 and ``"sequence_parallel": "usp"`` in the DeepSpeed JSON.
 
 Data: every docstring of a fixed list of standard-library modules is one document (byte-level
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_llama import STDLIB_MODULES, VOCAB  # noqa: E402
 
-from ds_usp.hf_trainer import USPSFTTrainer  # noqa: E402  # USP (1/3)
+from ds_usp import USPSFTTrainer  # noqa: E402  # USP (1/3)
 
 PAD, EOS = VOCAB, VOCAB + 1  # two ids past the bytes
 

@@ -125,3 +125,16 @@ class World:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+_TOPOS: dict = {}  # per rank process: (U, R) -> topology, built on first use
+
+
+def get_topo(u: int, r: int):
+    """This rank's :class:`ds_usp.USPTopology` of ``u x r``, built once per world (building is collective: every
+    rank must ask for the same degrees in the same order)."""
+    from ds_usp import USPTopology
+
+    if (u, r) not in _TOPOS:
+        _TOPOS[(u, r)] = USPTopology.build(u, r)
+    return _TOPOS[(u, r)]

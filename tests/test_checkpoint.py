@@ -29,7 +29,6 @@ import os
 import pytest
 import torch
 
-from dist_harness import World
 from test_training import VOCAB, _llama, _params
 
 SEQ, GLOBAL_BATCH, SAVE_AT, STEPS = 64, 2, 2, 5
@@ -222,14 +221,6 @@ def _universal(ckpt: str) -> str:
 
 # ZeRO-1 stands for 1/2 (one format); ZeRO-1/2's universal load needs USPMpu's tensor-parallel methods.
 UNIVERSAL_STAGES = [1, 3]
-
-
-@pytest.fixture(scope="module")
-def world2():
-    """A 2-rank gloo world next to ``world4``, for resuming on fewer ranks."""
-    w = World(2)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("stage", [1, 3], ids=lambda s: f"zero{s}")

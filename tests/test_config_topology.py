@@ -254,28 +254,30 @@ def test_errors_on_every_rank(world4):
     assert "must divide the world size (4)" in per_rank[0][-1]
 
 
-def plain_deepspeed_ignores_the_keys():
-    """DeepSpeed alone (no ds-usp) accepts a file with the new keys."""
+def plain_deepspeed_without_the_key():
+    """DeepSpeed with ds-usp imported: a file without "sequence_parallel" (the "usp" block ignored) is plain DeepSpeed."""
     import deepspeed
+
+    import ds_usp  # noqa: F401 - installs the deepspeed.initialize hook
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
-           "zero_optimization": {"stage": 2}, "sequence_parallel": "usp",
-           "usp": {"ulysses_degree": 2, "ring_degree": 2, "ring_impl": "zigzag"}}
+           "zero_optimization": {"stage": 2}, "usp": {"ulysses_degree": 2, "ring_degree": 2, "layout": "zigzag"}}
     model = torch.nn.Linear(4, 4)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    assert not hasattr(engine, "usp")  # DeepSpeed's own engine, untouched
     engine.backward(engine(torch.ones(1, 4)).sum())
     engine.step()
     return engine.train_batch_size()
 
 
-def test_plain_deepspeed_ignores_the_keys(world4):
+def test_plain_deepspeed_without_the_key(world4):
     # Runs before any ds-usp mpu is handed to DeepSpeed in this world (DeepSpeed keeps it in a global).
-    assert world4.run(plain_deepspeed_ignores_the_keys) == [4] * 4
+    assert world4.run(plain_deepspeed_without_the_key) == [4] * 4
 
 
 def deepspeed_accepts_the_config(tmp_dir, stage):
-    """The same JSON file works with plain DeepSpeed (keys ignored) and with ds-usp's mpu."""
+    """DeepSpeed accepts the keys next to its own when the caller built ds-usp's mpu itself (the call goes through)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -286,7 +288,7 @@ def deepspeed_accepts_the_config(tmp_dir, stage):
            "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
            "zero_optimization": {"stage": stage},
            "sequence_parallel": "usp", "sequence_parallel_size": 2,
-           "usp": {"ulysses_degree": 2, "ring_degree": 1, "ring_impl": "contiguous", "attn_backend": "torch",
+           "usp": {"ulysses_degree": 2, "ring_degree": 1, "layout": "contiguous", "attn_backend": "torch",
                    "native_op": False}}
     path = f"{tmp_dir}/ds_{stage}.json"
     if dist.get_rank() == 0:

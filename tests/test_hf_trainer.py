@@ -1,6 +1,6 @@
 """HF ``Trainer`` and TRL ``SFTTrainer`` with USP on 4 CPU ranks, against the same trainer in one process.
 
-The user's change is an import and a class (``ds_usp.hf_trainer.USPTrainer`` / ``USPSFTTrainer``) and
+The user's change is an import and a class (``ds_usp.USPTrainer`` / ``USPSFTTrainer``) and
 ``"sequence_parallel": "usp"`` in the DeepSpeed JSON (here a dict, with HF's ``"auto"`` values). A tiny
 Llama (tests/test_training.py's) trains 5 steps with gradient accumulation 2 and ``max_grad_norm``
 1.0, SGD; (U, R) = (2, 2) zigzag and (4, 1), ZeRO-2 and ZeRO-3. Every logged loss and grad norm, the
@@ -17,7 +17,6 @@ import os
 import pytest
 import torch
 
-from dist_harness import World
 from test_training import SEQ, VOCAB, _batch, _llama, _params
 
 pytest.importorskip("accelerate")
@@ -26,11 +25,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 SPLITS = [(2, 2, 2, "zigzag"), (3, 2, 2, "zigzag"), (2, 4, 1, "contiguous"), (3, 4, 1, "zigzag")]
 
 
-@pytest.fixture(scope="module")
-def world():
-    w = World(4, timeout=600)
-    yield w
-    w.close()
+WORLD_TIMEOUT = 600
 
 
 def _dataset(n: int):
@@ -84,7 +79,7 @@ def _summary(trainer, stage: int) -> dict:
 
 def train_trainer(out: str, stage: int, u: int, r: int, layout: str, resume: bool = False, save: bool = False) -> dict:
     """On every rank: USPTrainer on the DeepSpeed JSON with "sequence_parallel"; returns its logs and parameters."""
-    from ds_usp.hf_trainer import USPTrainer
+    from ds_usp import USPTrainer
 
     _fresh_accelerate()
     reference = _llama("sdpa").state_dict()  # before the arguments switch HF's zero.Init on
@@ -121,8 +116,8 @@ def single_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("stage,u,r,layout", SPLITS, ids=[f"zero{s}-{u}x{r}-{lay}" for s, u, r, lay in SPLITS])
-def test_trainer_equals_single_process(world, tmp_path_factory, single_process, stage, u, r, layout):
-    results = world.run(train_trainer, str(tmp_path_factory.mktemp("usp")), stage, u, r, layout)
+def test_trainer_equals_single_process(world4, tmp_path_factory, single_process, stage, u, r, layout):
+    results = world4.run(train_trainer, str(tmp_path_factory.mktemp("usp")), stage, u, r, layout)
     got, want = results[0], single_process
     assert got["mpu"] == "USPMpu"
     assert len(got["loss"]) == STEPS and all(res["loss"] == got["loss"] for res in results)
@@ -136,10 +131,10 @@ def test_trainer_equals_single_process(world, tmp_path_factory, single_process, 
     torch.testing.assert_close(got["predictions"], want["predictions"], rtol=1e-4, atol=1e-4)
 
 
-def test_resume_continues_bitwise(world, tmp_path_factory):
+def test_resume_continues_bitwise(world4, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("resume"))
-    full = world.run(train_trainer, out, 2, 2, 2, "zigzag", False, True)[0]
-    resumed = world.run(train_trainer, out, 2, 2, 2, "zigzag", True, False)[0]
+    full = world4.run(train_trainer, out, 2, 2, 2, "zigzag", False, True)[0]
+    resumed = world4.run(train_trainer, out, 2, 2, 2, "zigzag", True, False)[0]
     # the first two logged losses come back with the checkpoint's trainer state; steps 3..5 are new and bitwise equal
     assert len(resumed["loss"]) == STEPS and resumed["loss"] == full["loss"], (resumed["loss"], full["loss"])
     for name, value in resumed["params"].items():
@@ -153,7 +148,7 @@ def test_resume_continues_bitwise(world, tmp_path_factory):
 
 def refused_loss(out: str) -> str:
     """On every rank: a USPTrainer asked for label smoothing; returns the error it raises."""
-    from ds_usp.hf_trainer import USPTrainer
+    from ds_usp import USPTrainer
 
     _fresh_accelerate()
     reference = _llama("sdpa").state_dict()
@@ -166,9 +161,32 @@ def refused_loss(out: str) -> str:
     return "no error"
 
 
-def test_losses_that_need_whole_logits_are_refused(world, tmp_path_factory):
-    messages = world.run(refused_loss, str(tmp_path_factory.mktemp("refused")))
+def test_losses_that_need_whole_logits_are_refused(world4, tmp_path_factory):
+    messages = world4.run(refused_loss, str(tmp_path_factory.mktemp("refused")))
     assert all("label_smoothing_factor is not supported" in m for m in messages), messages
+
+
+def plain_trainer_refused(out: str) -> str:
+    """On every rank: HF's own Trainer given the USP config (ds_usp imported); returns the error it raises."""
+    from transformers import Trainer
+
+    import ds_usp  # noqa: F401 - the deepspeed.initialize hook
+
+    _fresh_accelerate()
+    reference = _llama("sdpa").state_dict()
+    trainer = Trainer(model=_same_weights(_llama("usp"), reference), args=_args(out, _ds_config(2, 2, 2, "zigzag")),
+                      train_dataset=_dataset(4))
+    try:
+        trainer.train()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_plain_trainer_with_the_usp_config_is_refused(world4, tmp_path_factory):
+    """A plain Trainer would give every rank whole sequences: refused before any step, naming what to use."""
+    messages = world4.run(plain_trainer_refused, str(tmp_path_factory.mktemp("plain")))
+    assert all("Use ds_usp.USPTrainer" in m for m in messages), messages
 
 
 # ---- TRL --------------------------------------------------------------------------------------------------------
@@ -197,7 +215,7 @@ def _sft(use_usp: bool, out: str, stage: int = 2):
 
 def train_sft(out: str) -> list[float]:
     """On every rank: USPSFTTrainer with packing, 2x2 balanced, ZeRO-2."""
-    from ds_usp.hf_trainer import USPSFTTrainer
+    from ds_usp import USPSFTTrainer
 
     reference = _llama("sdpa").state_dict()
     tokenizer, args, data = _sft(True, out)
@@ -213,7 +231,7 @@ def _plain_cross_entropy(outputs, labels, num_items_in_batch=None):
     return ForCausalLMLoss(outputs.logits, labels, VOCAB, num_items_in_batch=num_items_in_batch)
 
 
-def test_sft_packing_equals_single_process(world, tmp_path_factory):
+def test_sft_packing_equals_single_process(world4, tmp_path_factory):
     from trl import SFTTrainer
 
     tokenizer, args, data = _sft(False, str(tmp_path_factory.mktemp("sft_ref")))
@@ -222,7 +240,7 @@ def test_sft_packing_equals_single_process(world, tmp_path_factory):
     reference.train()
     want = [h["loss"] for h in reference.state.log_history if "loss" in h]
     _fresh_accelerate()
-    got = world.run(train_sft, str(tmp_path_factory.mktemp("sft")))[0]
+    got = world4.run(train_sft, str(tmp_path_factory.mktemp("sft")))[0]
     assert len(got) == len(want) == 3
     # rtol 5e-5: inside SFTTrainer.train the reference's own first loss (4.8740010) is 1.2e-5 relative off the
     # fp64 per-document loss of the same batch and weights (4.8739449; the same model called outside the trainer
@@ -231,12 +249,22 @@ def test_sft_packing_equals_single_process(world, tmp_path_factory):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=5e-5, atol=1e-6)
 
 
-def test_version_check_names_the_versions(monkeypatch):
-    import ds_usp.hf_trainer as hf_trainer
+def test_hook_check_names_what_is_missing(monkeypatch):
+    """Versions are not gated; a release without a hook the integration uses is refused naming the hook."""
+    import transformers
 
-    monkeypatch.setattr(hf_trainer, "_installed", lambda package: "4.40.0" if package == "transformers" else "1.15.0")
-    with pytest.raises(ImportError, match=r"transformers 4\.40\.0 \(supported: >=5\.23,<5\.24\)"):
-        hf_trainer.check_versions()
+    import ds_usp.integration.hf_trainer as hf_trainer
+
+    hf_trainer.check_hooks()  # the installed versions have every hook
+    monkeypatch.delattr(transformers.Trainer, "get_batch_samples")
+    with pytest.raises(ImportError, match=r"does not have: transformers\.Trainer\.get_batch_samples\. It was tested with transformers 5\.23"):
+        hf_trainer.check_hooks()
+    monkeypatch.undo()
+    renamed = (("transformers", "Trainer", "compute_loss", ("num_items",)),)
+    with pytest.raises(ImportError, match=r"compute_loss parameter\(s\) num_items"):
+        hf_trainer.check_hooks(renamed, ())
+    with pytest.raises(ImportError, match=r"transformers\.trainer reading Trainer\.no_such_attribute"):
+        hf_trainer.check_hooks((), ("no_such_attribute",))
 
 
 def test_the_patched_hf_function_is_still_hfs():
@@ -245,7 +273,7 @@ def test_the_patched_hf_function_is_still_hfs():
 
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    import ds_usp.hf_trainer  # noqa: F401 - applies the wrapper
+    import ds_usp.integration.hf_trainer  # noqa: F401 - applies the wrapper
 
     wrapped = HfTrainerDeepSpeedConfig.trainer_config_process
     assert getattr(wrapped, "_ds_usp", False)

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import ds_usp.ops as native
+from dist_harness import get_topo
 from ds_usp.ops import NativeOps, NativeOpUnavailable, TorchOps, load_native_op, resolve_native_op
 
 TWINS = TorchOps()
@@ -271,17 +272,11 @@ def test_unsupported_device_type(monkeypatch):
 
 # ------------------------------------------------------------------------------------- USP, 4 ranks
 
-_TOPOS: dict = {}  # per worker process: (U, R) -> topology
-
-
 def compare_native_split(u: int, r: int, cases: list[tuple]) -> int:
     """On every rank: USP forward+backward with native_op True and False for each case; returns cases run."""
     import ds_usp
 
-    key = (u, r)
-    if key not in _TOPOS:
-        _TOPOS[key] = ds_usp.USPTopology.build(u, r)
-    topo = _TOPOS[key]
+    topo = get_topo(u, r)
     for causal, layout, hkv, seq, dtype, b in cases:
         g = torch.Generator().manual_seed(seq + 7 * hkv + b)
         h, d = 8, 16

@@ -25,24 +25,13 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dist_harness import World
-
-_TOPOS: dict = {}
+from dist_harness import get_topo
 
 
-def _topo(u: int, r: int):
-    from ds_usp import USPTopology
-
-    if (u, r) not in _TOPOS:
-        _TOPOS[(u, r)] = USPTopology.build(u, r)
-    return _TOPOS[(u, r)]
 
 
-@pytest.fixture(scope="module")
-def world():
-    w = World(4, timeout=300)
-    yield w
-    w.close()
+
+WORLD_TIMEOUT = 300
 
 
 def reference_mask(seq: int, docs: list[list[int]], causal: bool, window) -> torch.Tensor:
@@ -68,7 +57,7 @@ def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal
     from ds_usp.kernels import band, torch_sdpa
 
     dtype = getattr(torch, dtype_name)
-    topo = _topo(u, r)
+    topo = get_topo(u, r)
     b, d = len(docs), 8
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(b, seq, h, d, generator=g) for h in (hq, hkv, hkv, hq))
@@ -138,8 +127,8 @@ def run_fixed() -> int:
     return len(FIXED)
 
 
-def test_fixed_cases_world4(world):
-    assert world.run(run_fixed) == [len(FIXED)] * 4
+def test_fixed_cases_world4(world4):
+    assert world4.run(run_fixed) == [len(FIXED)] * 4
 
 
 def run_fixed_triton() -> int:
@@ -152,10 +141,10 @@ def run_fixed_triton() -> int:
     return len(FIXED)
 
 
-def test_fixed_cases_triton_world4(world):
+def test_fixed_cases_triton_world4(world4):
     """The same cases with attn_backend="triton" (interpreter on CPU): fused merge and in-kernel band masks."""
     pytest.importorskip("triton", reason="triton is installed with the dev extra")
-    assert world.run(run_fixed_triton) == [len(FIXED)] * 4
+    assert world4.run(run_fixed_triton) == [len(FIXED)] * 4
 
 
 def run_many(u: int, r: int, seed: int) -> int:
@@ -176,8 +165,8 @@ def run_many(u: int, r: int, seed: int) -> int:
 
 
 @pytest.mark.parametrize("u,r", [(4, 1), (2, 2), (1, 4)])
-def test_random_mixes_world4(world, u, r):
-    assert world.run(run_many, u, r, 10 * u + r) == [12] * 4
+def test_random_mixes_world4(world4, u, r):
+    assert world4.run(run_many, u, r, 10 * u + r) == [12] * 4
 
 
 def test_random_mixes_world8(world8):
@@ -203,8 +192,8 @@ def packed_cases(draw):
 
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=packed_cases())
-def test_property_packed_matches_reference(world, case):
-    world.run(compare, **case)
+def test_property_packed_matches_reference(world4, case):
+    world4.run(compare, **case)
 
 
 # ---- work skipped --------------------------------------------------------------------------------------------------
@@ -212,9 +201,9 @@ def test_property_packed_matches_reference(world, case):
 def skipped_work() -> list:
     """Documents aligned with the ring pieces (contiguous 1x4): each rank needs only its own block."""
     import ds_usp
-    from ds_usp.cost import measure_attention
+    from meters import measure_attention
 
-    topo = _topo(1, 4)
+    topo = get_topo(1, 4)
     results = []
     for docs, window in (([16, 16, 16, 16], None), ([64], (15, 0)), ([64], None)):
         calls = compare(1, 4, "contiguous", 64, [docs], True, window, 4, 2)
@@ -226,8 +215,8 @@ def skipped_work() -> list:
     return results
 
 
-def test_masked_blocks_and_ring_tail_are_skipped(world):
-    per_rank = world.run(skipped_work)
+def test_masked_blocks_and_ring_tail_are_skipped(world4):
+    per_rank = world4.run(skipped_work)
     for rank, ((aligned_calls, aligned_fwd, aligned_bwd), (win_calls, win_fwd, _), (full_calls, full_fwd, _)) \
             in enumerate(per_rank):
         assert aligned_calls == 1 and aligned_fwd == 0 and aligned_bwd == 0, per_rank  # own block only, no hop
@@ -348,12 +337,12 @@ def test_reference_masks_documents():
 
 
 @pytest.mark.parametrize("stage,u,r,layout", [(2, 2, 2, "zigzag"), (3, 1, 4, "balanced"), (3, 4, 1, "contiguous")])
-def test_hf_packed_training_equals_single_process(world, stage, u, r, layout):
+def test_hf_packed_training_equals_single_process(world4, stage, u, r, layout):
     from test_training import TOL
 
     steps = 3
     want_losses, want_params = packed_reference(steps)
-    results = world.run(train_packed, stage, u, r, layout, steps)
+    results = world4.run(train_packed, stage, u, r, layout, steps)
     losses, params = results[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL)
     for name, value in params.items():
@@ -379,7 +368,7 @@ def mistral_window(layout: str) -> float:
     ref.backward()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="usp", dtype=torch.float32)
-    topo = _topo(2, 2)
+    topo = get_topo(2, 2)
     attach(model, USPContext(topo=topo, layout=layout))
     shard = ds_usp.shard_batch(batch, topo, layout=layout)
     logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
@@ -395,5 +384,5 @@ def mistral_window(layout: str) -> float:
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_hf_sliding_window(world, layout):
-    assert len(set(world.run(mistral_window, layout))) == 1
+def test_hf_sliding_window(world4, layout):
+    assert len(set(world4.run(mistral_window, layout))) == 1

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dist_harness import World
+from dist_harness import get_topo
 
-_TOPOS: dict = {}  # per worker process: one topology per (U, R), built on first use
 PROPERTY_EXAMPLES = 40
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md")
 
@@ -35,19 +34,9 @@ def _doc_count(pattern: str) -> int:
     return int(found.group(1))
 
 
-def _topo(u: int, r: int):
-    from ds_usp import USPTopology
-
-    if (u, r) not in _TOPOS:
-        _TOPOS[(u, r)] = USPTopology.build(u, r)
-    return _TOPOS[(u, r)]
 
 
-@pytest.fixture(scope="module")
-def world():
-    w = World(4, timeout=120)
-    yield w
-    w.close()
+WORLD_TIMEOUT = 120
 
 
 def _qkv(b=1, s=8, hq=4, hkv=4, d=8, dtype=torch.float32, seed=0):
@@ -64,7 +53,7 @@ def _attn(u, r, **kw):
 
     q, k, v = _qkv(**{key: kw.pop(key) for key in ("b", "s", "hq", "hkv", "d", "dtype") if key in kw})
     q, k, v = kw.pop("q", q), kw.pop("k", k), kw.pop("v", v)
-    return lambda: ds_usp.usp_attention(q, k, v, _topo(u, r), **kw)
+    return lambda: ds_usp.usp_attention(q, k, v, get_topo(u, r), **kw)
 
 
 def _bad_attention_calls():
@@ -97,9 +86,9 @@ def _bad_attention_calls():
         ("usp_attention", "softmax_scale NaN", _attn(2, 2, softmax_scale=math.nan), "positive finite number"),
         ("usp_attention", "unknown native_op", _attn(2, 2, native_op="sometimes"), "native_op='sometimes' is invalid"),
         ("usp_attention", "unknown attn_backend", _attn(2, 2, attn_backend="cudnn"), "not a known attention backend"),
-        ("ulysses_attention", "a topology with a ring", lambda: ds_usp.ulysses_attention(q, k, v, _topo(2, 2)),
+        ("ulysses_attention", "a topology with a ring", lambda: ds_usp.ulysses_attention(q, k, v, get_topo(2, 2)),
          "ulysses_attention needs ring_degree 1"),
-        ("ring_attention", "a topology with Ulysses", lambda: ds_usp.ring_attention(q, k, v, _topo(2, 2)),
+        ("ring_attention", "a topology with Ulysses", lambda: ds_usp.ring_attention(q, k, v, get_topo(2, 2)),
          "ring_attention needs ulysses_degree 1"),
     ]
 
@@ -107,7 +96,7 @@ def _bad_attention_calls():
 def _bad_shard_calls():
     import ds_usp
 
-    topo = _topo(2, 2)
+    topo = get_topo(2, 2)
     x = torch.randn(1, 16, 4, 8)
     ids = torch.randint(0, 10, (2, 16))
     return [
@@ -140,7 +129,7 @@ def bad_inputs_on_rank0() -> list[str]:
     import ds_usp  # noqa: F401 - imported before the topologies
 
     for u, r in ((2, 2), (4, 1)):
-        _topo(u, r)  # group creation is collective: every rank builds the topologies first
+        get_topo(u, r)  # group creation is collective: every rank builds the topologies first
     if dist.get_rank() != 0:
         return []
     tried = []
@@ -156,7 +145,7 @@ def correct_call_after_bad_ones() -> float:
     """A correct call on every rank right after the bad ones: nothing stray is pending in any group."""
     import ds_usp
 
-    topo = _topo(2, 2)
+    topo = get_topo(2, 2)
     q, k, v = _qkv(s=16, seed=3)
     out = ds_usp.usp_attention(*(ds_usp.shard_sequence(x, topo) for x in (q, k, v)), topo)
     full = ds_usp.gather_sequence(out, topo)
@@ -165,10 +154,10 @@ def correct_call_after_bad_ones() -> float:
     return float(full.sum())
 
 
-def test_bad_inputs_are_refused_before_any_collective(world):
-    tried = world.run(bad_inputs_on_rank0)[0]
+def test_bad_inputs_are_refused_before_any_collective(world4):
+    tried = world4.run(bad_inputs_on_rank0)[0]
     assert len(tried) == len(set(tried)) == _doc_count(r"(\d+) calls \(`usp_attention`"), tried
-    world.run(correct_call_after_bad_ones)
+    world4.run(correct_call_after_bad_ones)
 
 
 # ---- ranks that disagree -------------------------------------------------------------------------------------------
@@ -177,7 +166,7 @@ def mismatched_attention_inputs(kind: str) -> str:
     """Rank 2 calls usp_attention differently from the others; every rank must raise the same error."""
     import ds_usp
 
-    topo = _topo(2, 2)
+    topo = get_topo(2, 2)
     q, k, v = _qkv(s=40 if kind == "length" and dist.get_rank() == 2 else 32)
     scale = 0.5 if kind == "scale" and dist.get_rank() == 2 else None
     with pytest.raises(ValueError) as info:
@@ -191,7 +180,7 @@ def mismatched_batches() -> str:
 
     ids = torch.arange(24).reshape(2, 12) + (1 if dist.get_rank() == 1 else 0)
     with pytest.raises(ValueError) as info:
-        ds_usp.shard_batch({"input_ids": ids}, _topo(2, 2))
+        ds_usp.shard_batch({"input_ids": ids}, get_topo(2, 2))
     return str(info.value)
 
 
@@ -207,17 +196,17 @@ def mismatched_configs() -> str:
     return str(info.value)
 
 
-def test_ranks_that_disagree_get_the_same_error_everywhere(world):
+def test_ranks_that_disagree_get_the_same_error_everywhere(world4):
     for kind in ("length", "scale"):
-        msgs = world.run(mismatched_attention_inputs, kind)
+        msgs = world4.run(mismatched_attention_inputs, kind)
         assert len(set(msgs)) == 1 and "different inputs on the ranks of one sequence-parallel group" in msgs[0], msgs
-    msgs = world.run(mismatched_attention_inputs, "length")
+    msgs = world4.run(mismatched_attention_inputs, "length")
     assert "local sequence length: rank 0=8, rank 1=8, rank 2=10, rank 3=8" in msgs[0], msgs[0]
-    msgs = world.run(mismatched_batches)
+    msgs = world4.run(mismatched_batches)
     assert len(set(msgs)) == 1 and "ranks [1] differ" in msgs[0] and "same batch" in msgs[0], msgs
-    msgs = world.run(mismatched_configs)
+    msgs = world4.run(mismatched_configs)
     assert len(set(msgs)) == 1 and "the ranks disagree" in msgs[0] and "ranks [3] have" in msgs[0], msgs
-    world.run(correct_call_after_bad_ones)  # the world is still healthy
+    world4.run(correct_call_after_bad_ones)  # the world is still healthy
 
 
 # ---- numerics at the edges -------------------------------------------------------------------------------------------
@@ -241,7 +230,7 @@ def compare_with_reference(u: int, r: int, b: int, seq: int, hq: int, hkv: int, 
     from ds_usp.sharding import padded_length, shard_positions
 
     dtype = getattr(torch, dtype_name)
-    topo = _topo(u, r)
+    topo = get_topo(u, r)
     q, k, v = _qkv(b, seq, hq, hkv, d, torch.float32, seed)
     q = (q * magnitude).to(dtype)
     k, v = k.to(dtype), v.to(dtype)
@@ -282,8 +271,8 @@ def run_edge_cases() -> int:
     return len(EDGE_CASES)
 
 
-def test_padding_and_edge_numerics(world):
-    assert world.run(run_edge_cases) == [len(EDGE_CASES)] * 4
+def test_padding_and_edge_numerics(world4):
+    assert world4.run(run_edge_cases) == [len(EDGE_CASES)] * 4
     assert len(EDGE_CASES) == _doc_count(r"(\d+) fixed cases")
     assert PROPERTY_EXAMPLES == _doc_count(r"(\d+) hypothesis examples")
 
@@ -319,5 +308,5 @@ def usp_cases(draw):
 
 @settings(max_examples=PROPERTY_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=usp_cases())
-def test_property_usp_matches_reference(world, case):
-    world.run(compare_with_reference, **case)
+def test_property_usp_matches_reference(world4, case):
+    world4.run(compare_with_reference, **case)

@@ -83,8 +83,11 @@ def _params(engine, stage: int) -> dict:
     return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
-def train_usp(tmp_dir: str, stage: int, u: int, r: int, dp: int, impl: str) -> tuple[list[float], dict]:
-    """On every rank: ds_usp.initialize from a JSON file, 5 steps, return the replica-mean losses and params."""
+def train_usp(tmp_dir: str, stage: int, u: int, r: int, dp: int, impl: str,
+              entry: str = "ds_usp") -> tuple[list[float], dict]:
+    """On every rank: ``ds_usp.initialize`` (or, ``entry="deepspeed"``, the plain ``deepspeed.initialize`` after
+    ``import ds_usp``) from a JSON file, 5 steps; returns the replica-mean losses and the parameters."""
+    import deepspeed
     import torch.distributed as dist
 
     import ds_usp
@@ -96,7 +99,8 @@ def train_usp(tmp_dir: str, stage: int, u: int, r: int, dp: int, impl: str) -> t
             json.dump(_ds_config(stage, u * r, u, r, impl), f)
     dist.barrier()
     model = _llama("usp")
-    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=path)
+    init = ds_usp.initialize if entry == "ds_usp" else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=path)
     topo = engine.usp.topo
     assert (topo.ulysses_degree, topo.ring_degree, topo.dp_size) == (u, r, dp)
     losses = []
@@ -157,6 +161,13 @@ def test_plain_deepspeed_with_the_same_file(world4, tmp_path_factory, references
     # First in this world: DeepSpeed keeps the last mpu it was given in a global.
     results = world4.run(train_plain, str(tmp_path_factory.mktemp("plain")))
     _compare(results[0], references[4], "plain DeepSpeed")
+
+
+def test_plain_deepspeed_initialize_is_usp(world4, tmp_path_factory, references):
+    """After ``import ds_usp`` the plain ``deepspeed.initialize`` with the USP file trains exactly as ds_usp.initialize."""
+    d = str(tmp_path_factory.mktemp("plain_usp"))
+    results = world4.run(train_usp, d, 2, 2, 2, 1, "zigzag", entry="deepspeed")
+    _compare(results[0], references[1], "deepspeed.initialize with the USP file")
 
 
 @pytest.mark.parametrize("stage,u,r,dp,impl", LAYOUTS,

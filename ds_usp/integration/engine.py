@@ -18,8 +18,10 @@ scaling users report with Ulysses, and the reason the SP loss exists.
 """
 from __future__ import annotations
 
+import contextvars
 import datetime
 import functools
+import inspect
 import json
 import os
 import warnings
@@ -312,7 +314,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
             log_info(f"sequence_parallel={usp_cfg.mode}: ulysses_degree={usp_cfg.ulysses_degree} x "
                      f"ring_degree={usp_cfg.ring_degree}, data_parallel={usp_cfg.data_parallel_size}, "
                      f"layout={usp_cfg.layout} (world {world}, {ranks_per_node(world)} per node)")
-    engine, opt, loader, sched = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+    engine, opt, loader, sched = deepspeed_initialize()(args=args, model=model, optimizer=optimizer,
                                                       model_parameters=model_parameters,
                                                       training_data=training_data, lr_scheduler=lr_scheduler,
                                                       config=config, config_params=config_params,
@@ -325,3 +327,63 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine.usp = USPState(config=usp_cfg, topo=topo, memory=memory)
     _name_step_on_failure(engine)
     return engine, opt, loader, sched
+
+
+# ------------------------------------------------------------------- the plain deepspeed.initialize path
+
+TRAINER_ROUTE: contextvars.ContextVar[bool] = contextvars.ContextVar("ds_usp_trainer_route", default=False)
+
+
+def deepspeed_initialize() -> Any:
+    """DeepSpeed's own ``deepspeed.initialize`` (the one :func:`install_deepspeed_hook` wraps)."""
+    import deepspeed
+
+    fn = deepspeed.initialize
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "_ds_usp", False) else fn
+
+
+def _config_of_call(args: Any, kwargs: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
+    """The DeepSpeed config a ``deepspeed.initialize`` call was given (None when it cannot be read here)."""
+    source = kwargs.get("config") if kwargs.get("config") is not None else kwargs.get("config_params")
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None)
+    try:
+        return read_ds_config(source) if source is not None else None
+    except USPConfigError:
+        return None  # deepspeed.initialize reports its own config errors
+
+
+def _called_from_accelerate() -> bool:
+    return any(frame.frame.f_globals.get("__name__", "").startswith("accelerate.") for frame in inspect.stack()[2:])
+
+
+def install_deepspeed_hook() -> None:
+    """Make ``deepspeed.initialize`` honour ``"sequence_parallel"`` (idempotent; ``import ds_usp`` calls it).
+
+    DeepSpeed ignores the key, so without this a plain ``deepspeed.initialize`` given a USP config would silently
+    train plain data parallelism. With it, such a call is :func:`initialize` (same arguments, same engine), except
+    under an HF Trainer that is not ``ds_usp.USPTrainer`` (the Trainer would feed every rank whole sequences),
+    which is refused before anything is built. Calls without the key, or with a ds-usp ``mpu`` built by the
+    caller, reach DeepSpeed unchanged.
+    """
+    import deepspeed
+
+    if getattr(deepspeed.initialize, "_ds_usp", False):
+        return
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def initialize_with_usp(args: Any = None, **kwargs: Any) -> Any:
+        config = _config_of_call(args, kwargs)
+        from ds_usp.topology import USPMpu
+
+        if config is None or config.get("sequence_parallel") is None or isinstance(kwargs.get("mpu"), USPMpu):
+            return original(args=args, **kwargs)
+        if _called_from_accelerate() and not TRAINER_ROUTE.get():
+            raise ValueError('the DeepSpeed config sets "sequence_parallel", but this HF Trainer is not ds-usp\'s: '
+                             "it would give every rank whole sequences. Use ds_usp.USPTrainer (or ds_usp.USPSFTTrainer "
+                             "for TRL's SFTTrainer) instead of Trainer")
+        return initialize(args=args, **kwargs)
+
+    initialize_with_usp._ds_usp = True
+    deepspeed.initialize = initialize_with_usp

@@ -1,23 +1,25 @@
 """HuggingFace ``Trainer`` and TRL ``SFTTrainer`` with USP: an import and a class name.
 
-    from ds_usp.hf_trainer import USPTrainer          # instead of: from transformers import Trainer
+    from ds_usp import USPTrainer                     # instead of: from transformers import Trainer
     ds_usp.hf.register_usp_attention()                # done by the import; then attn_implementation="usp"
     trainer = USPTrainer(model=model, args=TrainingArguments(..., deepspeed="ds.json"), train_dataset=...)
 
-    from ds_usp.hf_trainer import USPSFTTrainer       # instead of: from trl import SFTTrainer
+    from ds_usp import USPSFTTrainer                  # instead of: from trl import SFTTrainer
 
 The DeepSpeed JSON gets ``"sequence_parallel": "usp"`` (and optionally the ``"usp"`` block); the model
 is built with ``attn_implementation="usp"`` (``ds_usp.hf.register_usp_attention()``; the two
 trainers register it on import). Without ``"sequence_parallel"`` they are the plain trainers. Launch
 is unchanged (``deepspeed``, ``accelerate launch``, ``torchrun``).
 
-What happens inside (transformers 5.23 / accelerate 1.15 / TRL 1.16; other versions are refused,
-see :func:`check_versions`):
+What happens inside (tested with transformers 5.23 / accelerate 1.15 / TRL 1.16; any version that has every
+Trainer, accelerate and DeepSpeed-config hook used here is accepted, and one that lacks one is refused at import
+naming it, see :func:`check_hooks`):
 
 * the engine: accelerate creates it with ``deepspeed.initialize`` and offers no way to pass an
-  ``mpu``; while the trainer's ``accelerator.prepare`` runs (the only call that creates engines),
-  ``deepspeed.initialize`` is routed to :func:`ds_usp.initialize`, which builds the groups and hands
-  DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks;
+  ``mpu``; ``import ds_usp`` makes ``deepspeed.initialize`` with a ``"sequence_parallel"`` config
+  :func:`ds_usp.initialize` (:func:`ds_usp.integration.engine.install_deepspeed_hook`), which builds the groups
+  and hands DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks; while the
+  trainer's ``accelerator.prepare`` runs it marks the call as a USP trainer's (a plain Trainer is refused);
 * data: the loaders split batches over replicas only (every rank of an SP group gets the same
   batch), and each batch is sharded by :func:`ds_usp.shard_batch` (layout of ``usp.layout``,
   labels shifted before sharding, packed documents found as HF's collators describe them);
@@ -44,10 +46,30 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens, shard_batch
+from ds_usp.integration.engine import TRAINER_ROUTE
 from ds_usp.integration.hf import register_usp_attention
 
-# tested versions: the integration uses Trainer/accelerate internals that change between minor versions
-SUPPORTED = {"transformers": ((5, 23), (5, 24)), "accelerate": ((1, 15), (1, 16)), "trl": ((1, 16), (1, 17))}
+# The Trainer / accelerate / HF-DeepSpeed pieces this module overrides or calls: (module, class, method, parameters
+# the override takes). A release that renames one is refused at import, naming it, instead of silently training
+# without it; versions themselves are not gated (setup.py's dev extra pins the ones CI tests).
+HOOKS = (
+    ("transformers", "Trainer", "create_accelerator_and_postprocess", ()),
+    ("transformers", "Trainer", "get_train_dataloader", ()),
+    ("transformers", "Trainer", "get_eval_dataloader", ("eval_dataset",)),
+    ("transformers", "Trainer", "get_test_dataloader", ("test_dataset",)),
+    ("transformers", "Trainer", "get_batch_samples", ("epoch_iterator", "num_batches", "device")),
+    ("transformers", "Trainer", "get_total_train_batch_size", ("args",)),
+    ("transformers", "Trainer", "compute_loss", ("model", "inputs", "return_outputs", "num_items_in_batch")),
+    ("transformers", "Trainer", "prediction_step", ("model", "inputs", "prediction_loss_only", "ignore_keys")),
+    ("transformers", "Trainer", "_prepare_inputs", ("inputs",)),
+    ("transformers.integrations.deepspeed", "HfTrainerDeepSpeedConfig", "trainer_config_process",
+     ("args", "auto_find_batch_size")),
+    ("accelerate", "Accelerator", "prepare", ()),
+    ("accelerate.data_loader", "BatchSamplerShard", "__init__", ("num_processes", "process_index")),
+)
+# Trainer attributes this module sets for the Trainer to read: each must still be read by transformers.trainer.
+READ_BY_TRAINER = ("loss_is_scaled_for_ga", "gather_function", "current_gradient_accumulation_steps",
+                   "compute_loss_func", "label_smoother", "model_wrapped")
 
 
 def _installed(package: str) -> Optional[str]:
@@ -57,26 +79,36 @@ def _installed(package: str) -> Optional[str]:
         return None
 
 
-def check_versions(packages: tuple[str, ...] = ("transformers", "accelerate")) -> None:
-    """Refuse versions of transformers/accelerate/TRL the integration was not tested with.
+def check_hooks(hooks: tuple = HOOKS, read_by_trainer: tuple = READ_BY_TRAINER) -> None:
+    """Refuse a transformers / accelerate that lacks a hook this integration uses (instead of a version range).
 
     Args:
-        packages: which to check.
+        hooks: ``(module, class, method, parameters)`` that must exist with those parameters.
+        read_by_trainer: attribute names that ``transformers.trainer`` must still read.
 
     Raises:
-        ImportError: naming each package, its installed version and the supported range.
+        ImportError: naming each missing hook, the installed versions, and the tested ones.
     """
-    problems = []
-    for package in packages:
-        low, high = SUPPORTED[package]
-        found = _installed(package)
-        parts = tuple(int(x) for x in (found or "0.0").split(".")[:2] if x.isdigit())
-        if found is None or not low <= parts < high:
-            problems.append(f"{package} {found or 'not installed'} (supported: >={low[0]}.{low[1]},<{high[0]}.{high[1]})")
-    if problems:
-        raise ImportError("ds_usp.hf_trainer needs " + "; ".join(problems) + ": it hooks Trainer and accelerate "
-                          "internals that change between minor versions. Install the supported versions, e.g. "
-                          "pip install 'transformers>=5.23,<5.24' 'accelerate>=1.15,<1.16' 'trl>=1.16,<1.17'")
+    import importlib
+    import inspect
+
+    missing = []
+    for module, cls, method, params in hooks:
+        owner = getattr(importlib.import_module(module), cls, None)
+        fn = getattr(owner, method, None)
+        if fn is None:
+            missing.append(f"{module}.{cls}.{method}")
+            continue
+        lacking = [p for p in params if p not in inspect.signature(fn).parameters]
+        if lacking:
+            missing.append(f"{module}.{cls}.{method} parameter(s) {', '.join(lacking)}")
+    source = inspect.getsource(importlib.import_module("transformers.trainer"))
+    missing += [f"transformers.trainer reading Trainer.{name}" for name in read_by_trainer if name not in source]
+    if missing:
+        found = ", ".join(f"{p} {_installed(p) or 'not installed'}" for p in ("transformers", "accelerate"))
+        raise ImportError(f"ds-usp's HF Trainer integration hooks pieces that this {found} does not have: "
+                          f"{'; '.join(missing)}. It was tested with transformers 5.23, accelerate 1.15 and TRL 1.16 "
+                          f"(pip install -e '.[trainer]' installs them)")
 
 
 def _sp_size(ds_config: dict) -> int:
@@ -136,8 +168,11 @@ class USPTrainerMixin:
 
         @functools.wraps(prepare)
         def prepare_with_usp(*args: Any, **kwargs: Any) -> Any:
-            with _routed_deepspeed_initialize():
+            token = TRAINER_ROUTE.set(True)  # deepspeed.initialize, called by accelerate, becomes ds_usp.initialize
+            try:
                 return prepare(*args, **kwargs)
+            finally:
+                TRAINER_ROUTE.reset(token)
 
         self.accelerator.prepare = prepare_with_usp
         self.loss_is_scaled_for_ga = True  # compute_loss returns the loss already divided as the step needs
@@ -267,39 +302,11 @@ def _doc_lens(shard: dict) -> Optional[list[list[int]]]:
     return None if all(len(row) == 1 for row in docs) else docs
 
 
-class _RoutedInitialize:
-    """``deepspeed.initialize`` -> ``ds_usp.initialize`` while accelerate prepares (see the module docstring)."""
-
-    def __init__(self) -> None:
-        import deepspeed
-
-        self.deepspeed = deepspeed
-        self.original = deepspeed.initialize
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from ds_usp.integration.engine import initialize
-
-        self.deepspeed.initialize = self.original  # ds_usp.initialize calls DeepSpeed's own
-        try:
-            return initialize(*args, **kwargs)
-        finally:
-            self.deepspeed.initialize = self
-
-
-class _routed_deepspeed_initialize:  # noqa: N801 - a context manager used as a function
-    def __enter__(self) -> None:
-        self.route = _RoutedInitialize()
-        self.route.deepspeed.initialize = self.route
-
-    def __exit__(self, *exc: Any) -> None:
-        self.route.deepspeed.initialize = self.route.original
-
-
-check_versions()
-_divide_train_batch_size_by_sp()
+check_hooks()
+_divide_train_batch_size_by_sp()  # must precede TrainingArguments, which fills the DeepSpeed config's "auto" values
 register_usp_attention()
 
-from transformers import Trainer  # noqa: E402 - after the version check
+from transformers import Trainer  # noqa: E402 - after the hook check
 
 
 class USPTrainer(USPTrainerMixin, Trainer):
@@ -307,7 +314,6 @@ class USPTrainer(USPTrainerMixin, Trainer):
 
 
 if _installed("trl") is not None:
-    check_versions(("trl",))
     from trl import SFTTrainer  # noqa: E402
 
     class USPSFTTrainer(USPTrainerMixin, SFTTrainer):
