@@ -118,7 +118,7 @@ def _peak_growth(fn) -> int:
 def test_chunked_loss_peaks_below_half_of_whole_logits():
     import torch.nn.functional as F
 
-    from ds_usp.integration.memory import chunked_lm_loss
+    from ds_usp.integration.loss import chunked_lm_loss
 
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 32000, bias=False)
@@ -141,7 +141,7 @@ def test_tiled_mlp_peaks_below_half_of_untiled():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from ds_usp.integration.memory import TiledMLP
+    from ds_usp.integration.tiling import TiledMLP
 
     torch.manual_seed(0)
     mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=8192))
@@ -197,7 +197,7 @@ def test_checkpointing_peaks_below_six_tenths(world4):
 def test_auto_plan_follows_the_tokens_per_rank():
     """``"auto"``: nothing for short sequences; chunked loss, selective checkpointing and (free under it) tiled MLP
     for long ones; ``false`` keeps everything off. The issue's model: vocab 32000, hidden 256, intermediate 896."""
-    from ds_usp.integration.memory import MemoryContext, MemorySettings
+    from ds_usp.integration.step_plan import MemoryContext, MemorySettings
 
     def plan(tokens: int, **settings):
         ctx = MemoryContext(settings=MemorySettings(**settings), topo=None, layout="zigzag", hidden=256,

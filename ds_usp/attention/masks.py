@@ -8,7 +8,7 @@ queries against a source rank's piece of keys, both lists of position runs, see
 :func:`ds_usp.sharding.piece_runs`), into :class:`Part` rectangles that hold every allowed pair:
 a rectangle with no allowed pair is never produced (no kernel call), and inside a rectangle the
 allowed pairs are a band ``lo <= k - q <= hi`` of local indices, which a kernel takes as a full
-block, a causal block or a band (:func:`ds_usp.kernels.attend`). No ``S x S`` tensor exists anywhere.
+block, a causal block or a band (:func:`ds_usp.kernels.forward_pieces`). No ``S x S`` tensor exists anywhere.
 :func:`needed_steps` says how many ring steps any rank needs, so the ring stops early when a whole
 tail of it is masked (a window shorter than the pieces with the contiguous layout).
 """

@@ -20,7 +20,7 @@ One call is three ``torch.library`` custom ops, each with a registered derivativ
 ``torch.compile`` therefore sees opaque operators with known derivatives: it neither traces into the
 collectives (an autograd function that fills ``empty_like`` buffers through collectives gets a
 silently zero gradient under compile, as DeepSpeed documents in ``deepspeed/sequence/layer.py``) nor
-breaks the graph; and selective activation checkpointing (:mod:`ds_usp.integration.memory`) can keep
+breaks the graph; and selective activation checkpointing (:mod:`ds_usp.integration.checkpointing`) can keep
 the ring's result instead of recomputing it. Process groups cannot appear in an operator schema,
 so the ops take the groups' names and look them up in torch.distributed's own registry
 (:func:`ds_usp.comm.resolve_group`).

@@ -13,7 +13,7 @@ sampler already gives every SP rank of a replica the same batch) becomes this ra
 group: the same value on every rank of the group (log it as it is), while each rank's ``backward``
 yields exactly its own tokens' share of the single-device gradient, so that DeepSpeed's sum over the
 sequence x data ranks (divided by the data-parallel size only) is the single-device gradient. The
-chunked loss of ``engine(..., shift_labels=...)`` (:mod:`ds_usp.integration.memory`) is the same.
+chunked loss of ``engine(..., shift_labels=...)`` (:mod:`ds_usp.integration.loss`) is the same.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
                            read_ds_config)
 from ds_usp.integration.hf import USPContext, attach
-from ds_usp.integration.memory import MemoryContext, MemorySettings
+from ds_usp.integration.step_plan import MemoryContext, MemorySettings
 from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.log import log_info
 from ds_usp.topology import USPTopology
@@ -49,7 +49,7 @@ class USPState:
         config: the validated sequence-parallel config.
         topo: the topology (``None`` when sequence parallelism is off).
         memory: the memory features applied to the model (``None`` when none is); ``memory.plan`` is what
-            the last forward call did (see :class:`ds_usp.integration.memory.StepPlan`).
+            the last forward call did (see :class:`ds_usp.integration.step_plan.StepPlan`).
     """
 
     config: USPConfig

@@ -1,0 +1,166 @@
+"""The SP loss of a causal LM: the token-weighted cross-entropy of the whole sequence, through ``lm_head`` in chunks.
+
+:func:`chunked_lm_loss` never holds the whole logits (:class:`ChunkedLMLoss`); :func:`sp_loss` turns a rank's
+summed token losses into the SP group's mean. The loss is the same value on every rank of the group, and its
+gradient on each rank is that rank's exact share.
+
+Why not DeepSpeed's ``TiledFusedLogitsLoss``: it takes the weight gradient inside its forward with a unit
+incoming gradient and never multiplies it by the real one (so the ``lm_head`` gradient is wrong under gradient
+accumulation, loss scaling or a later division, as with ArcticTraining's wiring).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ds_usp.comm import sum_over_group
+from ds_usp.integration.data import IGNORE_INDEX, sp_token_mean
+from ds_usp.topology import USPTopology
+
+# -------------------------------------------------------------------------------- chunked loss
+
+
+def _gathered(params: list[Optional[Tensor]]) -> Any:
+    """ZeRO-3's gather of ``params`` for the block: a no-op for parameters ZeRO-3 does not partition or keeps
+    whole (persistent small ones, or already gathered; gathering those would release them on exit)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    partitioned = [p for p in params if p is not None and getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned)
+
+
+def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, start: int, stop: int,
+           dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+    """One chunk: its loss sum; with ``dx``/``dw`` given, also its gradients (written/added into them).
+
+    The gradient of ``sum_t valid_t * (logsumexp(z_t) - z_t[y_t])`` with respect to the logits is
+    ``softmax(z_t) - onehot(y_t)`` on valid rows; it is cast to the matmul dtype as autograd would,
+    and multiplied by ``scale`` (the incoming gradient) when given. Everything of ``chunk x vocab``
+    size happens in the one fp32 logits buffer (``torch.logsumexp`` would add two more).
+    """
+    xc, yc = x[start:stop], labels[start:stop]
+    logits = F.linear(xc, weight, bias).float()  # (c, V), the chunk's only (c, V) buffer
+    valid = yc != IGNORE_INDEX
+    target = yc.clamp_min(0)
+    picked = logits.gather(1, target.unsqueeze(1)).squeeze(1)
+    peak = logits.amax(dim=1, keepdim=True)
+    norm = logits.sub_(peak).exp_().sum(dim=1, keepdim=True)  # logits now hold exp(z - max)
+    lse = peak.squeeze(1) + norm.squeeze(1).log()
+    loss = ((lse - picked) * valid).sum()
+    if dx is None:
+        return loss
+    probs = logits.div_(norm)  # softmax
+    rows = torch.arange(yc.shape[0], device=yc.device)
+    probs[rows, target] -= 1.0
+    probs.mul_(valid.unsqueeze(1) if scale is None else (valid * scale).unsqueeze(1))
+    grad = probs.to(x.dtype)  # dlogits as autograd hands it to the matmul
+    torch.mm(grad, weight, out=dx[start:stop])
+    if grad.dtype == dw.dtype:
+        dw.addmm_(grad.t(), xc)
+    else:
+        dw.add_(grad.t() @ xc)
+    if db is not None:
+        db.add_(grad.sum(0))
+    return loss
+
+
+class ChunkedLMLoss(torch.autograd.Function):
+    """Sum over tokens of ``cross_entropy(lm_head(hidden), labels)`` computed chunk by chunk, never whole.
+
+    Two ways to get the gradients, same numbers: ``grad_in_forward`` takes them chunk by chunk in the
+    forward (three matmuls per chunk, nothing recomputed; it holds ``dx`` and an fp32 weight gradient
+    until the backward, which multiplies them by the incoming gradient: exact under any scaling);
+    otherwise the backward recomputes each chunk's logits (four matmuls per chunk, nothing held but
+    the inputs). Under ZeRO-3 the caller gathers the ``lm_head`` weight once per pass, not per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk: int,
+                grad_in_forward: bool) -> Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])  # (b, s, H) -> (b*s, H)
+        y = labels.reshape(-1)
+        ctx.hidden_shape, ctx.chunk, ctx.grad_in_forward = hidden.shape, chunk, grad_in_forward
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        grads = _grad_buffers(x, weight, bias) if grad_in_forward else (None, None, None)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for start in range(0, x.shape[0], chunk):
+            total += _chunk(x, weight, bias, y, start, start + chunk, *grads, None)
+        ctx.save_for_backward(*grads) if grad_in_forward else ctx.save_for_backward(x, weight, bias, y)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        if ctx.grad_in_forward:
+            dx, dw, db = ctx.saved_tensors
+            dx, dw, db = dx * grad.to(dx.dtype), dw * grad, None if db is None else db * grad
+        else:
+            x, weight, bias, y = ctx.saved_tensors
+            dx, dw, db = _grad_buffers(x, weight, bias)
+            with _gathered([weight, bias]):
+                for start in range(0, x.shape[0], ctx.chunk):
+                    _chunk(x, weight, bias, y, start, start + ctx.chunk, dx, dw, db, grad)
+        w_dtype, b_dtype = ctx.dtypes
+        return (dx.view(ctx.hidden_shape), dw.to(w_dtype), None if db is None else db.to(b_dtype), None, None,
+                None)
+
+
+def _grad_buffers(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``dx`` (x's dtype) and fp32 accumulators for the weight and bias gradients."""
+    def zeros(t: Tensor) -> Tensor:
+        return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+
+    return torch.empty_like(x), zeros(weight), None if bias is None else zeros(bias)
+
+
+def chunked_lm_loss(hidden: Tensor, lm_head: nn.Module, shift_labels: Tensor, topo: Optional[USPTopology],
+                    chunk: int, grad_in_forward: bool, num_items: Optional[Tensor] = None) -> Tensor:
+    """The token-weighted mean cross-entropy of the whole sequence held by ``topo``'s SP group, in chunks.
+
+    Args:
+        hidden: ``(b, s_local, H)`` final hidden states (after the model's last norm).
+        lm_head: the output projection (``vocab x H`` weight, optional bias).
+        shift_labels: ``(b, s_local)`` next-token targets, ``-100`` ignored.
+        topo: the topology (None or SP size 1: this rank's tokens are the whole sequence).
+        chunk: tokens per logits chunk.
+        grad_in_forward: see :class:`ChunkedLMLoss` (only used when gradients are wanted).
+        num_items: divide by this count instead of the SP group's valid targets (HF's
+            ``num_items_in_batch``, for gradient accumulation).
+
+    Returns:
+        A scalar fp32 loss: the same value on every rank of the SP group; each rank's backward gives
+        its own tokens' exact gradient.
+    """
+    weight, bias = lm_head.weight, lm_head.bias
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    with _gathered([weight, bias]):
+        total = ChunkedLMLoss.apply(hidden, weight, bias, shift_labels, chunk, grad_in_forward and wants_grad)
+    return sp_loss(total, shift_labels, topo, num_items)
+
+
+def sp_loss(loss_sum: Tensor, shift_labels: Tensor, topo: Optional[USPTopology],
+            num_items: Optional[Tensor] = None) -> Tensor:
+    """This rank's summed token losses -> the SP group's mean (:func:`ds_usp.integration.data.sp_token_mean`).
+
+    Args:
+        loss_sum: this rank's summed token losses.
+        shift_labels: this rank's targets (their non-ignored count is the denominator).
+        topo: the topology.
+        num_items: a denominator given by the caller instead (HF's ``num_items_in_batch``, already the count
+            over the whole sequence and the accumulation window).
+
+    Returns:
+        The loss, the same value on every rank of the SP group.
+    """
+    if num_items is None:
+        return sp_token_mean(loss_sum, (shift_labels != IGNORE_INDEX).sum(), topo)
+    if topo is not None and topo.sp_size > 1:
+        loss_sum = sum_over_group(loss_sum, topo.sp_group)
+    return loss_sum / torch.as_tensor(num_items, dtype=torch.float32, device=loss_sum.device).clamp_min(1.0)

@@ -1,0 +1,53 @@
+"""The MLP of a decoder layer over sequence tiles, recomputed per tile in the backward (:class:`TiledMLP`).
+
+Why not DeepSpeed's ``TiledMLP``: it cuts tiles with ``torch.chunk``, whose tile count depends on the length, so
+under ZeRO-3 (a parameter gather per tile) replicas with different lengths would gather a different number of
+times and hang. Its ideas are kept: recompute per tile, and ``ds_grad_is_ready`` so that ZeRO reduces a weight's
+gradient once, after its last tile.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+# -------------------------------------------------------------------------------------- tiled MLP
+
+
+def _tile_bounds(length: int, tiles: int) -> list[tuple[int, int]]:
+    """``tiles`` slices of ``[0, length)``, possibly empty at the end: the count never depends on the length."""
+    step = max(1, math.ceil(length / tiles))
+    return [(min(i * step, length), min((i + 1) * step, length)) for i in range(tiles)]
+
+
+class TiledMLP(torch.autograd.Function):
+    """``mlp(x)`` over ``tiles`` sequence tiles; the backward recomputes one tile at a time.
+
+    ``x`` is saved before anything is computed, so a checkpointed layer's recomputation (which stops
+    once every saved tensor is back) ends before the MLP runs again. Under ZeRO every parameter of
+    ``mlp`` is marked not ready (``ds_grad_is_ready``) until its last tile's gradient is in, so its
+    gradient is reduced once.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, mlp: Callable[[Tensor], Tensor], tiles: int, params: tuple) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
+        return torch.cat([mlp(x[:, a:b]) for a, b in _tile_bounds(x.shape[1], tiles)], dim=1)  # (b, s, H)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        (x,) = ctx.saved_tensors
+        dx = torch.zeros_like(x)
+        bounds = _tile_bounds(x.shape[1], ctx.tiles)
+        for i, (a, b) in enumerate(bounds):
+            for p in ctx.params:
+                p.ds_grad_is_ready = i == len(bounds) - 1
+            xt = x[:, a:b].detach().requires_grad_(True)
+            with torch.enable_grad():
+                yt = ctx.mlp(xt)
+            torch.autograd.backward(yt, grad[:, a:b])
+            dx[:, a:b] = xt.grad
+        return dx, None, None, None

@@ -1,0 +1,75 @@
+"""The package's layering is the one docs/architecture.md states, and no module imports one above it.
+
+The layer table of docs/architecture.md (``| layer | modules |``) is parsed here, so the picture and the code
+cannot drift: every ``ds_usp`` module must appear in it, and every import of a ``ds_usp`` module (module level
+or inside a function) must go to the same layer or one below. The native op's builders (the top-level ``ops/``,
+installed as ``ds_usp.ops.op_builder``) import nothing from ``ds_usp``: setup.py loads them before it exists.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def _layers() -> dict[str, int]:
+    """``module prefix -> layer number`` from the doc's table (rows ``| n | `a`, `b` |``)."""
+    layers = {}
+    for number, modules in re.findall(r"^\| (\d+) \| (.+?) \|", DOC.read_text(), flags=re.M):
+        for name in re.findall(r"`([\w.]+)`", modules):
+            layers[name] = int(number)
+    assert layers, "docs/architecture.md has no layer table"
+    return layers
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer_of(module: str, layers: dict[str, int]) -> int:
+    """The layer of the longest table entry that is ``module`` or a package containing it."""
+    if module == "ds_usp.ops.op_builder" or module.startswith("ds_usp.ops.op_builder."):
+        module = "ds_usp.ops"  # the native op's builders belong to the native-op layer
+    best = max((name for name in layers if module == name or module.startswith(name + ".")), key=len, default=None)
+    assert best is not None, f"{module} is not in docs/architecture.md's layer table"
+    return layers[best]
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m == "ds_usp" or m.startswith("ds_usp.")}
+
+
+def test_no_module_imports_upward():
+    layers = _layers()
+    upward = []
+    for path in sorted((ROOT / "ds_usp").rglob("*.py")):
+        me = _module_name(path)
+        mine = _layer_of(me, layers)
+        for target in _imports(path):
+            if target != me and _layer_of(target, layers) > mine:
+                upward.append(f"{me} (layer {mine}) imports {target} (layer {_layer_of(target, layers)})")
+    assert not upward, "imports against the layering of docs/architecture.md:\n" + "\n".join(upward)
+
+
+def test_the_native_op_builders_import_nothing_of_ds_usp():
+    for path in sorted((ROOT / "ops").rglob("*.py")):
+        assert not _imports(path), f"{path} imports {_imports(path)}: setup.py loads it before ds_usp is installed"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The rule is not vacuous: a config module importing the integration layer would be caught."""
+    layers = _layers()
+    fake = tmp_path / "config.py"
+    fake.write_text("from ds_usp.integration.engine import initialize\n")
+    assert _layer_of("ds_usp.integration.engine", layers) > _layer_of("ds_usp.config", layers)
+    assert _imports(fake) == {"ds_usp.integration.engine"}
