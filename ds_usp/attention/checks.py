@@ -26,7 +26,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, ulysses_degree: int) -> None:
     Args:
         q: ``(b, s_local, hq, d)``.
         k: ``(b, s_local, hkv, d)``.
-        v: ``(b, s_local, hkv, d)``.
+        v: ``(b, s_local, hkv, dv)`` (``dv`` may differ from ``d``: MLA).
         ulysses_degree: U.
 
     Raises:
@@ -38,8 +38,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, ulysses_degree: int) -> None:
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
         if x.dtype not in DTYPES:
             raise ValueError(f"{name} has dtype {x.dtype}; supported: float32, bfloat16, float16")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same batch, length and heads "
+                         f"(only their head dims may differ)")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local sequence length "
                          f"and head_dim")
@@ -50,6 +51,45 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, ulysses_degree: int) -> None:
     if q.shape[1] == 0 or q.shape[0] == 0:
         raise ValueError("the local sequence is empty" if q.shape[1] == 0 else "the batch is empty")
     check_heads(q.shape[2], k.shape[2], ulysses_degree)
+
+
+def check_softcap(softcap: Any) -> float:
+    """Validate an attention logit soft-cap and return it as a float (0: none).
+
+    Args:
+        softcap: None, 0 or a positive finite number (the scores become ``softcap * tanh(scores / softcap)``).
+
+    Returns:
+        The cap, 0.0 for none.
+
+    Raises:
+        ValueError: naming the value.
+    """
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap ({softcap!r}) must be None, 0 or a positive finite number")
+    return float(softcap)
+
+
+def check_sinks(sinks: Any, num_heads: int, device: torch.device) -> None:
+    """Validate attention sinks: one logit per query head (GPT-OSS ``s_aux``).
+
+    Args:
+        sinks: None or a ``(hq,)`` float tensor.
+        num_heads: hq.
+        device: the attention's device.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor) or sinks.shape != (num_heads,) or not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a float tensor of shape ({num_heads},) (one logit per query head), got "
+                         f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__}")
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {device}: put them on one device")
 
 
 def check_scale(softmax_scale: Any) -> None:
@@ -87,14 +127,14 @@ def check_device(device: torch.device, group: Any) -> None:
                          f"distributed with the other backend")
 
 
-_SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "dtype", "causal", "layout",
-              "seq_len", "softmax_scale", "documents and window (a hash)")
+_SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "v head_dim", "dtype", "causal",
+              "layout", "seq_len", "softmax_scale", "documents, window, softcap and sinks (a hash)")
 # SP group name -> input signatures every rank of that group has been checked to share. A cache like the
 # native op's: it only saves the check's all-gather on later calls with the same shapes.
 _AGREED: dict[str, set] = {}
 
 
-def check_same_across_ranks(q: Tensor, k: Tensor, sp_group: Any, causal: bool, layout: str, seq_len: int,
+def check_same_across_ranks(q: Tensor, k: Tensor, v: Tensor, sp_group: Any, causal: bool, layout: str, seq_len: int,
                             scale: float, mask: Any = None) -> None:
     """Check once per input signature that every rank of the SP group calls with the same one.
 
@@ -107,20 +147,21 @@ def check_same_across_ranks(q: Tensor, k: Tensor, sp_group: Any, causal: bool, l
     Args:
         q: this rank's q shard.
         k: this rank's k shard.
+        v: this rank's v shard.
         sp_group: the sequence-parallel group.
         causal: the mask.
         layout: the sharding layout.
         seq_len: the real global length.
         scale: the softmax scale.
-        mask: anything else that must agree (documents, window), compared by its hash.
+        mask: anything else that must agree (documents, window, softcap, sinks present), compared by its hash.
 
     Raises:
         ValueError: the same message on every rank of the group, naming each differing value per rank.
     """
     if dist.get_world_size(sp_group) == 1:
         return
-    sig = (*q.shape[:3], k.shape[2], q.shape[3], DTYPES.index(q.dtype), int(causal), LAYOUTS.index(layout), seq_len,
-           struct.unpack("<q", struct.pack("<d", scale))[0], hash(mask))
+    sig = (*q.shape[:3], k.shape[2], q.shape[3], v.shape[3], DTYPES.index(q.dtype), int(causal), LAYOUTS.index(layout),
+           seq_len, struct.unpack("<q", struct.pack("<d", scale))[0], hash(mask))
     agreed = _AGREED.setdefault(sp_group.group_name, set())
     if sig in agreed:
         return

@@ -74,78 +74,119 @@ def _whole(work: list, s: int) -> bool:
 
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, mask: MaskSpec, scale: float,
-                 backend: AttnBackend, ops: TorchOps) -> tuple[Tensor, Tensor]:
+                 backend: AttnBackend, ops: TorchOps, softcap: float = 0.0,
+                 sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of this rank's ring piece of queries against the whole sequence held by the ring.
 
     Args:
         q: ``(b, s, hq, d)``, this rank's ring piece.
         k: ``(b, s, hkv, d)``.
-        v: ``(b, s, hkv, d)``.
+        v: ``(b, s, hkv, dv)`` (``dv`` may differ from ``d``: MLA).
         spec: the ring and the layout.
         mask: which pairs meet (:mod:`ds_usp.attention.masks`).
         scale: softmax scale.
         backend: the local attention kernel.
         ops: the native op or its PyTorch twins (the LSE merge).
+        softcap: attention logit soft-cap (0: none), applied by the kernels to every block.
+        sinks: ``(hq,)`` one sink logit per head (GPT-OSS): one more term of each row's log-sum-exp, merged
+            once after the ring, whatever the number of steps; None: none.
 
     Returns:
-        ``out (b, s, hq, d)`` in ``q.dtype`` and ``lse (b, hq, s)`` fp32; rows that see no key (padding)
-        have zero output and ``-inf`` LSE.
+        ``out (b, s, hq, dv)`` in ``q.dtype`` and ``lse (b, hq, s)`` fp32 (the sinks included); rows that see no
+        key (padding) have zero output and ``-inf`` LSE (without sinks).
     """
-    b, s, h, d = q.shape
+    b, s, h, _ = q.shape
+    dk, dv = k.shape[-1], v.shape[-1]
     steps, schedule = _plan(spec, mask, b)
     if steps == 1 and _whole(schedule[0], s):  # one kernel call is the answer: no accumulator, no merge
         part = schedule[0][0][1][0]
-        return backend.forward(q, k, v, part.causal, scale)
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+        out, lse = backend.forward(q, k, v, part.causal, scale, softcap)
+        return (out, lse) if sinks is None else _merge_sinks(out.float(), lse, sinks, q.dtype)
+    out = torch.zeros(b, s, h, dv, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])  # 2 x (b, s, hkv, d) -> (2, b, s, hkv, d): one message per step
+    kv = torch.cat([k, v], dim=-1)  # (b, s, hkv, d) + (b, s, hkv, dv) -> (b, s, hkv, d + dv): one message per step
+    fused = backend.band_forward_merge_ is not None and dk == dv
     for t in range(steps):
         wait = ring_shift(kv, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
+        kb, vb = kv[..., :dk], kv[..., dk:]
         for rows, parts in schedule[t]:
             for part in parts:
-                if backend.band_forward_merge_ is not None:  # attention and merge in one kernel pass
-                    backend.band_forward_merge_(q[rows, part.q], kv[0][rows, part.k], kv[1][rows, part.k], part.lo,
-                                                part.hi, scale, out[rows, part.q], lse[rows, :, part.q])
+                if fused:  # attention and merge in one kernel pass
+                    backend.band_forward_merge_(q[rows, part.q], kb[rows, part.k], vb[rows, part.k], part.lo, part.hi,
+                                                scale, out[rows, part.q], lse[rows, :, part.q], softcap=softcap)
                     continue
-                for qs, block_out, block_lse in forward_pieces(backend, q[rows, part.q], kv[0][rows, part.k],
-                                                                kv[1][rows, part.k], part.lo, part.hi, scale):
+                for qs, block_out, block_lse in forward_pieces(backend, q[rows, part.q], kb[rows, part.k],
+                                                                vb[rows, part.k], part.lo, part.hi, scale, softcap):
                     at = slice(part.q.start + qs.start, part.q.start + qs.stop)
                     ops.merge_block_(out[rows, at], lse[rows, :, at], block_out, block_lse)
                     del block_out, block_lse  # free before the next kernel allocates its own
         if wait is not None:
             kv = wait()
+    if sinks is not None:
+        return _merge_sinks(out, lse, sinks, q.dtype)
     return out.to(q.dtype), lse
 
 
+def _merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Fold one sink logit per head into the final fp32 ``(out, lse)``: a key with logit ``sink`` and value 0.
+
+    ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``; the backward of the attention then takes
+    ``(out', lse')`` as the softmax statistics unchanged, and the sinks' own gradient is :func:`sink_grad`.
+    """
+    new = torch.logaddexp(lse, sinks.float()[None, :, None])  # (b, h, s)
+    out = out * torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)  # (b, h, s) -> (b, s, h, 1)
+    return out.to(dtype), new
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Gradient of the sinks folded in by :func:`ring_forward`: ``-sum_rows exp(sink - lse) * <dout, out>``.
+
+    Args:
+        dout: ``(b, s, hq, dv)``.
+        out: ``(b, s, hq, dv)`` the final output (sinks included).
+        lse: ``(b, hq, s)`` the final LSE (sinks included).
+        sinks: ``(hq,)``.
+
+    Returns:
+        ``(hq,)`` in the sinks' dtype: this rank's rows' share.
+    """
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (b, s, h) -> (b, h, s)
+    return -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+
+
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: RingSpec,
-                  mask: MaskSpec, scale: float, backend: AttnBackend, ops: TorchOps) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`ring_forward` from its merged ``(out, lse)``.
+                  mask: MaskSpec, scale: float, backend: AttnBackend, ops: TorchOps,
+                  softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`ring_forward` from its merged ``(out, lse)`` (sinks included: they need nothing more
+    here; their own gradient is :func:`sink_grad`).
 
     The K/V blocks travel the same steps again; each block's fp32 dK/dV accumulator travels with it and,
     after the last needed step, goes home to its owner in one hop.
 
     Args:
-        dout: ``(b, s, hq, d)`` gradient of the output.
+        dout: ``(b, s, hq, dv)`` gradient of the output.
         q: ``(b, s, hq, d)``.
         k: ``(b, s, hkv, d)``.
-        v: ``(b, s, hkv, d)``.
-        out: ``(b, s, hq, d)`` from :func:`ring_forward`.
+        v: ``(b, s, hkv, dv)``.
+        out: ``(b, s, hq, dv)`` from :func:`ring_forward`.
         lse: ``(b, hq, s)`` fp32 from :func:`ring_forward`.
         spec: the ring and the layout.
         mask: which pairs meet.
         scale: softmax scale.
         backend: the local attention kernel.
         ops: the native op or its PyTorch twins (the fp32 accumulation).
+        softcap: attention logit soft-cap (0: none).
 
     Returns:
         ``dq, dk, dv`` in the inputs' dtypes; rows that see no key get zero gradient.
     """
     b, s = q.shape[:2]
+    dk_ = k.shape[-1]
     steps, schedule = _plan(spec, mask, b)
     if steps == 1 and _whole(schedule[0], s):  # one block, gradients straight from the kernel
-        return backend.backward(dout, q, k, v, out, lse, schedule[0][0][1][0].causal, scale)
+        return backend.backward(dout, q, k, v, out, lse, schedule[0][0][1][0].causal, scale, softcap)
     dq = torch.zeros_like(q, dtype=torch.float32)
-    kv = torch.stack([k, v])  # (2, b, s, hkv, d)
+    kv = torch.cat([k, v], dim=-1)  # (b, s, hkv, d + dv)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the accumulator of my own block
     wait_dkv = None
     for t in range(steps):
@@ -154,15 +195,15 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             dkv = wait_dkv()  # the accumulator of the block at hand, from the previous rank
         for rows, parts in schedule[t]:
             for part in parts:
-                pieces = backward_pieces(backend, dout[rows, part.q], q[rows, part.q], kv[0][rows, part.k],
-                                         kv[1][rows, part.k], out[rows, part.q], lse[rows, :, part.q], part.lo,
-                                         part.hi, scale)
+                pieces = backward_pieces(backend, dout[rows, part.q], q[rows, part.q], kv[..., :dk_][rows, part.k],
+                                         kv[..., dk_:][rows, part.k], out[rows, part.q], lse[rows, :, part.q],
+                                         part.lo, part.hi, scale, softcap)
                 for qs, ks, dq_b, dk_b, dv_b in pieces:
                     qrows = slice(part.q.start + qs.start, part.q.start + qs.stop)
                     krows = slice(part.k.start + ks.start, part.k.start + ks.stop)
                     ops.accumulate_(dq[rows, qrows], dq_b)
-                    ops.accumulate_(dkv[0][rows, krows], dk_b)
-                    ops.accumulate_(dkv[1][rows, krows], dv_b)
+                    ops.accumulate_(dkv[..., :dk_][rows, krows], dk_b)
+                    ops.accumulate_(dkv[..., dk_:][rows, krows], dv_b)
                     del dq_b, dk_b, dv_b  # free before the next kernel allocates its own
         # the accumulator moves on with its block; after the last step it goes straight home (R - t hops ahead)
         hop = 1 if t < steps - 1 else (spec.size - t) % spec.size
@@ -171,5 +212,5 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
             kv = wait_kv()
     if wait_dkv is not None:
         dkv = wait_dkv()  # my own block's accumulator, back home
-    # dv gets its own storage (a copy only for fp32): the custom op's outputs may not alias each other
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype, copy=True)
+    # dk and dv get storage of their own (a copy only for fp32): the custom op's outputs may not alias each other
+    return dq.to(q.dtype), dkv[..., :dk_].to(k.dtype, copy=True), dkv[..., dk_:].to(v.dtype, copy=True)

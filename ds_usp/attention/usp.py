@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ds_usp.attention.checks import check_device, check_qkv, check_same_across_ranks, check_scale
+from ds_usp.attention.checks import (check_device, check_qkv, check_same_across_ranks, check_scale, check_sinks,
+                                    check_softcap)
 from ds_usp.attention.masks import MaskSpec
-from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward
+from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
 from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, seq_to_head
 from ds_usp.comm import resolve_group
 from ds_usp.kernels import BACKEND_CHOICES, get_backend
@@ -129,67 +130,92 @@ def _ring_and_mask(x: Tensor, world: int, ring_group: str, causal: bool, layout:
     return ring, mask
 
 
-def _split(qkv: list[Tensor], heads: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    """``[q, k, v]`` as given, or ``[qkv_heads]`` split into its q, k, v head columns (views)."""
-    return tuple(qkv) if len(qkv) == 3 else qkv[0].split(heads, dim=2)
+def _split(qkv: list[Tensor], heads: list[int], dims: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """``[q, k, v]`` as given, or ``[qkv_heads]`` split into its q, k, v head columns (views).
+
+    ``qkv_heads`` is ``(b, U*s, Hp, g)`` in units of ``g`` columns (:func:`_units`): its ``heads[i] * dims[i] / g``
+    unit columns per tensor become ``(b, U*s, heads[i], dims[i])``.
+    """
+    if len(qkv) == 3:
+        return tuple(qkv)
+    x = qkv[0]
+    g = x.shape[-1]
+    parts = x.split([h * d // g for h, d in zip(heads, dims)], dim=2)
+    # (b, U*s, h*d/g, g) -> (b, U*s, h, d): the unit columns of one head are adjacent
+    return tuple(part.reshape(*part.shape[:2], h, d) for part, h, d in zip(parts, heads, dims))
+
+
+def _units(x: Tensor, unit: int) -> Tensor:
+    """``(b, s, h, d)`` -> ``(b, s, h*d/unit, unit)``: q, k and v of different head dims (MLA) as columns of one
+    width, so one all-to-all carries them; ``unit`` divides every head dim, and a rank's chunk of whole heads is a
+    chunk of whole units."""
+    return x if x.shape[-1] == unit else x.reshape(*x.shape[:2], -1, unit)
 
 
 @torch.library.custom_op("ds_usp::ring_attention", mutates_args=())
-def _ring_attention(qkv: list[Tensor], heads: list[int], ulysses_degree: int, ring_group: str, causal: bool,
-                    layout: str, seq_len: int, scale: float, attn_backend: str, native_op: str,
-                    docs: Optional[Tensor], window_left: int, window_right: int) -> tuple[Tensor, Tensor]:
-    """``(out (b, U*s, hq', d), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
+def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str,
+                    causal: bool, layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor],
+                    attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
+                    window_right: int) -> tuple[Tensor, Tensor]:
+    """``(out (b, U*s, hq', dv), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
 
-    ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``.
-    ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``window_left`` < 0: no window.
+    ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``/``dims``.
+    ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``window_left`` < 0: no window;
+    ``softcap`` 0: none; ``sinks``: ``(hq',)`` this rank's heads' sink logits or None.
     """
-    q, k, v = _split(qkv, heads)
+    q, k, v = _split(qkv, heads, dims)
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
                                 window_right)
-    return ring_forward(q, k, v, ring, mask, scale, get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q))
+    return ring_forward(q, k, v, ring, mask, scale, get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q),
+                        softcap, sinks)
 
 
 @_ring_attention.register_fake
-def _(qkv: list[Tensor], heads: list[int], ulysses_degree: int, ring_group: str, causal: bool, layout: str,
-      seq_len: int, scale: float, attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
-      window_right: int) -> tuple[Tensor, Tensor]:
-    q = _split(qkv, heads)[0]
-    b, s, h, d = q.shape
-    return q.new_empty(b, s, h, d), q.new_empty(b, h, s, dtype=torch.float32)
+def _(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str, causal: bool,
+      layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor], attn_backend: str,
+      native_op: str, docs: Optional[Tensor], window_left: int, window_right: int) -> tuple[Tensor, Tensor]:
+    b, s = qkv[0].shape[:2]
+    return qkv[0].new_empty(b, s, heads[0], dims[2]), qkv[0].new_empty(b, heads[0], s, dtype=torch.float32)
 
 
 @torch.library.custom_op("ds_usp::ring_attention_bwd", mutates_args=())
-def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int],
+def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
                         ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float,
-                        attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
-                        window_right: int) -> list[Tensor]:
-    """Gradients for ``qkv`` as it was given: ``[dq, dk, dv]`` or ``[d qkv_heads]``."""
-    q, k, v = _split(qkv, heads)
+                        softcap: float, sinks: Optional[Tensor], attn_backend: str, native_op: str,
+                        docs: Optional[Tensor], window_left: int, window_right: int) -> list[Tensor]:
+    """Gradients for ``qkv`` as it was given (``[dq, dk, dv]`` or ``[d qkv_heads]``), then ``d sinks`` if any."""
+    q, k, v = _split(qkv, heads, dims)
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
                                 window_right)
     grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ring, mask, scale,
-                          get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q))
-    return list(grads) if len(qkv) == 3 else [torch.cat(grads, dim=2)]  # (b, U*s, Hp, d) like qkv_heads
+                          get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap)
+    if len(qkv) == 1:  # (b, U*s, Hp, g) like qkv_heads
+        unit = qkv[0].shape[-1]
+        grads = [torch.cat([_units(g, unit) for g in grads], dim=2)]
+    return list(grads) + ([] if sinks is None else [sink_grad(dout, out, lse, sinks)])
 
 
 @_ring_attention_bwd.register_fake
-def _(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], ulysses_degree: int,
-      ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, attn_backend: str, native_op: str,
-      docs: Optional[Tensor], window_left: int, window_right: int) -> list[Tensor]:
-    return [torch.empty_like(x) for x in qkv]
+def _(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
+      ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, softcap: float,
+      sinks: Optional[Tensor], attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
+      window_right: int) -> list[Tensor]:
+    return [torch.empty_like(x) for x in qkv] + ([] if sinks is None else [torch.empty_like(sinks)])
 
 
 def _ring_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     qkv, *args = inputs
     out, lse = output
-    ctx.n, ctx.args = len(qkv), args
+    ctx.n, ctx.args, ctx.has_sinks = len(qkv), args, args[9] is not None
     ctx.save_for_backward(*qkv, out, lse)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx: Any, dout: Tensor, _dlse: Any) -> tuple:
     *qkv, out, lse = ctx.saved_tensors
-    return (_ring_attention_bwd(dout, qkv, out, lse, *ctx.args),) + (None,) * 12
+    grads = _ring_attention_bwd(dout, qkv, out, lse, *ctx.args)
+    dsinks = grads.pop() if ctx.has_sinks else None
+    return (grads,) + (None,) * 9 + (dsinks,) + (None,) * 5
 
 
 torch.library.register_autograd("ds_usp::ring_attention", _ring_backward, setup_context=_ring_setup)
@@ -202,13 +228,14 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
                   layout: str = "zigzag", softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
                   attn_backend: str = "auto", native_op: Union[bool, str] = "auto",
                   doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None,
-                  window: Optional[tuple[int, int]] = None) -> Tensor:
+                  window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None,
+                  sinks: Optional[Tensor] = None) -> Tensor:
     """Exact attention over a sequence sharded across ``topo``'s sequence-parallel group.
 
     Args:
         q: ``(b, s_local, hq, d)``, this rank's shard (from :func:`~ds_usp.sharding.shard_sequence`).
         k: ``(b, s_local, hkv, d)``; ``hq % hkv == 0`` (GQA/MQA).
-        v: ``(b, s_local, hkv, d)``.
+        v: ``(b, s_local, hkv, dv)``; ``dv`` may differ from ``d`` (MLA: DeepSeek-V3, Kimi-K2).
         topo: the USP topology (any ``ulysses_degree x ring_degree``).
         causal: causal (lower-triangular) attention over global positions.
         layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``, as the inputs were sharded (``"balanced"``
@@ -225,13 +252,18 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
             document. ``None``: one document.
         window: sliding window ``(left, right)``: a token at ``p`` sees ``p - left ... p + right``
             (``right`` must be 0 when causal). ``None``: unlimited.
+        softcap: attention logit soft-cap (Gemma 2): scores become ``softcap * tanh(scores / softcap)``, the
+            softmax scale applied first. None or 0: none.
+        sinks: ``(hq,)`` one learned sink logit per query head (GPT-OSS ``s_aux``): it joins every query's
+            softmax denominator once, with no value; differentiable. None: none.
 
     Returns:
-        ``(b, s_local, hq, d)`` in the input dtype: this rank's shard of the output.
+        ``(b, s_local, hq, dv)`` in the input dtype: this rank's shard of the output.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``causal``,
-            ``softmax_scale``, ``seq_len``, ``attn_backend``, ``native_op``, ``doc_lens`` or ``window``, raised
+            ``softmax_scale``, ``seq_len``, ``attn_backend``, ``native_op``, ``doc_lens``, ``window``, ``softcap`` or
+            ``sinks``, raised
             before any communication; or ranks of the SP group that pass different shapes or arguments (checked
             once per signature with one small all-gather, the same error on every rank; skipped under
             ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
@@ -244,6 +276,8 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
     if not isinstance(causal, bool):
         raise ValueError(f"causal ({causal!r}) must be True or False")
     check_scale(softmax_scale)
+    cap = check_softcap(softcap)
+    check_sinks(sinks, q.shape[2], q.device)
     real_len, _ = resolve_seq_len(seq_len, q.shape[1], u, topo.ring_degree, layout)
     check_native_op(native_op)
     docs = normalize_docs(doc_lens, q.shape[0], real_len)
@@ -253,21 +287,28 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         get_backend(attn_backend, q.device)  # raises the message that lists what is usable here
     if not torch.compiler.is_compiling():  # (compiled code has checked these while tracing)
         get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
-        check_same_across_ranks(q, k, topo.sp_group, causal, layout, real_len, scale, (docs or (), left, right))
+        check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
+                                (docs or (), left, right, cap, sinks is not None))
     native = str(native_op).lower()
     docs_t = None if docs is None else _doc_tensor(docs, real_len)
     ulysses, ring, _ = topo.group_names
-    hq, hkv = q.shape[2], k.shape[2]
-    mask_args = (docs_t, left, right)
+    hq, hkv, dk, dv = q.shape[2], k.shape[2], k.shape[3], v.shape[3]
+    common = (layout, real_len, scale, cap)
+    mask_args = (attn_backend, native, docs_t, left, right)
     if u == 1:
-        out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], 1, ring, causal, layout, real_len, scale, attn_backend,
-                                 native, *mask_args)
+        out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], [dk, dk, dv], 1, ring, causal, *common, sinks,
+                                 *mask_args)
         return out
     rep = kv_replication(hkv, u)
-    qkv = _seq_to_head([q, k, v], [1, rep, rep], ulysses, native)  # (b, U*s, Hp, d)
-    out_heads, _ = _ring_attention([qkv], head_split(hq, hkv, u), u, ring, causal, layout, real_len, scale,
-                                   attn_backend, native, *mask_args)
-    return _head_to_seq(out_heads, [hq // u], [1], ulysses, native)[0]  # (b, s, hq, d)
+    unit = math.gcd(dk, dv)
+    if dk != dv and rep > 1:  # units of one head would be replicated apart: replicate whole heads first
+        k, v, hkv, rep = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2), hkv * rep, 1
+    if sinks is not None:  # this rank's query heads after the all-to-all: the u-th block of hq / U
+        sinks = sinks.narrow(0, topo.ulysses_rank * (hq // u), hq // u)
+    qkv = _seq_to_head([_units(x, unit) for x in (q, k, v)], [1, rep, rep], ulysses, native)  # (b, U*s, Hp, unit)
+    out_heads, _ = _ring_attention([qkv], head_split(hq, hkv, u), [dk, dk, dv], u, ring, causal, *common, sinks,
+                                   *mask_args)
+    return _head_to_seq(out_heads, [hq // u], [1], ulysses, native)[0]  # (b, s, hq, dv)
 
 
 def _doc_tensor(docs: tuple[tuple[int, ...], ...], seq_len: int) -> Tensor:

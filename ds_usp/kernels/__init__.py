@@ -2,8 +2,12 @@
 
 Conventions shared by every backend:
 
-* q: (b, sq, hq, d); k, v: (b, sk, hkv, d) ("bshd"), hq % hkv == 0 (GQA/MQA: q head i uses kv
-  head i // (hq // hkv)). Inputs may be non-contiguous views.
+* q: (b, sq, hq, d); k: (b, sk, hkv, d); v: (b, sk, hkv, dv) ("bshd"), hq % hkv == 0 (GQA/MQA: q head i
+  uses kv head i // (hq // hkv)); dv may differ from d (MLA: :class:`AttnBackend` zero-pads to one head dim
+  for the fused kernels and cuts the output back). Inputs may be non-contiguous views.
+* softcap > 0: the scores are ``softcap * tanh(scale q.k / softcap)`` (Gemma 2); 0 means none. The
+  torch backend computes capped blocks in exact blocked math (:func:`ds_usp.kernels.band.math_forward`),
+  flash-attn and Triton in their kernels.
 * lse: float32 (b, hq, sq), natural log, softmax scale included: logsumexp_k(scale * q.k).
 * causal=True is the top-left aligned lower-triangular mask and needs sq == sk;
   causal=False is full attention and allows sq != sk.
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ds_usp.config import BACKEND_CHOICES
@@ -33,8 +38,9 @@ from ds_usp.kernels import triton_attn as _triton  # imports triton itself only 
 
 __all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "backward_pieces", "forward_pieces", "get_backend"]
 
-ForwardFn = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
-BackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
+ForwardFn = Callable[[Tensor, Tensor, Tensor, bool, float, float], tuple[Tensor, Tensor]]
+BackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float, float],
+                      tuple[Tensor, Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -45,14 +51,14 @@ class AttnBackend:
         name: "torch" or "flash_attn".
         forward_fn: kernel forward on validated inputs with a resolved float scale.
         backward_fn: kernel backward on validated inputs with a resolved float scale.
-        masked_forward: attention of a small tile with an explicit ``(sq, sk)`` bool mask (band edges);
-            default: exact fp32 math (:mod:`ds_usp.kernels.band`).
+        masked_forward: ``(q, k, v, keep, scale, softcap)``: attention of a small tile with an explicit
+            ``(sq, sk)`` bool mask (band edges); default: exact fp32 math (:mod:`ds_usp.kernels.band`).
         masked_backward: its gradients.
-        band_forward_merge_: ``(q, k, v, lo, hi, scale, out_acc, lse_acc)``: the attention of the band
+        band_forward_merge_: ``(q, k, v, lo, hi, scale, out_acc, lse_acc, softcap=...)``: the attention of the band
             ``lo <= k - q <= hi`` folded in place into a running fp32 ``(out, lse)``, mask from indices, in one
             pass; None when the backend has none (then :func:`forward_pieces` and the separate merge run).
-        band_backward: ``(dout, q, k, v, out, lse, lo, hi, scale) -> (dq, dk, dv)`` of any band in one call;
-            None: :func:`backward_pieces` cuts the band.
+        band_backward: ``(dout, q, k, v, out, lse, lo, hi, scale, softcap=...) -> (dq, dk, dv)`` of any band in one
+            call; None: :func:`backward_pieces` cuts the band.
     """
 
     name: str
@@ -63,28 +69,47 @@ class AttnBackend:
     band_forward_merge_: Optional[Callable[..., None]] = field(default=None, repr=False)
     band_backward: Optional[Callable[..., tuple[Tensor, Tensor, Tensor]]] = field(default=None, repr=False)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                scale: float | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None = None,
+                softcap: float = 0.0) -> tuple[Tensor, Tensor]:
         """Attention output and log-sum-exp.
 
         Args:
             q: (b, sq, hq, d) queries.
             k: (b, sk, hkv, d) keys, hq % hkv == 0.
-            v: (b, sk, hkv, d) values.
+            v: (b, sk, hkv, dv) values.
             causal: top-left aligned causal mask; requires sq == sk.
             scale: softmax scale; None means 1/sqrt(d).
+            softcap: attention logit soft-cap (0: none).
 
         Returns:
-            out (b, sq, hq, d) in q.dtype (bshd) and lse (b, hq, sq) float32.
+            out (b, sq, hq, dv) in q.dtype (bshd) and lse (b, hq, sq) float32.
 
         Raises:
             ValueError: on inconsistent shapes/dtypes/devices, or causal with sq != sk.
         """
         _check_qkv(q, k, v, causal)
-        return self.forward_fn(q, k, v, causal, _resolve_scale(scale, q))
+        dv, d = v.shape[-1], _common_dim(q, v)
+        out, lse = self.forward_fn(_pad_to(q, d), _pad_to(k, d), _pad_to(v, d), causal, _resolve_scale(scale, q),
+                                   float(softcap))
+        return out[..., :dv], lse
+
+    def masked(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float,
+               softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+        """:attr:`masked_forward` on one head dim (see :meth:`forward`)."""
+        dv, d = v.shape[-1], _common_dim(q, v)
+        out, lse = self.masked_forward(_pad_to(q, d), _pad_to(k, d), _pad_to(v, d), keep, scale, float(softcap))
+        return out[..., :dv], lse
+
+    def masked_grads(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, keep: Tensor,
+                     scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+        """:attr:`masked_backward` on one head dim (see :meth:`backward`)."""
+        dk_, dv_, d = q.shape[-1], v.shape[-1], _common_dim(q, v)
+        dq, dk, dv = self.masked_backward(*(_pad_to(x, d) for x in (dout, q, k, v, out)), lse, keep, scale,
+                                          float(softcap))
+        return dq[..., :dk_], dk[..., :dk_], dv[..., :dv_]
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                 scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 scale: float | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients w.r.t. q, k, v given the final output and log-sum-exp.
 
         ``out``/``lse`` are taken as the final softmax statistics and are not recomputed from k/v,
@@ -92,17 +117,18 @@ class AttnBackend:
         contribution to dq (the dq contributions of all blocks sum to the full dq).
 
         Args:
-            dout: (b, sq, hq, d) gradient of the output.
+            dout: (b, sq, hq, dv) gradient of the output.
             q: (b, sq, hq, d) queries.
             k: (b, sk, hkv, d) keys.
-            v: (b, sk, hkv, d) values.
-            out: (b, sq, hq, d) attention output the statistics belong to.
+            v: (b, sk, hkv, dv) values.
+            out: (b, sq, hq, dv) attention output the statistics belong to.
             lse: (b, hq, sq) log-sum-exp matching ``out`` (float32).
             causal: top-left aligned causal mask; requires sq == sk.
             scale: softmax scale; None means 1/sqrt(d).
+            softcap: attention logit soft-cap (0: none).
 
         Returns:
-            dq (b, sq, hq, d), dk (b, sk, hkv, d), dv (b, sk, hkv, d), in q.dtype, bshd; dk/dv are
+            dq (b, sq, hq, d), dk (b, sk, hkv, d), dv (b, sk, hkv, dv), in q.dtype, bshd; dk/dv are
             summed over each q-head group for GQA/MQA.
 
         Raises:
@@ -111,11 +137,15 @@ class AttnBackend:
         _check_qkv(q, k, v, causal)
         b, sq, hq, _ = q.shape
         for label, t in (("dout", dout), ("out", out)):
-            if t.shape != q.shape:
-                raise ValueError(f"{label} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+            if t.shape != (*q.shape[:3], v.shape[-1]):
+                raise ValueError(f"{label} must have shape {(*q.shape[:3], v.shape[-1])} (q's with v's head dim), "
+                                 f"got {tuple(t.shape)}")
         if lse.shape != (b, hq, sq):
             raise ValueError(f"lse must have shape (b, hq, sq) = {(b, hq, sq)}, got {tuple(lse.shape)}")
-        return self.backward_fn(dout, q, k, v, out, lse, causal, _resolve_scale(scale, q))
+        dk_, dv_, d = q.shape[-1], v.shape[-1], _common_dim(q, v)
+        dq, dk, dv = self.backward_fn(*(_pad_to(x, d) for x in (dout, q, k, v, out)), lse, causal,
+                                      _resolve_scale(scale, q), float(softcap))
+        return dq[..., :dk_], dk[..., :dk_], dv[..., :dv_]
 
 
 def available_backends(device: torch.device | str) -> dict[str, str | None]:
@@ -178,6 +208,16 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
                        _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
 
 
+def _common_dim(q: Tensor, v: Tensor) -> int:
+    """The head dim q/k and v are brought to for the fused kernels: the larger of the two."""
+    return max(q.shape[-1], v.shape[-1])
+
+
+def _pad_to(x: Tensor, d: int) -> Tensor:
+    """``x`` with its last dim zero-padded to ``d`` (zero columns change neither ``q.k`` nor the real outputs)."""
+    return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
+
+
 def _resolve_scale(scale: float | None, q: Tensor) -> float:
     """``scale`` as a float, defaulting to 1/sqrt(head_dim)."""
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -188,8 +228,9 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (batch, seq, heads, head_dim), got {q.dim()}-D, {k.dim()}-D, "
                          f"{v.dim()}-D")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same batch, length and heads, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     b, sq, hq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k/v batch and head_dim must match q: q {tuple(q.shape)}, k {tuple(k.shape)}")
@@ -205,7 +246,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
 
 
 def forward_pieces(backend: AttnBackend, q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[int],
-                   scale: float) -> Iterator[tuple[slice, Tensor, Tensor]]:
+                   scale: float, softcap: float = 0.0) -> Iterator[tuple[slice, Tensor, Tensor]]:
     """Attention of the band ``lo <= k - q <= hi`` (local indices) of a rectangle, as merge-ready pieces.
 
     A full rectangle (``lo = hi = None``) or a square causal one (``lo = None, hi = 0``) is one call of
@@ -215,30 +256,31 @@ def forward_pieces(backend: AttnBackend, q: Tensor, k: Tensor, v: Tensor, lo: Op
         backend: the local kernel.
         q: ``(b, sq, hq, d)``.
         k: ``(b, sk, hkv, d)``.
-        v: ``(b, sk, hkv, d)``.
+        v: ``(b, sk, hkv, dv)``.
         lo: lower band edge (None: none).
         hi: upper band edge (None: none).
         scale: softmax scale.
+        softcap: attention logit soft-cap (0: none).
 
     Yields:
         ``(query rows, out, lse)`` per piece: merge each into the running result at those rows.
     """
     nq, nk = q.shape[1], k.shape[1]
     if lo is None and (hi is None or (hi == 0 and nq == nk)):
-        yield slice(0, nq), *backend.forward(q, k, v, hi == 0, scale)
+        yield slice(0, nq), *backend.forward(q, k, v, hi == 0, scale, softcap)
         return
     for piece in _band.band_pieces(nq, nk, lo, hi):
         qs, ks = piece.q, piece.k
         if piece.kind == "mask":
             keep = _band.band_mask(qs.stop - qs.start, ks.stop - ks.start, piece.lo, piece.hi, q.device)
-            yield qs, *backend.masked_forward(q[:, qs], k[:, ks], v[:, ks], keep, scale)
+            yield qs, *backend.masked(q[:, qs], k[:, ks], v[:, ks], keep, scale, softcap)
         else:
-            yield qs, *backend.forward(q[:, qs], k[:, ks], v[:, ks], piece.kind == "causal", scale)
+            yield qs, *backend.forward(q[:, qs], k[:, ks], v[:, ks], piece.kind == "causal", scale, softcap)
 
 
 def backward_pieces(backend: AttnBackend, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    lo: Optional[int], hi: Optional[int],
-                    scale: float) -> Iterator[tuple[slice, slice, Tensor, Tensor, Tensor]]:
+                    lo: Optional[int], hi: Optional[int], scale: float,
+                    softcap: float = 0.0) -> Iterator[tuple[slice, slice, Tensor, Tensor, Tensor]]:
     """Gradients of :func:`forward_pieces` given the final ``out``/``lse`` of the query rows.
 
     Yields:
@@ -246,16 +288,19 @@ def backward_pieces(backend: AttnBackend, dout: Tensor, q: Tensor, k: Tensor, v:
     """
     nq, nk = q.shape[1], k.shape[1]
     if lo is None and (hi is None or (hi == 0 and nq == nk)):
-        yield slice(0, nq), slice(0, nk), *backend.backward(dout, q, k, v, out, lse, hi == 0, scale)
+        yield slice(0, nq), slice(0, nk), *backend.backward(dout, q, k, v, out, lse, hi == 0, scale, softcap)
         return
     if backend.band_backward is not None:  # the kernel masks from indices: one call for any band
-        yield slice(0, nq), slice(0, nk), *backend.band_backward(dout, q, k, v, out, lse, lo, hi, scale)
+        d = _common_dim(q, v)
+        dq, dk, dv = backend.band_backward(*(_pad_to(x, d) for x in (dout, q, k, v, out)), lse, lo, hi, scale,
+                                           softcap=softcap)
+        yield slice(0, nq), slice(0, nk), dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
         return
     for piece in _band.band_pieces(nq, nk, lo, hi):
         qs, ks = piece.q, piece.k
         args = (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs])
         if piece.kind == "mask":
             keep = _band.band_mask(qs.stop - qs.start, ks.stop - ks.start, piece.lo, piece.hi, q.device)
-            yield qs, ks, *backend.masked_backward(*args, keep, scale)
+            yield qs, ks, *backend.masked_grads(*args, keep, scale, softcap)
         else:
-            yield qs, ks, *backend.backward(*args, piece.kind == "causal", scale)
+            yield qs, ks, *backend.backward(*args, piece.kind == "causal", scale, softcap)

@@ -1,6 +1,8 @@
 """The Triton kernels behind :mod:`ds_usp.kernels.triton_attn` (imported on first use: needs triton).
 
-Scores are kept in base 2 (``s = q.k * scale * log2(e)``, ``exp2``); LSEs are stored in natural log.
+Scores are kept in base 2 (``s = q.k * scale * log2(e)``, ``exp2``); LSEs are stored in natural log. With
+``HAS_SOFTCAP`` the natural-log scores are soft-capped, ``c * tanh(q.k * scale / c)`` (``c = softcap``), and the
+backward multiplies the score gradient by ``1 - tanh^2``.
 A pair ``(i, j)`` (local query and key index) is kept when ``lo <= j - i <= hi`` and, with documents,
 ``q_doc[i] == k_doc[j]``; ``lo``/``hi`` arrive as integers (an absent edge is one no pair reaches).
 """
@@ -21,6 +23,25 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp (stable for any x)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(qk, scale_log2, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Base-2 scores of the dot products ``qk`` and ``t = tanh(q.k * scale / softcap)`` (``qk`` itself unless
+    soft-capped; the backward needs ``1 - t^2``)."""
+    if HAS_SOFTCAP:
+        t = _tanh(qk * (scale_log2 * LN2) / softcap)
+        return t * (softcap * LOG2E), t
+    else:
+        return qk * scale_log2, qk
 
 
 @triton.jit
@@ -50,8 +71,8 @@ def _tile_docs(D, start, end, offs, n, HAS_DOC: tl.constexpr, OTHER: tl.constexp
 @triton.jit
 def fwd(Q, K, V, O, L, QD, KD,
         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sls,
-        nq, nk, hq, groups, scale_log2, lo, hi,
-        HAS_DOC: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr,
+        nq, nk, hq, groups, scale_log2, softcap, lo, hi,
+        HAS_DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (query tile, batch x head): online softmax over the key tiles the mask allows."""
     pid_m = tl.program_id(0)
@@ -86,7 +107,8 @@ def fwd(Q, K, V, O, L, QD, KD,
             col_ok = offs_n < nk
             k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * scale_log2
+            s, _ = _scores(_dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE), scale_log2, softcap,
+                           HAS_SOFTCAP)
             if need_mask:
                 s = tl.where(_keep(offs_m, offs_n, nq, nk, lo, hi, qdoc, kdoc, HAS_DOC), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -122,8 +144,8 @@ def fwd(Q, K, V, O, L, QD, KD,
 def bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV, QD, KD,
              sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sls, seb, seh, ses,
              skgb, skgs, skgh, svgb, svgs, svgh,
-             nq, nk, hq, groups, scale_log2, lo, hi,
-             HAS_DOC: tl.constexpr, IEEE: tl.constexpr,
+             nq, nk, hq, groups, scale_log2, softcap, lo, hi,
+             HAS_DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (key tile, batch x kv head): dK and dV summed over the head's q-head group and the query tiles."""
     pid_n = tl.program_id(0)
@@ -161,12 +183,15 @@ def bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV, QD, KD,
                 lse2 = tl.load(L + bi * slb + h * slh + offs_m * sls, mask=row_ok, other=float("-inf")) * LOG2E
                 lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows that saw nothing: p = 0
                 delta = tl.load(DELTA + bi * seb + h * seh + offs_m * ses, mask=row_ok, other=0.0)
-                s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * scale_log2
+                s, t = _scores(_dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE), scale_log2,
+                               softcap, HAS_SOFTCAP)
                 keep = _keep(offs_m, offs_n, nq, nk, lo, hi, qdoc, kdoc, HAS_DOC)
                 p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
                 dv = _dot(tl.trans(p.to(do.dtype)), do, dv, IEEE)
                 dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
                 ds = p * (dp - delta[:, None])
+                if HAS_SOFTCAP:
+                    ds = ds * (1.0 - t * t)
                 dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, IEEE)
     dk = dk * (scale_log2 * LN2)
     tl.store(DK + bi * skgb + kh * skgh + offs_n[:, None] * skgs + offs_d[None, :], dk, mask=col_ok[:, None])
@@ -177,8 +202,8 @@ def bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV, QD, KD,
 def bwd_dq(Q, K, V, DO, L, DELTA, DQ, QD, KD,
            sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sls, seb, seh, ses,
            sqgb, sqgs, sqgh,
-           nq, nk, hq, groups, scale_log2, lo, hi,
-           HAS_DOC: tl.constexpr, IEEE: tl.constexpr,
+           nq, nk, hq, groups, scale_log2, softcap, lo, hi,
+           HAS_DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (query tile, batch x head): dQ over the key tiles the mask allows."""
     pid_m = tl.program_id(0)
@@ -212,11 +237,14 @@ def bwd_dq(Q, K, V, DO, L, DELTA, DQ, QD, KD,
         if visit:
             k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * scale_log2
+            s, t = _scores(_dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE), scale_log2, softcap,
+                           HAS_SOFTCAP)
             keep = _keep(offs_m, offs_n, nq, nk, lo, hi, qdoc, kdoc, HAS_DOC)
             p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
             dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE)
             ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - t * t)
             dq = _dot(ds.to(k.dtype), k, dq, IEEE)
     dq = dq * (scale_log2 * LN2)
     tl.store(DQ + bi * sqgb + h * sqgh + offs_m[:, None] * sqgs + offs_d[None, :], dq, mask=row_ok[:, None])

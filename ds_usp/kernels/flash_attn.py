@@ -70,7 +70,8 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Attention output and log-sum-exp with flash-attn.
 
     Args:
@@ -79,6 +80,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
         v: (b, sk, hkv, d) values.
         causal: causal mask (callers guarantee sq == sk, so top-/bottom-left alignment agree).
         scale: softmax scale.
+        softcap: attention logit soft-cap (0: none), flash-attn's own ``softcap`` (2.6+).
 
     Returns:
         out (b, sq, hq, d) in q.dtype and lse (b, hq, sq) float32.
@@ -87,7 +89,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
         ValueError: for dtypes or head dims flash-attn does not support.
         RuntimeError: if the installed flash-attn has an unknown ``_flash_attn_forward`` signature.
     """
-    _check_supported(q)
+    _check_supported(q, softcap)
     from flash_attn import flash_attn_interface
 
     head_dim = q.shape[-1]
@@ -95,7 +97,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
         "q": _pad_head_dim(q), "k": _pad_head_dim(k), "v": _pad_head_dim(v),
         "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
         "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
-        "softcap": 0.0, "alibi_slopes": None, "return_softmax": False,
+        "softcap": float(softcap), "alibi_slopes": None, "return_softmax": False,
     }
     res = _call(flash_attn_interface._flash_attn_forward, args, _LATEST_FORWARD_PARAMS)
     out, lse = (res[0], res[5]) if len(res) == 8 else (res[0], res[1])  # 8-tuple before 2.6.3
@@ -103,7 +105,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                       scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention with flash-attn, given the final output and log-sum-exp.
 
     Args:
@@ -115,6 +117,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         lse: (b, hq, sq) log-sum-exp matching ``out``.
         causal: causal mask (sq == sk).
         scale: softmax scale.
+        softcap: attention logit soft-cap (0: none).
 
     Returns:
         dq (b, sq, hq, d), dk (b, sk, hkv, d), dv (b, sk, hkv, d), all in q.dtype.
@@ -123,7 +126,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         ValueError: for dtypes or head dims flash-attn does not support.
         RuntimeError: if the installed flash-attn has an unknown ``_flash_attn_backward`` signature.
     """
-    _check_supported(q)
+    _check_supported(q, softcap)
     from flash_attn import flash_attn_interface
 
     head_dim = q.shape[-1]
@@ -136,14 +139,21 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         "softmax_lse": lse.to(torch.float32).contiguous(), "dq": dq, "dk": dk, "dv": dv,
         "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
         "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
-        "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None,
+        "softcap": float(softcap), "alibi_slopes": None, "deterministic": False, "rng_state": None,
     }
     _call(flash_attn_interface._flash_attn_backward, args, _LATEST_BACKWARD_PARAMS)
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
 
 
-def _check_supported(q: Tensor) -> None:
+def _check_supported(q: Tensor, softcap: float = 0.0) -> None:
     """Reject inputs the flash-attn kernels cannot take, with a message naming the alternative."""
+    if softcap:
+        from flash_attn import flash_attn_interface
+
+        names, _ = _param_names(flash_attn_interface._flash_attn_forward, _LATEST_FORWARD_PARAMS)
+        if "softcap" not in names:
+            raise ValueError("this flash-attn has no softcap (2.6 added it) and the model soft-caps its attention "
+                             "scores: upgrade flash-attn or use usp.attn_backend='torch'")
     if q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"flash_attn supports only float16/bfloat16 inputs, got {q.dtype}; "
                          "use usp.attn_backend='torch' for other dtypes")

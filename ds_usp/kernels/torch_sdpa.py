@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ds_usp.kernels import band
+from ds_usp.kernels.band import math_backward, math_forward
+
 __all__ = ["unavailable_reason", "attention_forward", "attention_backward"]
 
 _aten = torch.ops.aten
@@ -60,8 +63,9 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"torch: no fused attention op wired up for device type {device.type!r} (cpu and cuda only)"
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention output and log-sum-exp with a fused ATen op.
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Attention output and log-sum-exp with a fused ATen op (soft-capped scores: blocked fp32 math).
 
     Args:
         q: (b, sq, hq, d) queries.
@@ -69,6 +73,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
         v: (b, sk, hkv, d) values.
         causal: top-left aligned causal mask (callers guarantee sq == sk).
         scale: softmax scale.
+        softcap: attention logit soft-cap (0: none); no fused ATen op has one, so capped attention runs in
+            :func:`ds_usp.kernels.band.math_forward` (exact fp32, tiled, never ``sq x sk`` at once).
 
     Returns:
         out (b, sq, hq, d) in q.dtype and lse (b, hq, sq) float32, contiguous.
@@ -76,6 +82,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
     Raises:
         ValueError: on a device other than cpu/cuda.
     """
+    if softcap:
+        return math_forward(q, k, v, None, 0 if causal else None, scale, softcap)
     if q.device.type == "cuda":
         d = q.shape[-1]
         if d % _CUDA_HEAD_DIM_ALIGN:
@@ -90,7 +98,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                       scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of attention given the final output and log-sum-exp.
 
     ``out``/``lse`` are used as given (they may be the merge over several KV blocks of which
@@ -105,6 +113,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         lse: (b, hq, sq) log-sum-exp (any float dtype).
         causal: top-left aligned causal mask (sq == sk).
         scale: softmax scale.
+        softcap: attention logit soft-cap (0: none; see :func:`attention_forward`).
 
     Returns:
         dq (b, sq, hq, d), dk (b, sk, hkv, d), dv (b, sk, hkv, d), all in q.dtype.
@@ -112,6 +121,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     Raises:
         ValueError: on a device other than cpu/cuda.
     """
+    if softcap:
+        return math_backward(dout, q, k, v, out, lse, None, 0 if causal else None, scale, softcap)
     if q.device.type == "cuda":
         d = q.shape[-1]
         if d % _CUDA_HEAD_DIM_ALIGN:
@@ -243,7 +254,8 @@ def _cuda_efficient_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
 # ----------------------------------------------------------------------------- masked tiles (CPU)
 
 
-def masked_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def masked_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Attention with an explicit ``(sq, sk)`` bool mask, rows with no key at ``lse = -inf`` and zero output.
 
     On CPU the fused kernel takes the mask as an additive bias (it returns ``lse = 0`` for a row with no
@@ -255,14 +267,13 @@ def masked_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) 
         v: ``(b, sk, hkv, d)``.
         keep: ``(sq, sk)`` bool, True where the pair meets.
         scale: softmax scale.
+        softcap: attention logit soft-cap (0: none; then the math path).
 
     Returns:
         out ``(b, sq, hq, d)`` in q's dtype and lse ``(b, hq, sq)`` fp32.
     """
-    if q.device.type != "cpu" or not _CPU_NATIVE_GQA:
-        from ds_usp.kernels.band import masked_forward as math_forward
-
-        return math_forward(q, k, v, keep, scale)
+    if q.device.type != "cpu" or not _CPU_NATIVE_GQA or softcap:
+        return band.masked_forward(q, k, v, keep, scale, softcap)
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
         _bhsd(q), _bhsd(k), _bhsd(v), 0.0, False, attn_mask=_bias(keep, q.dtype), scale=scale)
     out, lse = _bshd(out), lse.to(torch.float32).contiguous()
@@ -274,16 +285,14 @@ def masked_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) 
 
 
 def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, keep: Tensor,
-                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`masked_forward` given the final ``out``/``lse`` of the rows.
 
     Returns:
         dq, dk, dv in the inputs' dtypes.
     """
-    if q.device.type != "cpu" or not _CPU_NATIVE_GQA:
-        from ds_usp.kernels.band import masked_backward as math_backward
-
-        return math_backward(dout, q, k, v, out, lse, keep, scale)
+    if q.device.type != "cpu" or not _CPU_NATIVE_GQA or softcap:
+        return band.masked_backward(dout, q, k, v, out, lse, keep, scale, softcap)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = lse.to(lse_dtype).masked_fill(torch.isneginf(lse), float("inf"))  # a row that sees nothing: p = 0, not NaN
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(

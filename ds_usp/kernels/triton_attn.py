@@ -53,42 +53,45 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 # ------------------------------------------------------------------------------------------ public API
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Attention output ``(b, sq, hq, d)`` in q's dtype and LSE ``(b, hq, sq)`` fp32; causal is top-left."""
-    return band_forward(q, k, v, None, 0 if causal else None, scale)
+    return band_forward(q, k, v, None, 0 if causal else None, scale, softcap=softcap)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                       scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` given the final ``out``/``lse`` (dk/dv summed over each q-head group)."""
-    return band_backward(dout, q, k, v, out, lse, None, 0 if causal else None, scale)
+    return band_backward(dout, q, k, v, out, lse, None, 0 if causal else None, scale, softcap=softcap)
 
 
 def band_forward(q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[int], scale: float,
-                 q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Attention over the band ``lo <= j - i <= hi`` (and equal documents): ``(out, lse)``."""
+                 q_doc: Optional[Tensor] = None, k_doc: Optional[Tensor] = None,
+                 softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Attention over the band ``lo <= j - i <= hi`` (and equal documents): ``(out, lse)``; ``softcap`` > 0 caps
+    the scores at ``softcap * tanh(scores / softcap)``."""
     b, sq, hq, d = q.shape
     out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    _forward(q, k, v, lo, hi, scale, q_doc, k_doc, out, lse, merge=False)
+    _forward(q, k, v, lo, hi, scale, q_doc, k_doc, out, lse, merge=False, softcap=softcap)
     return out, lse
 
 
 def band_forward_merge_(q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[int], scale: float,
                         out_acc: Tensor, lse_acc: Tensor, q_doc: Optional[Tensor] = None,
-                        k_doc: Optional[Tensor] = None) -> None:
+                        k_doc: Optional[Tensor] = None, softcap: float = 0.0) -> None:
     """The band's attention merged in place into ``out_acc`` (fp32 bshd) and ``lse_acc`` (fp32 bhs), one pass."""
     if out_acc.dtype != torch.float32 or lse_acc.dtype != torch.float32:
         raise ValueError(f"the running out/lse must be float32, got {out_acc.dtype} and {lse_acc.dtype}")
     if out_acc.shape != q.shape or lse_acc.shape != (q.shape[0], q.shape[2], q.shape[1]):
         raise ValueError(f"running out {tuple(out_acc.shape)} / lse {tuple(lse_acc.shape)} do not match q "
                          f"{tuple(q.shape)}")
-    _forward(q, k, v, lo, hi, scale, q_doc, k_doc, out_acc, lse_acc, merge=True)
+    _forward(q, k, v, lo, hi, scale, q_doc, k_doc, out_acc, lse_acc, merge=True, softcap=softcap)
 
 
 def band_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lo: Optional[int],
                   hi: Optional[int], scale: float, q_doc: Optional[Tensor] = None,
-                  k_doc: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                  k_doc: Optional[Tensor] = None, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`band_forward` given the final ``out``/``lse``."""
     _check(q, k, v, q_doc, k_doc)
     kern = _kernels()
@@ -105,8 +108,8 @@ def band_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     qd, kd, has_doc = _docs(q_doc, k_doc, q.device)
     lo_, hi_ = _band(lo, hi, sq, sk)
     cfg = _config(q.device, backward=True)
-    common = dict(nq=sq, nk=sk, hq=hq, groups=hq // hkv, scale_log2=scale * _LOG2E, lo=lo_, hi=hi_,
-                  HAS_DOC=has_doc, IEEE=_ieee(q), BLOCK_D=dp)
+    common = dict(nq=sq, nk=sk, hq=hq, groups=hq // hkv, scale_log2=scale * _LOG2E, softcap=float(softcap) or 1.0,
+                  lo=lo_, hi=hi_, HAS_DOC=has_doc, HAS_SOFTCAP=bool(softcap), IEEE=_ieee(q), BLOCK_D=dp)
     kern.bwd_dkdv[(_cdiv(sk, cfg["BN"]), b * hkv)](
         q, k, v, dout, lse, delta, dk, dv, qd, kd, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *dout.stride()[:3], *lse.stride(), *delta.stride(), *dk.stride()[:3], *dv.stride()[:3],
@@ -181,7 +184,8 @@ def _config(device: torch.device, backward: bool = False) -> dict:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[int], scale: float,
-             q_doc: Optional[Tensor], k_doc: Optional[Tensor], out: Tensor, lse: Tensor, merge: bool) -> None:
+             q_doc: Optional[Tensor], k_doc: Optional[Tensor], out: Tensor, lse: Tensor, merge: bool,
+             softcap: float = 0.0) -> None:
     _check(q, k, v, q_doc, k_doc)
     kern = _kernels()
     b, sq, hq, d = q.shape
@@ -197,8 +201,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[in
     cfg = _config(q.device)
     kern.fwd[(_cdiv(sq, cfg["BM"]), b * hq)](
         q, k, v, target, lse, qd, kd, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *target.stride()[:3],
-        *lse.stride(), nq=sq, nk=sk, hq=hq, groups=hq // hkv, scale_log2=scale * _LOG2E, lo=lo_, hi=hi_,
-        HAS_DOC=has_doc, MERGE=merge, IEEE=_ieee(q), BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"],
+        *lse.stride(), nq=sq, nk=sk, hq=hq, groups=hq // hkv, scale_log2=scale * _LOG2E,
+        softcap=float(softcap) or 1.0, lo=lo_, hi=hi_, HAS_DOC=has_doc, HAS_SOFTCAP=bool(softcap), MERGE=merge,
+        IEEE=_ieee(q), BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"],
         BLOCK_D=dp, num_warps=cfg["warps"], num_stages=cfg["stages"])
     if target is not out:
         out.copy_(target[..., :d])
