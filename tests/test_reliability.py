@@ -64,7 +64,7 @@ def _bad_attention_calls():
         ("usp_attention", "3-D q", _attn(2, 2, q=q[0]), "must be a 4-D tensor"),
         ("usp_attention", "q not a tensor", _attn(2, 2, q=q.tolist()), "must be a 4-D tensor"),
         ("usp_attention", "integer dtype", _attn(2, 2, q=q.long(), k=k.long(), v=v.long()), "supported: float32"),
-        ("usp_attention", "k and v shapes differ", _attn(2, 2, v=v[:, :, :2]), "must have the same shape"),
+        ("usp_attention", "k and v heads differ", _attn(2, 2, v=v[:, :, :2]), "must have the same batch, length and heads"),
         ("usp_attention", "q and k batch differ", _attn(2, 2, q=torch.cat([q, q])), "must agree in batch"),
         ("usp_attention", "q and k head_dim differ", _attn(2, 2, q=q[..., :4]), "must agree in batch"),
         ("usp_attention", "q, k, v dtypes differ", _attn(2, 2, q=q.double().float().bfloat16()), "share a dtype"),

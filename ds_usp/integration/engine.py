@@ -37,6 +37,8 @@ from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_g
 from ds_usp.integration.hf import USPContext, attach
 from ds_usp.integration.step_plan import MemoryContext, MemorySettings
 from ds_usp.integration.memory import apply as apply_memory_features
+from ds_usp.integration.linear import check_hybrid, is_gated_deltanet, wrap_linear_layers
+from ds_usp.integration.models import check_model
 from ds_usp.log import log_info
 from ds_usp.topology import USPTopology
 
@@ -297,12 +299,16 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if usp_cfg.enabled:
         if kwargs.get("mpu") is not None:
             raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
+        if model is not None and usp_cfg.sequence_parallel_size > 1:  # the same answer on every rank, before any group
+            check_model(model, handled=is_gated_deltanet)
+            check_hybrid(model, usp_cfg.ulysses_degree)
         topo = USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree,
                                  timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds))
         kwargs["mpu"] = topo.mpu
         if model is not None:
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
                                      native_op=usp_cfg.native_op))
+            wrap_linear_layers(model)
             memory = apply_memory_features(model, MemorySettings(
                 chunked_loss=usp_cfg.chunked_loss, tiled_mlp=usp_cfg.tiled_mlp,
                 activation_checkpointing=usp_cfg.activation_checkpointing,

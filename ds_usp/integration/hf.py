@@ -7,50 +7,113 @@
 Every attention layer of the model then runs :func:`ds_usp.usp_attention` on this rank's shard of
 the sequence. The model itself is unchanged; the topology is attached to its modules by
 :func:`attach` (``ds_usp.initialize`` calls it), so nothing is kept in module globals of ds-usp.
+
+**Nothing transformers passes is dropped.** Every keyword an attention module hands to the attention interface
+is either honoured (:data:`HONOURED`: the softmax scale, causality, the layer's own sliding window, the logit
+soft-cap of Gemma 2, the attention sinks of GPT-OSS, packed documents), or known to change nothing here
+(:data:`NEUTRAL`: positions are already in q/k through RoPE, cache and logging flags), or refused with a
+``ValueError`` naming the keyword, the layer and what to do, when its value would change the result
+(:data:`REFUSED`, and any keyword ds-usp does not know, future ones included). MLA (a value head dim other than
+the query/key one) needs nothing special: the output has the value head dim, as the model's projection expects.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from torch import Tensor, nn
 
-from ds_usp.topology import USPTopology
 from ds_usp.attention import usp_attention
 from ds_usp.integration.data import docs_from_cu_seq_lens
+from ds_usp.topology import USPTopology
 
 ATTN_NAME = "usp"
 _CONTEXT_ATTR = "_usp_context"
 
+# Keywords usp_hf_attention takes as arguments and implements.
+HONOURED = ("dropout", "scaling", "is_causal", "sliding_window", "softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k")
+# Keywords that reach the attention through the model's **kwargs and do not change attention's result.
+NEUTRAL = ("position_ids", "use_cache", "output_router_logits", "num_items_in_batch", "output_hidden_states",
+           "max_length_q", "max_length_k", "cache_position", "past_key_values", "return_dict", "deterministic",
+           "labels", "shift_labels", "logits_to_keep", "return_logits")
+# Keywords some families pass whose non-trivial values ds-usp's attention does not implement: what to do instead.
+REFUSED = {
+    "output_attentions": "attention weights are never materialized under sequence parallelism; call the model "
+                         "with output_attentions=False",
+    "position_bias": "an additive (q x k) position bias (T5, ALiBi-like) needs the whole score matrix; build the "
+                     "model with attn_implementation='sdpa' and do not use sequence parallelism",
+    "sinks": "per-query computed sinks are not supported (learned per-head sinks, s_aux, are)",
+    "indices": "DeepSeek sparse attention (top-k key indices) is not supported under sequence parallelism",
+    "block_indices": "block-sparse attention is not supported under sequence parallelism",
+    "encoder_hidden_states": "cross-attention is not supported: ds-usp shards decoder self-attention",
+    "seq_idx": "packed documents reach ds-usp as cu_seq_lens_q (ds_usp.shard_batch sets it); pass that instead of "
+               "seq_idx",
+}
 
-@dataclass(frozen=True)
+
+@dataclass
 class USPContext:
     """What the attention layers of a model need to run USP.
 
     Attributes:
         topo: the topology.
-        layout: ``"contiguous"`` or ``"zigzag"`` (how batches are sharded).
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (how batches are sharded).
         attn_backend: local kernel choice (``usp.attn_backend``).
         native_op: ``usp.native_op``: ``"auto"``, ``True`` or ``False``.
+        model_name: the model's class (named in errors).
+        cu_seq_lens: the documents of the batch the model was last called with (``cu_seq_lens_q`` of
+            :func:`ds_usp.shard_batch`), set by the model's wrapped forward: the attention uses it when a family's
+            decoder layer does not pass its keyword arguments on (StableLM, Nemotron).
     """
 
     topo: USPTopology
     layout: str
     attn_backend: str = "auto"
     native_op: Union[bool, str] = "auto"
+    model_name: str = "the model"
+    cu_seq_lens: Optional[Tensor] = field(default=None, repr=False)
+
+
+def _refuse(module: nn.Module, ctx: USPContext, key: str, value: Any, why: str) -> None:
+    shown = f"a {type(value).__name__}" if isinstance(value, Tensor) else repr(value)
+    raise ValueError(f"{ctx.model_name} ({type(module).__name__}) passes {key}={shown} to its attention: {why}")
+
+
+def check_keywords(module: nn.Module, ctx: USPContext, kwargs: dict[str, Any]) -> None:
+    """Refuse every keyword whose value would change the attention and that ds-usp does not implement.
+
+    Args:
+        module: the attention layer (named in the error).
+        ctx: its USP context.
+        kwargs: the keywords beyond :data:`HONOURED`.
+
+    Raises:
+        ValueError: naming the keyword, the model and the layer, and what to do.
+    """
+    for key, value in kwargs.items():
+        if value is None or value is False:
+            continue
+        if key in REFUSED:
+            _refuse(module, ctx, key, value, REFUSED[key])
+        if key not in NEUTRAL:
+            _refuse(module, ctx, key, value, "ds-usp does not know this argument, so it cannot honour it; it refuses "
+                    "rather than compute something else (docs/models.md: how to add a family)")
 
 
 def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                      attention_mask: Optional[Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                      is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
-                     cu_seq_lens_q: Optional[Tensor] = None, **kwargs: Any) -> tuple[Tensor, None]:
+                     softcap: Optional[float] = None, s_aux: Optional[Tensor] = None,
+                     cu_seq_lens_q: Optional[Tensor] = None, cu_seq_lens_k: Optional[Tensor] = None,
+                     **kwargs: Any) -> tuple[Tensor, None]:
     """transformers attention-interface function running USP.
 
     Args:
         module: the attention layer (carries the :class:`USPContext` set by :func:`attach`).
         query: ``(b, hq, s_local, d)`` as transformers passes it.
         key: ``(b, hkv, s_local, d)``.
-        value: ``(b, hkv, s_local, d)``.
+        value: ``(b, hkv, s_local, dv)`` (``dv`` may differ from ``d``: MLA).
         attention_mask: must be ``None`` (the ``"usp"`` mask interface makes HF pass none; documents and
             padding come as ``cu_seq_lens_q``).
         dropout: must be 0.
@@ -58,26 +121,37 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         is_causal: overrides ``module.is_causal``.
         sliding_window: the layer's window as HF passes it (a query sees itself and the
             ``sliding_window - 1`` tokens before it), None for full attention.
+        softcap: the attention logit soft-cap (Gemma 2's ``attn_logit_softcapping``), None for none.
+        s_aux: GPT-OSS's learned attention sinks, ``(hq,)`` logits (gradients flow into them).
         cu_seq_lens_q: cumulative document lengths over the *global* rows (from
             :func:`ds_usp.integration.data.shard_batch`): packed documents and the real length.
-        **kwargs: other transformers arguments (ignored).
+        cu_seq_lens_k: must equal ``cu_seq_lens_q`` (self-attention).
+        **kwargs: other transformers arguments: neutral ones (:data:`NEUTRAL`) pass, others are refused.
 
     Returns:
-        ``((b, s_local, hq, d), None)``.
+        ``((b, s_local, hq, dv), None)``.
 
     Raises:
         RuntimeError: the model was not attached to a topology.
-        ValueError: an attention mask or dropout was given.
+        ValueError: an attention mask, dropout, or a keyword ds-usp does not implement (see the module doc).
     """
     ctx = getattr(module, _CONTEXT_ATTR, None)
     if ctx is None:
         raise RuntimeError('this model uses attn_implementation="usp" but has no USP topology: wrap it with '
                            "ds_usp.initialize(...) or call ds_usp.hf.attach(model, context) first")
     if attention_mask is not None:
-        raise ValueError("usp attention does not take an attention mask: pack sequences instead of padding them; "
-                         "ds_usp.shard_batch passes the documents and the real length as cu_seq_lens_q")
+        raise ValueError(f"{ctx.model_name} ({type(module).__name__}) passes its own attention mask, which usp "
+                         f"attention does not take: pack sequences instead of padding them; ds_usp.shard_batch passes "
+                         f"the documents and the real length as cu_seq_lens_q")
     if dropout:
         raise ValueError(f"usp attention does not support attention dropout ({dropout}); set attention_dropout=0")
+    check_keywords(module, ctx, kwargs)
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = ctx.cu_seq_lens  # a decoder layer that does not pass the batch's documents on
+    elif cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not bool((cu_seq_lens_k ==
+                                                                                          cu_seq_lens_q).all()):
+        _refuse(module, ctx, "cu_seq_lens_k", cu_seq_lens_k, "keys with other documents than the queries "
+                "(cross-attention) are not supported; ds-usp shards self-attention")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     seq_len, docs = None, None
     if cu_seq_lens_q is not None:
@@ -89,7 +163,8 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     # (b, h, s, d) -> (b, s, h, d): ds-usp's layout
     out = usp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
                         causal=causal, layout=ctx.layout, softmax_scale=scaling, seq_len=seq_len,
-                        attn_backend=ctx.attn_backend, native_op=ctx.native_op, doc_lens=docs, window=window)
+                        attn_backend=ctx.attn_backend, native_op=ctx.native_op, doc_lens=docs, window=window,
+                        softcap=softcap, sinks=s_aux)
     return out, None
 
 
@@ -102,7 +177,10 @@ def register_usp_attention() -> str:
     """Register :func:`usp_hf_attention` with transformers as ``attn_implementation="usp"`` (idempotent).
 
     Also registers a mask function for ``"usp"`` that builds nothing, so that packed rows (position ids
-    restarting at 0) do not make HF materialize a ``(s x s)`` mask.
+    restarting at 0) do not make HF materialize a ``(s x s)`` mask; and makes building a model whose family does
+    not route its attention through transformers' attention interface (Falcon, GPT-J, Bloom...) with
+    ``attn_implementation="usp"`` fail with an error that names the family, instead of a ``KeyError: 'usp'`` deep
+    inside it or, for some families, silently running their own attention.
 
     Returns:
         The implementation name, ``"usp"``.
@@ -110,12 +188,39 @@ def register_usp_attention() -> str:
     Raises:
         ImportError: transformers is not installed.
     """
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, usp_hf_attention)
     AttentionMaskInterface.register(ATTN_NAME, no_mask)
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if check is not None and not getattr(check, "_ds_usp", False):
+        @functools.wraps(check)
+        def check_usp_is_possible(self: Any, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+            if attn_implementation == ATTN_NAME:
+                refuse_non_interface_family(type(self))
+            return check(self, attn_implementation, *args, **kwargs)
+
+        check_usp_is_possible._ds_usp = True
+        PreTrainedModel._check_and_adjust_attn_implementation = check_usp_is_possible
     return ATTN_NAME
+
+
+def refuse_non_interface_family(model_class: type) -> None:
+    """Refuse a transformers model class whose attention does not go through the attention interface.
+
+    Args:
+        model_class: a ``PreTrainedModel`` subclass.
+
+    Raises:
+        ValueError: naming the class and what to do.
+    """
+    can_set = getattr(model_class, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise ValueError(f"{model_class.__name__} computes attention in its own code instead of transformers' "
+                         f"attention interface, so attn_implementation='usp' cannot reach it and ds-usp cannot shard "
+                         f"its sequence: train it without sequence parallelism, or use a family listed in "
+                         f"docs/models.md")
 
 
 def attach(model: nn.Module, context: USPContext) -> None:
@@ -125,5 +230,12 @@ def attach(model: nn.Module, context: USPContext) -> None:
         model: the (HuggingFace) model.
         context: the topology and layout.
     """
+    if context.model_name == "the model":
+        context.model_name = type(model).__name__
     for m in model.modules():
         setattr(m, _CONTEXT_ATTR, context)
+
+
+def context_of(model: nn.Module) -> Optional[USPContext]:
+    """The :class:`USPContext` :func:`attach` gave ``model`` (None when it has none)."""
+    return getattr(model, _CONTEXT_ATTR, None)

@@ -17,14 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_usp.comm import sum_over_group
+from ds_usp.comm import all_reduce_sum_, sum_over_group
 from ds_usp.integration.data import IGNORE_INDEX, sp_token_mean
+from ds_usp.integration.models import LogitsTail
 from ds_usp.topology import USPTopology
+
+NO_TAIL = LogitsTail()
 
 # -------------------------------------------------------------------------------- chunked loss
 
 
-def _gathered(params: list[Optional[Tensor]]) -> Any:
+def gathered(params: list[Optional[Tensor]]) -> Any:
     """ZeRO-3's gather of ``params`` for the block: a no-op for parameters ZeRO-3 does not partition or keeps
     whole (persistent small ones, or already gathered; gathering those would release them on exit)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -38,16 +41,25 @@ def _gathered(params: list[Optional[Tensor]]) -> Any:
 
 
 def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, start: int, stop: int,
-           dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+           dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], scale: Optional[Tensor],
+           tail: LogitsTail) -> Tensor:
     """One chunk: its loss sum; with ``dx``/``dw`` given, also its gradients (written/added into them).
 
-    The gradient of ``sum_t valid_t * (logsumexp(z_t) - z_t[y_t])`` with respect to the logits is
-    ``softmax(z_t) - onehot(y_t)`` on valid rows; it is cast to the matmul dtype as autograd would,
-    and multiplied by ``scale`` (the incoming gradient) when given. Everything of ``chunk x vocab``
-    size happens in the one fp32 logits buffer (``torch.logsumexp`` would add two more).
+    The logits are ``tail(lm_head(x))`` (what the model applies after ``lm_head``). The gradient of
+    ``sum_t valid_t * (logsumexp(z_t) - z_t[y_t])`` with respect to the logits is ``softmax(z_t) - onehot(y_t)``
+    on valid rows, times the tail's derivative (``scale``, and ``1 - tanh^2`` under a soft-cap); it is cast to the
+    matmul dtype as autograd would, and multiplied by ``scale`` (the incoming gradient) when given. Everything of
+    ``chunk x vocab`` size happens in the one fp32 logits buffer (``torch.logsumexp`` would add two more), plus the
+    tanh of a soft-capped tail.
     """
     xc, yc = x[start:stop], labels[start:stop]
     logits = F.linear(xc, weight, bias).float()  # (c, V), the chunk's only (c, V) buffer
+    if tail.scale != 1.0:
+        logits.mul_(tail.scale)
+    capped = None
+    if tail.softcap:
+        capped = logits.div_(tail.softcap).tanh_()  # (c, V): tanh(z / cap), kept for the derivative
+        logits = capped * tail.softcap
     valid = yc != IGNORE_INDEX
     target = yc.clamp_min(0)
     picked = logits.gather(1, target.unsqueeze(1)).squeeze(1)
@@ -61,6 +73,10 @@ def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, st
     rows = torch.arange(yc.shape[0], device=yc.device)
     probs[rows, target] -= 1.0
     probs.mul_(valid.unsqueeze(1) if scale is None else (valid * scale).unsqueeze(1))
+    if capped is not None:  # d(cap tanh(z / cap)) / dz = 1 - tanh^2
+        probs.mul_(capped.square_().neg_().add_(1.0))
+    if tail.scale != 1.0:
+        probs.mul_(tail.scale)
     grad = probs.to(x.dtype)  # dlogits as autograd hands it to the matmul
     torch.mm(grad, weight, out=dx[start:stop])
     if grad.dtype == dw.dtype:
@@ -84,15 +100,15 @@ class ChunkedLMLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, chunk: int,
-                grad_in_forward: bool) -> Tensor:
+                grad_in_forward: bool, tail: LogitsTail) -> Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])  # (b, s, H) -> (b*s, H)
         y = labels.reshape(-1)
-        ctx.hidden_shape, ctx.chunk, ctx.grad_in_forward = hidden.shape, chunk, grad_in_forward
+        ctx.hidden_shape, ctx.chunk, ctx.grad_in_forward, ctx.tail = hidden.shape, chunk, grad_in_forward, tail
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         grads = _grad_buffers(x, weight, bias) if grad_in_forward else (None, None, None)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for start in range(0, x.shape[0], chunk):
-            total += _chunk(x, weight, bias, y, start, start + chunk, *grads, None)
+            total += _chunk(x, weight, bias, y, start, start + chunk, *grads, None, tail)
         ctx.save_for_backward(*grads) if grad_in_forward else ctx.save_for_backward(x, weight, bias, y)
         return total
 
@@ -104,12 +120,12 @@ class ChunkedLMLoss(torch.autograd.Function):
         else:
             x, weight, bias, y = ctx.saved_tensors
             dx, dw, db = _grad_buffers(x, weight, bias)
-            with _gathered([weight, bias]):
+            with gathered([weight, bias]):
                 for start in range(0, x.shape[0], ctx.chunk):
-                    _chunk(x, weight, bias, y, start, start + ctx.chunk, dx, dw, db, grad)
+                    _chunk(x, weight, bias, y, start, start + ctx.chunk, dx, dw, db, grad, ctx.tail)
         w_dtype, b_dtype = ctx.dtypes
         return (dx.view(ctx.hidden_shape), dw.to(w_dtype), None if db is None else db.to(b_dtype), None, None,
-                None)
+                None, None)
 
 
 def _grad_buffers(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
@@ -121,7 +137,8 @@ def _grad_buffers(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Te
 
 
 def chunked_lm_loss(hidden: Tensor, lm_head: nn.Module, shift_labels: Tensor, topo: Optional[USPTopology],
-                    chunk: int, grad_in_forward: bool, num_items: Optional[Tensor] = None) -> Tensor:
+                    chunk: int, grad_in_forward: bool, num_items: Optional[Tensor] = None,
+                    tail: LogitsTail = NO_TAIL) -> Tensor:
     """The token-weighted mean cross-entropy of the whole sequence held by ``topo``'s SP group, in chunks.
 
     Args:
@@ -133,6 +150,8 @@ def chunked_lm_loss(hidden: Tensor, lm_head: nn.Module, shift_labels: Tensor, to
         grad_in_forward: see :class:`ChunkedLMLoss` (only used when gradients are wanted).
         num_items: divide by this count instead of the SP group's valid targets (HF's
             ``num_items_in_batch``, for gradient accumulation).
+        tail: what the model applies to ``lm_head``'s output before its loss
+            (:func:`ds_usp.integration.models.find_logits_tail`).
 
     Returns:
         A scalar fp32 loss: the same value on every rank of the SP group; each rank's backward gives
@@ -140,8 +159,8 @@ def chunked_lm_loss(hidden: Tensor, lm_head: nn.Module, shift_labels: Tensor, to
     """
     weight, bias = lm_head.weight, lm_head.bias
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    with _gathered([weight, bias]):
-        total = ChunkedLMLoss.apply(hidden, weight, bias, shift_labels, chunk, grad_in_forward and wants_grad)
+    with gathered([weight, bias]):
+        total = ChunkedLMLoss.apply(hidden, weight, bias, shift_labels, chunk, grad_in_forward and wants_grad, tail)
     return sp_loss(total, shift_labels, topo, num_items)
 
 
@@ -164,3 +183,53 @@ def sp_loss(loss_sum: Tensor, shift_labels: Tensor, topo: Optional[USPTopology],
     if topo is not None and topo.sp_size > 1:
         loss_sum = sum_over_group(loss_sum, topo.sp_group)
     return loss_sum / torch.as_tensor(num_items, dtype=torch.float32, device=loss_sum.device).clamp_min(1.0)
+
+
+def load_balancing_loss(router_logits: tuple[Tensor, ...], num_experts: int, top_k: int, valid: Optional[Tensor],
+                        topo: Optional[USPTopology], tiles: Optional[list[tuple[int, int]]] = None,
+                        batch: int = 1) -> Tensor:
+    """The Switch-Transformer load-balancing loss over every token of the SP group (HF's ``load_balancing_loss_func``).
+
+    ``num_experts * sum_e f_e P_e`` with ``f_e`` the share of top-k assignments to expert ``e`` and ``P_e`` its mean
+    router probability, over the rows of every MoE layer. Both are means over *all* tokens: under sequence
+    parallelism their sums and the token count are summed over the SP group before the product, so every rank gets
+    the single-process value, and each rank's backward its own rows' share of the gradient.
+
+    Args:
+        router_logits: per MoE layer (or per layer and MLP tile, in order), ``(rows, num_experts)`` pre-softmax.
+        num_experts: experts per layer.
+        top_k: experts per token.
+        valid: ``(b * s_local,)`` bool, the rows that are real tokens (None: all).
+        topo: the topology (None or SP size 1: this rank's tokens are the whole sequence).
+        tiles: the MLP tiles' ``(start, stop)`` along this rank's sequence when an entry holds one tile's rows.
+        batch: ``b``, to lay ``valid`` over tile entries.
+
+    Returns:
+        The loss, fp32, the same on every rank of the SP group.
+    """
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    full = None if valid is None else valid.reshape(batch, -1)  # (b, s_local)
+    tile = 0
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)  # (rows, E)
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # (rows, k)
+        if full is None:
+            weight = torch.ones(probs.shape[0], dtype=torch.float32, device=device)
+        elif probs.shape[0] == full.numel():
+            weight = full.reshape(-1).float()
+        else:  # one MLP tile's rows: (b, tile) flattened
+            a, b = tiles[tile % len(tiles)]
+            weight = full[:, a:b].reshape(-1).float()
+            tile += 1
+        counts.scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        probs_sum = probs_sum + (probs * weight.unsqueeze(-1)).sum(0)
+        rows = rows + weight.sum()
+    if topo is not None and topo.sp_size > 1:
+        all_reduce_sum_(counts, topo.sp_group, "router loss all-reduce")
+        all_reduce_sum_(rows, topo.sp_group, "router loss all-reduce")
+        probs_sum = sum_over_group(probs_sum, topo.sp_group)
+    rows = rows.clamp_min(1.0)
+    return (counts / rows * probs_sum / rows).sum() * num_experts

@@ -18,6 +18,7 @@ This module only patches the model: its forward (the loss), its layers (checkpoi
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -27,14 +28,35 @@ from torch import Tensor, nn
 from ds_usp.integration.checkpointing import checkpointed_layer_forward
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens
 from ds_usp.integration.data import shift_labels as shift_sequence_labels
-from ds_usp.integration.loss import chunked_lm_loss, sp_loss
+from ds_usp.integration.hf import context_of
+from ds_usp.integration.loss import chunked_lm_loss, load_balancing_loss, sp_loss
+from ds_usp.integration.models import (LogitsTail, RouterAux, feed_forward_blocks, find_logits_tail,
+                                       find_router_aux)
 from ds_usp.integration.step_plan import MemoryContext, MemorySettings
-from ds_usp.integration.tiling import TiledMLP
+from ds_usp.integration.tiling import TiledMLP, tile_bounds
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 
-def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout: str, zero3: bool) -> Optional[MemoryContext]:
-    """Wrap an HF causal LM (Llama, Qwen2, Mistral and alike) with the memory features, from outside.
+@dataclass
+class ModelTail:
+    """What the wrapped forward of a causal LM computes after its decoder, found from the model (models.py).
+
+    Attributes:
+        name: the model's class, named in errors.
+        logits: its post-``lm_head`` transform, or None when ds-usp could not reproduce it.
+        router: its MoE load-balancing loss, or None.
+        router_problem: why the family's router loss cannot be computed under SP (None: it can, or has none).
+    """
+
+    name: str
+    logits: Optional[LogitsTail]
+    router: Optional[RouterAux] = None
+    router_problem: Optional[str] = None
+
+
+def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout: str,
+          zero3: bool) -> Optional[MemoryContext]:
+    """Wrap an HF causal LM with the SP loss and the memory features, from outside.
 
     Args:
         model: the model (``get_decoder()`` with ``.layers``, ``get_output_embeddings()``, ``config``).
@@ -45,8 +67,9 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
 
     Returns:
         The shared context, or None when ``model`` is not an HF causal LM (then nothing is wrapped). The
-        SP loss of ``model(..., shift_labels=...)`` is always installed on a causal LM; the settings
-        decide the chunking, tiling, checkpointing and offload.
+        SP loss of ``model(..., shift_labels=...)`` is always installed on a causal LM, with the model's own
+        post-``lm_head`` transform and MoE router loss; the settings decide the chunking, tiling (dense and MoE
+        feed-forward blocks, whatever their attribute name), checkpointing and offload.
 
     Raises:
         ValueError: a feature set to ``true`` cannot be applied to this model (the message says why).
@@ -56,19 +79,21 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
     decoder = get_decoder() if callable(get_decoder) else None
     head = get_head() if callable(get_head) else None
     layers = getattr(decoder, "layers", None)
-    problem = None
     if cfg is None or decoder is None or head is None or layers is None or not hasattr(head, "weight"):
         problem = (f"{type(model).__name__} is not a HuggingFace causal LM with get_decoder().layers and "
                    f"get_output_embeddings()")
-    elif getattr(cfg, "final_logit_softcapping", None) is not None:
-        problem = f"{type(model).__name__} caps its logits (final_logit_softcapping), which the chunked loss does not"
-    if problem:
         forced = [k for k in ("chunked_loss", "tiled_mlp", "activation_checkpointing", "offload_activations")
                   if getattr(settings, k) not in ("auto", False, None)]
         if forced:
             raise ValueError(f"usp.{forced[0]} is set, but {problem}; set it to 'auto' or false")
         log_rank0(f"usp memory features and the model's SP loss are off: {problem}")
         return None
+    router, router_problem = find_router_aux(model)
+    tail = ModelTail(type(model).__name__, find_logits_tail(model, model.forward, decoder, head), router,
+                     router_problem)
+    if tail.logits is None:
+        log_rank0(f"{tail.name} transforms its logits after lm_head in a way ds-usp does not reproduce: its SP loss "
+                  f"(labels= / shift_labels=) is refused; compute it from the logits with ds_usp.sp_cross_entropy")
     ctx = MemoryContext(settings=settings, topo=topo, layout=layout, hidden=cfg.hidden_size,
                         intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), vocab=head.weight.shape[0]
                         if head.weight.dim() == 2 and head.weight.numel() else cfg.vocab_size,
@@ -76,11 +101,10 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
     if getattr(model, "is_gradient_checkpointing", False) and settings.activation_checkpointing is not False:
         model.gradient_checkpointing_disable()  # ours keeps the attention's result; two nested would recompute twice
         log_rank0("HF gradient checkpointing is replaced by usp.activation_checkpointing (set it to false to keep HF's)")
-    model.forward = _causal_lm_forward(model, model.forward, decoder, head, ctx)
+    model.forward = _causal_lm_forward(model, model.forward, decoder, head, ctx, tail)
     for layer in layers:
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None:
-            mlp.forward = _tiled_mlp_forward(mlp.forward, tuple(mlp.parameters()), ctx)
+        for block in feed_forward_blocks(layer):
+            block.forward = _tiled_mlp_forward(block.forward, tuple(block.parameters()), ctx)
         layer.forward = checkpointed_layer_forward(layer.forward, ctx)
     return ctx
 
@@ -96,21 +120,45 @@ def _tiled_mlp_forward(original: Callable[[Tensor], Tensor], params: tuple, ctx:
 
 
 def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module, head: nn.Module,
-                       ctx: MemoryContext) -> Callable:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+                       ctx: MemoryContext, tail: ModelTail) -> Callable:
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
     from ds_usp.sharding import gather_sequence, shard_sequence
+
+    def router_loss(out: Any, attention_mask: Optional[Tensor], rows: int, length: int) -> Tensor:
+        plan = ctx.plan
+        tiles = tile_bounds(length, plan.mlp_tiles) if plan is not None and plan.mlp_tiles else None
+        valid = None if attention_mask is None else attention_mask.reshape(-1) != 0
+        return load_balancing_loss(tuple(out.router_logits), tail.router.num_experts, tail.router.top_k, valid,
+                                   ctx.topo, tiles, rows)
 
     @functools.wraps(original)
     def forward(input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
                 shift_labels: Optional[Tensor] = None, return_logits: bool = False,
-                num_items_in_batch: Optional[Tensor] = None, **kwargs: Any) -> Any:
+                num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
+                **kwargs: Any) -> Any:
         ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         ctx.plan = ctx.make_plan(ref.shape[0] * ref.shape[1], ref.device,
                                  head.weight.dtype if head.weight.is_floating_point() else torch.float32)
+        hf = context_of(model)
+        if hf is not None:  # the batch's documents, for decoder layers that do not pass them to their attention
+            hf.cu_seq_lens = kwargs.get("cu_seq_lens_q")
+        routed = bool(output_router_logits if output_router_logits is not None else
+                      (tail.router is not None and tail.router.default_on))
+        if routed and tail.router is None and tail.router_problem:
+            raise ValueError(f"output_router_logits: {tail.router_problem}; set output_router_logits=False")
+        if tail.router is not None:
+            kwargs["output_router_logits"] = routed
         if labels is None and shift_labels is None:
-            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+            out = original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+            if routed and tail.router is not None and getattr(out, "router_logits", None):
+                out.aux_loss = router_loss(out, attention_mask, *ref.shape[:2])  # the whole group's, not the shard's
+            return out
+        if tail.logits is None:
+            raise ValueError(f"{tail.name} transforms its logits after lm_head in a way ds-usp's SP loss does not "
+                             f"reproduce (see docs/models.md): call it without labels / shift_labels and compute the "
+                             f"loss from out.logits with ds_usp.sp_cross_entropy")
         kwargs.setdefault("use_cache", False)  # a loss is wanted: no KV cache (HF builds one when config.use_cache)
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         hidden = out[0]  # (b, s_local, H)
@@ -122,16 +170,22 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
             shift_labels = shard_sequence(shift_sequence_labels(full, docs), topo, dim=1, layout=layout,
                                           pad_value=IGNORE_INDEX, doc_lens=docs)
         plan = ctx.plan
-        logits = head(hidden) if return_logits or not plan.loss_chunk else None
+        logits = tail.logits.apply(head(hidden)) if return_logits or not plan.loss_chunk else None
         if plan.loss_chunk:
             loss = chunked_lm_loss(hidden, head, shift_labels, ctx.topo, plan.loss_chunk, plan.loss_grad_in_forward,
-                                   num_items_in_batch)
+                                   num_items_in_batch, tail.logits)
         else:  # the whole logits, plain autograd: (b, s, V) -> (b*s, V)
             loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX, reduction="sum")
             loss = sp_loss(loss_sum, shift_labels, ctx.topo, num_items_in_batch)
             logits = logits if return_logits else None
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=getattr(out, "past_key_values", None),
-                                      hidden_states=getattr(out, "hidden_states", None),
-                                      attentions=getattr(out, "attentions", None))
+        aux = None
+        if routed and tail.router is not None:
+            aux = router_loss(out, attention_mask, *ref.shape[:2])
+            loss = loss + tail.router.coef * aux
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits,
+                                         past_key_values=getattr(out, "past_key_values", None),
+                                         hidden_states=getattr(out, "hidden_states", None),
+                                         attentions=getattr(out, "attentions", None),
+                                         router_logits=getattr(out, "router_logits", None))
     return forward

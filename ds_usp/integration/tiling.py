@@ -16,7 +16,7 @@ from torch import Tensor
 # -------------------------------------------------------------------------------------- tiled MLP
 
 
-def _tile_bounds(length: int, tiles: int) -> list[tuple[int, int]]:
+def tile_bounds(length: int, tiles: int) -> list[tuple[int, int]]:
     """``tiles`` slices of ``[0, length)``, possibly empty at the end: the count never depends on the length."""
     step = max(1, math.ceil(length / tiles))
     return [(min(i * step, length), min((i + 1) * step, length)) for i in range(tiles)]
@@ -35,13 +35,17 @@ class TiledMLP(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, mlp: Callable[[Tensor], Tensor], tiles: int, params: tuple) -> Tensor:
         ctx.save_for_backward(x)
         ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
-        return torch.cat([mlp(x[:, a:b]) for a, b in _tile_bounds(x.shape[1], tiles)], dim=1)  # (b, s, H)
+        outs = [mlp(x[:, a:b]) for a, b in tile_bounds(x.shape[1], tiles)]
+        if not isinstance(outs[0], Tensor):
+            raise TypeError(f"usp.tiled_mlp: {getattr(mlp, '__qualname__', mlp)} returns a {type(outs[0]).__name__}, "
+                            f"not a tensor, so its tiles cannot be joined; set usp.tiled_mlp to false")
+        return torch.cat(outs, dim=1)  # (b, s, H)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
         (x,) = ctx.saved_tensors
         dx = torch.zeros_like(x)
-        bounds = _tile_bounds(x.shape[1], ctx.tiles)
+        bounds = tile_bounds(x.shape[1], ctx.tiles)
         for i, (a, b) in enumerate(bounds):
             for p in ctx.params:
                 p.ds_grad_is_ready = i == len(bounds) - 1
