@@ -111,6 +111,7 @@ def _head_to_seq_backward(ctx: Any, grads: list[Optional[Tensor]]) -> tuple:
 
 torch.library.register_autograd("ds_usp::seq_to_head", _seq_to_head_backward, setup_context=_seq_to_head_setup)
 torch.library.register_autograd("ds_usp::head_to_seq", _head_to_seq_backward, setup_context=_head_to_seq_setup)
+seq_to_head_op, head_to_seq_op = _seq_to_head, _head_to_seq  # the differentiable all-to-alls (also linear attention's)
 
 
 # ------------------------------------------------------------------------------------------- ring
@@ -145,7 +146,7 @@ def _split(qkv: list[Tensor], heads: list[int], dims: list[int]) -> tuple[Tensor
     return tuple(part.reshape(*part.shape[:2], h, d) for part, h, d in zip(parts, heads, dims))
 
 
-def _units(x: Tensor, unit: int) -> Tensor:
+def as_units(x: Tensor, unit: int) -> Tensor:
     """``(b, s, h, d)`` -> ``(b, s, h*d/unit, unit)``: q, k and v of different head dims (MLA) as columns of one
     width, so one all-to-all carries them; ``unit`` divides every head dim, and a rank's chunk of whole heads is a
     chunk of whole units."""
@@ -191,7 +192,7 @@ def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tenso
                           get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap)
     if len(qkv) == 1:  # (b, U*s, Hp, g) like qkv_heads
         unit = qkv[0].shape[-1]
-        grads = [torch.cat([_units(g, unit) for g in grads], dim=2)]
+        grads = [torch.cat([as_units(g, unit) for g in grads], dim=2)]
     return list(grads) + ([] if sinks is None else [sink_grad(dout, out, lse, sinks)])
 
 
@@ -305,7 +306,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         k, v, hkv, rep = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2), hkv * rep, 1
     if sinks is not None:  # this rank's query heads after the all-to-all: the u-th block of hq / U
         sinks = sinks.narrow(0, topo.ulysses_rank * (hq // u), hq // u)
-    qkv = _seq_to_head([_units(x, unit) for x in (q, k, v)], [1, rep, rep], ulysses, native)  # (b, U*s, Hp, unit)
+    qkv = _seq_to_head([as_units(x, unit) for x in (q, k, v)], [1, rep, rep], ulysses, native)  # (b, U*s, Hp, unit)
     out_heads, _ = _ring_attention([qkv], head_split(hq, hkv, u), [dk, dk, dv], u, ring, causal, *common, sinks,
                                    *mask_args)
     return _head_to_seq(out_heads, [hq // u], [1], ulysses, native)[0]  # (b, s, hq, dv)

@@ -1,0 +1,132 @@
+"""Hybrid linear-attention models: their Gated DeltaNet layers wrapped from outside (Qwen3-Next, Qwen3.5).
+
+``ds_usp.initialize`` calls :func:`wrap_linear_layers`, as it applies the memory stack: every Gated DeltaNet
+layer of the model keeps its parameters and its own kernels, and its forward becomes
+
+    input projections (this rank's tokens, all heads) -> gates -> ds_usp.linear.gated_delta_attention
+    (Ulysses all-to-all for heads, the short convolution with its halo, the delta rule with the state passed
+    across the ring) -> the layer's gated norm and output projection (this rank's tokens)
+
+The softmax layers of the same model use ``attn_implementation="usp"`` with their output gate (it is applied by
+the model, after the attention). The family's own delta-rule function is called: transformers' torch chunked
+rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is recognized by what it holds (the
+fused ``in_proj_qkvz`` / ``in_proj_ba`` of Qwen3-Next, or the separate ``in_proj_qkv`` / ``in_proj_z`` /
+``in_proj_b`` / ``in_proj_a`` of Qwen3.5, with ``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj``); other
+linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ds_usp.integration.data import docs_from_cu_seq_lens
+from ds_usp.integration.hf import USPContext, context_of
+from ds_usp.linear import check_linear_heads, gated_delta_attention
+
+_COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+_FUSED = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next: per key head [q | k | v... | z...], [b... | a...]
+_SEPARATE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # Qwen3.5
+
+
+def is_gated_deltanet(module: nn.Module) -> bool:
+    """Whether ``module`` is a Gated DeltaNet layer ds-usp wraps (see the module doc)."""
+    return all(hasattr(module, a) for a in _COMMON) and (all(hasattr(module, a) for a in _FUSED) or
+                                                         all(hasattr(module, a) for a in _SEPARATE))
+
+
+def _projections(module: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
+    """``q, k (b, s, nk, dk), v, z (b, s, nv, dv), b, a (b, s, nv)`` of this rank's tokens, all heads."""
+    bsz, s = x.shape[:2]
+    nk, nv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    if hasattr(module, "in_proj_qkvz"):  # the layer's own reordering of its per-key-head interleaved projections
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
+        return q, k, v.reshape(bsz, s, nv, dv), z.reshape(bsz, s, nv, dv), b.reshape(bsz, s, nv), \
+            a.reshape(bsz, s, nv)
+    q, k, v = module.in_proj_qkv(x).split([nk * dk, nk * dk, nv * dv], dim=-1)
+    return (q.reshape(bsz, s, nk, dk), k.reshape(bsz, s, nk, dk), v.reshape(bsz, s, nv, dv),
+            module.in_proj_z(x).reshape(bsz, s, nv, dv), module.in_proj_b(x), module.in_proj_a(x))
+
+
+def _rule(module: nn.Module) -> Callable:
+    """The family's chunked gated delta rule as :data:`ds_usp.linear.delta.Rule` (l2-norm of q/k inside)."""
+    fn = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule")
+
+    def rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Optional[Tensor]) -> tuple:
+        return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+
+    return rule
+
+
+def _cached_state(cache: Any, layer: Optional[int]) -> Optional[Tensor]:
+    """The recurrent state a cache holds for ``layer`` from an earlier call (None: none; training starts afresh)."""
+    get = getattr(cache, "get_recurrent_state", None)
+    return get(layer, state_idx=0) if callable(get) and layer is not None else None
+
+
+def _forward(module: nn.Module, ctx: USPContext) -> Callable:
+    from transformers.activations import ACT2FN
+
+    rule, activation = _rule(module), ACT2FN[getattr(module, "activation", "silu")]
+
+    @functools.wraps(module.forward)
+    def forward(hidden_states: Tensor, cache_params: Any = None, attention_mask: Optional[Tensor] = None,
+                **kwargs: Any) -> Tensor:
+        if _cached_state(cache_params, getattr(module, "layer_idx", None)) is not None:
+            raise ValueError(f"{ctx.model_name}: decoding from a cache is not supported under sequence parallelism "
+                             f"(training and prefill are); generate without ds_usp")
+        if attention_mask is not None and attention_mask.dim() == 2:  # as the layer does: padding inputs are zero
+            hidden_states = hidden_states * attention_mask[:, -hidden_states.shape[1]:, None].to(hidden_states.dtype)
+        cu = kwargs.get("cu_seq_lens_q")
+        cu = ctx.cu_seq_lens if cu is None else cu
+        seq_len, docs = docs_from_cu_seq_lens(cu, hidden_states.shape[0]) if cu is not None else (None, None)
+        docs = None if docs is None or all(len(row) == 1 for row in docs) else docs
+        q, k, v, z, b, a = _projections(module, hidden_states)
+        beta = b.sigmoid()
+        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+        conv = module.conv1d
+        core = gated_delta_attention(q, k, v, g, beta, conv.weight, conv.bias, ctx.topo, rule, activation,
+                                     layout=ctx.layout, seq_len=seq_len, doc_lens=docs, native_op=ctx.native_op)
+        bsz, s = hidden_states.shape[:2]
+        dv = module.head_v_dim
+        # (b, s, nv, dv) -> (b*s*nv, dv): the gated norm per token and head, as the layer does
+        out = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(bsz, s, -1)
+        return module.out_proj(out)
+
+    return forward
+
+
+def wrap_linear_layers(model: nn.Module) -> int:
+    """Make every Gated DeltaNet layer of ``model`` run under the USP topology :func:`ds_usp.hf.attach` gave it
+    (:func:`check_hybrid` first: the heads against the Ulysses degree).
+
+    Args:
+        model: the model (already attached).
+
+    Returns:
+        How many layers were wrapped.
+    """
+    ctx = context_of(model)
+    wrapped = 0
+    for module in model.modules():
+        if is_gated_deltanet(module) and not getattr(module, "_usp_wrapped", False):
+            module.forward = _forward(module, ctx)
+            module._usp_wrapped = True
+            wrapped += 1
+    return wrapped
+
+
+def check_hybrid(model: nn.Module, ulysses_degree: int) -> None:
+    """Refuse a hybrid whose linear heads the Ulysses degree cannot split, before any group is built.
+
+    Raises:
+        ValueError: naming the layer's heads and the degree.
+    """
+    for module in model.modules():
+        if is_gated_deltanet(module):
+            check_linear_heads(module.num_k_heads, module.num_v_heads, ulysses_degree)
+
