@@ -17,7 +17,7 @@ checks every split against it) and docs/choosing.md uses it.
 
 :func:`attention_memory` models what the layer holds: what autograd saves for the backward (exact,
 checked by the tests with ``saved_tensors_hooks``) and the transient peaks of the forward and the
-backward (an estimate from the buffers each phase keeps alive; benchmarks/memory.py prints it
+backward (an estimate from the buffers each phase keeps alive; benchmarks/attention.py prints it
 beside the measured peaks).
 """
 from __future__ import annotations

@@ -153,13 +153,14 @@ def _sp_token_losses(engine, shard: dict) -> torch.Tensor:
 
     import ds_usp
 
+    seq = int(shard["cu_seq_lens_q"][-1]) // shard["input_ids"].shape[0]
     with torch.no_grad():
         logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
                         cu_seq_lens_q=shard["cu_seq_lens_q"], cu_seq_lens_k=shard["cu_seq_lens_k"]).logits
     labels = shard["shift_labels"]
     losses = F.cross_entropy(logits[0].float(), labels[0].clamp_min(0), reduction="none") * (labels[0] >= 0)
     topo = engine.usp.topo
-    return ds_usp.gather_sequence(losses[None, :, None], topo, dim=1, layout=engine.usp.layout, seq_len=SEQ,
+    return ds_usp.gather_sequence(losses[None, :, None], topo, dim=1, layout=engine.usp.layout, seq_len=seq,
                                   doc_lens=_shard_docs(shard))[0, :, 0]
 
 

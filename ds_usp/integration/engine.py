@@ -209,8 +209,9 @@ def _unlink_shm_buffer() -> None:
     On CPU, DeepSpeed's communication backend creates a 66 MB POSIX shared-memory buffer per rank,
     named after ``MASTER_ADDR``/``MASTER_PORT`` (``deepspeed/ops/csrc/cpu/comm/shm.cpp``), and never
     unlinks it: every run leaves them in ``/dev/shm``, which is memory. Peers open the names only
-    while they initialize, which every rank has finished once a collective over all of them has
-    completed (``deepspeed.initialize`` runs several), so each rank can then unlink its own.
+    while they initialize (``deepspeed.init_distributed``), which every rank has finished once a collective
+    over all of them has completed, so each rank can then unlink its own: right after the first check of
+    :func:`initialize`, so that a run refused for its config leaves nothing behind either.
     """
     name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
@@ -286,6 +287,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         "ranks per node": ranks_per_node(world) if _degrees_left_out(raw) else "not used",
         "versions": _versions(),
     })
+    _unlink_shm_buffer()  # every rank is past DeepSpeed's communication set-up (the check was a collective over all)
     if unreadable:
         raise unreadable
     usp_cfg = load_usp_config(raw, world, num_heads=heads, num_kv_heads=kv_heads)
@@ -328,7 +330,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                       **kwargs)
     if zero3_sp:
         _fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)
-    dist.barrier()  # every rank is past DeepSpeed's initialization: nobody opens the shm names any more
+    dist.barrier()  # deepspeed.initialize set DeepSpeed's communication up if distributed was not ours: past it
     _unlink_shm_buffer()
     engine.usp = USPState(config=usp_cfg, topo=topo, memory=memory)
     _name_step_on_failure(engine)

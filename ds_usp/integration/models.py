@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -26,6 +27,10 @@ import torch
 from torch import Tensor, nn
 
 ATTN_NAME = "usp"
+# class names of recurrent / state-space / linear-attention layers (those without a sequence convolution, which
+# nn.Conv1d catches: Mamba, Gated DeltaNet, short convolutions, RG-LRU blocks)
+_MIXER_NAMES = re.compile(r"Mamba|Rwkv|RWKV|Lightning|[Ll]stm|LSTM|Hyena|RetNet|Rglru|RGLRU|DeltaNet|LinearAttention|"
+                          r"RecurrentBlock|ShortConv")
 # attribute names of a decoder layer's feed-forward block: dense MLPs and MoE blocks (Mixtral, Qwen3-MoE, GPT-OSS,
 # DeepSeek-V3: mlp; Granite-MoE: block_sparse_moe; Jamba: feed_forward; DBRX: ffn)
 FEED_FORWARD_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "moe")
@@ -58,8 +63,6 @@ def sequence_mixers(model: nn.Module, handled: Callable[[nn.Module], bool]) -> l
     Returns:
         ``"name (Class)"`` of each unhandled one, at most the first few.
     """
-    markers = ("mamba", "deltanet", "delta_net", "rwkv", "lightning", "linearattention", "linear_attention", "rglru",
-               "recurrent", "ssm", "xlstm", "mlstm", "slstm", "shortconv", "hyena", "retention")
     found = []
     skip: set[int] = set()
     for name, module in model.named_modules():
@@ -68,8 +71,7 @@ def sequence_mixers(model: nn.Module, handled: Callable[[nn.Module], bool]) -> l
         if handled(module):
             skip.update(id(m) for m in module.modules())
             continue
-        kind = type(module).__name__.lower()
-        if isinstance(module, nn.Conv1d) or any(m in kind for m in markers):
+        if isinstance(module, nn.Conv1d) or _MIXER_NAMES.search(type(module).__name__):
             found.append(f"{name} ({type(module).__name__})")
             skip.update(id(m) for m in module.modules())
     return found

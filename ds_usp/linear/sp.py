@@ -132,8 +132,9 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
         big = qkv.shape[1]
         q, k, v = (part.reshape(q.shape[0], big, -1, d) for part, d in
                    zip(qkv.split([hk * dk // unit, hk * dk // unit, nv * dv // u // unit], dim=2), (dk, dk, dv)))
-        gb = seq_to_head_op([torch.stack([g, beta.to(g.dtype)], dim=-1)], [1], ulysses, native)
-        g, beta = gb[..., 0], gb[..., 1].to(beta.dtype)  # (b, U*s, nv/U)
+        wide = torch.promote_types(g.dtype, beta.dtype)  # one all-to-all for both, neither rounded
+        gb = seq_to_head_op([torch.stack([g.to(wide), beta.to(wide)], dim=-1)], [1], ulysses, native)
+        g, beta = gb[..., 0].to(g.dtype), gb[..., 1].to(beta.dtype)  # (b, U*s, nv/U)
     channels = _channels(nk, dk, nv, dv, topo.ulysses_rank, u, conv_weight.device)
     weight = conv_weight.reshape(conv_weight.shape[0], -1).index_select(0, channels)  # (C_local, K)
     bias = None if conv_bias is None else conv_bias.index_select(0, channels)

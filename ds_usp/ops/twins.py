@@ -119,7 +119,7 @@ class TorchOps:
         for part, rep in zip(recv.split(list(heads), dim=3), reps):
             # (U, b, s, h_i, d) -> (b, s, U, h_i, d) -> (b, s, U*h_i, d)
             x = part.permute(1, 2, 0, 3, 4).reshape(b, s, u * part.shape[3], d)
-            if rep > 1:  # (b, s, U*h_i, d) -> (b, s, U*h_i/rep, rep, d) -> sum the replicas
-                x = x.float().reshape(b, s, -1, rep, d).sum(3).to(recv.dtype)
+            if rep > 1:  # (b, s, U*h_i, d) -> (b, s, U*h_i/rep, rep, d) -> sum the replicas (fp32 at least)
+                x = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(b, s, -1, rep, d).sum(3).to(recv.dtype)
             outs.append(x.contiguous())
         return outs

@@ -1,0 +1,391 @@
+"""Hybrid linear attention under USP (Gated DeltaNet: Qwen3.5, Qwen3-Next): exact, or refused by name.
+
+* The state-passing pieces alone, in one process, fp64, against the sequential recurrence: any cut of a sequence
+  into segments (document starts included, down to one-token documents and segments shorter than the
+  convolution), run in any order from zero, combined by their transitions, equal the recurrence run once per
+  document (hypothesis property test).
+* The distributed algorithm (:func:`ds_usp.linear.gated_delta_attention`), fp64, on 4 ranks: 4x1 (key heads
+  replicated over the Ulysses group), 2x2 zigzag, 1x4 contiguous / zigzag / balanced, packed documents, odd
+  lengths: outputs and every input's gradient within 1e-12 of the single-process recurrence.
+* One HF Gated DeltaNet layer of each family, fp64 (the family's delta rule replaced by an fp64 one in both runs):
+  the wrapped layer under 4x1, 2x2 and 1x4 equals the layer's own forward and backward within 1e-10 (``A_log``:
+  1e-6, its gradient is fp32 in the layer itself).
+* Tiny random Qwen3.5-text and Qwen3-Next models (transformers' own fp32 kernels, nothing downloaded) through
+  ``ds_usp.initialize`` for 3 AdamW steps at 4x1, 2x2 zigzag, 1x4 contiguous and zigzag, and packed documents, odd
+  S: per-token losses within 1e-4 of one process each step. Gradients of the first step: every parameter within
+  1e-4 relative, or within 3x the drift of the single-process gradient between two chunk sizes of the family's own
+  fp32 kernel, whichever is larger (the decay parameters of a layer whose gradient cancels to small values drift
+  by up to 6e-2 between chunk sizes 64 and 16 in one process: fp32, not the split).
+* Other linear-attention and state-space families are refused by name before any step.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dist_harness import get_topo
+from test_models import _sp_token_losses
+
+WORLD_TIMEOUT = 600
+K = 4  # convolution kernel
+
+
+def recurrent_rule(q, k, v, g, beta, state):
+    """The gated delta rule token by token, in the inputs' dtype (fp64 here): l2-normed q/k, q scaled by dk^-0.5,
+    key heads repeated over their value heads, as transformers' kernels do."""
+    b, t, nk, dk = q.shape
+    nv, dv = v.shape[2], v.shape[3]
+    q, k = q.repeat_interleave(nv // nk, 2), k.repeat_interleave(nv // nk, 2)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    s = torch.zeros(b, nv, dk, dv, dtype=q.dtype) if state is None else state.to(q.dtype)
+    outs = []
+    for i in range(t):
+        s = s * g[:, i].exp()[..., None, None]
+        delta = (v[:, i] - (s * k[:, i][..., None]).sum(-2)) * beta[:, i][..., None]
+        s = s + k[:, i][..., None] * delta[..., None, :]
+        outs.append((s * q[:, i][..., None]).sum(-2))
+    return torch.stack(outs, 1), s
+
+
+def _inputs(seq: int, nk: int, nv: int, dk: int, dv: int, seed: int, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, seq, nk, dk, generator=gen, dtype=dtype)
+    k = torch.randn(1, seq, nk, dk, generator=gen, dtype=dtype)
+    v = torch.randn(1, seq, nv, dv, generator=gen, dtype=dtype)
+    g = -torch.rand(1, seq, nv, generator=gen, dtype=dtype)
+    beta = torch.rand(1, seq, nv, generator=gen, dtype=dtype)
+    w = torch.randn(2 * nk * dk + nv * dv, K, generator=gen, dtype=dtype) * 0.5
+    return q, k, v, g, beta, w
+
+
+def _reference(q, k, v, g, beta, w, docs):
+    """Convolution and recurrence over each document from zero, the whole sequence in one process."""
+    nk, dk, nv, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    outs, start = [], 0
+    for n in docs:
+        x = torch.cat([t[:, start:start + n].flatten(2) for t in (q, k, v)], -1)  # (1, n, C)
+        y = F.silu(F.conv1d(x.transpose(1, 2), w.unsqueeze(1), None, padding=K - 1, groups=w.shape[0])[..., :n])
+        qq, kk, vv = y.transpose(1, 2).split([nk * dk, nk * dk, nv * dv], -1)
+        out, _ = recurrent_rule(qq.unflatten(-1, (nk, dk)), kk.unflatten(-1, (nk, dk)), vv.unflatten(-1, (nv, dv)),
+                                g[:, start:start + n], beta[:, start:start + n], None)
+        outs.append(out)
+        start += n
+    return torch.cat(outs, 1)
+
+
+# ---------------------------------------------------------------------------------- one process, fp64
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(docs=st.lists(st.integers(1, 9), min_size=1, max_size=4), cuts=st.lists(st.integers(1, 30), max_size=6),
+       seed=st.integers(0, 99))
+def test_segments_combine_to_the_recurrence(docs, cuts, seed):
+    """Cut the sequence anywhere (besides document starts), run every segment from zero, combine: exact."""
+    from ds_usp.linear.delta import causal_conv, halo_of, initial_states, run_segment, segments, with_initial_state
+
+    seq = sum(docs)
+    nk, nv, dk, dv = 1, 2, 3, 2
+    q, k, v, g, beta, w = _inputs(seq, nk, nv, dk, dv, seed)
+    want = _reference(q, k, v, g, beta, w, docs)
+    starts = tuple(sum(docs[:i]) for i in range(len(docs)))
+    bounds = sorted({0, seq} | {c for c in cuts if c < seq})
+    runs = tuple((a, b - a) for a, b in zip(bounds, bounds[1:]))
+    segs = segments(runs, starts, seq)
+    x = torch.cat([t.flatten(2) for t in (q, k, v)], -1)
+    results, tails = [], []
+    for i, seg in enumerate(segs):
+        earlier = [] if seg.first else list(tails)
+        halo = halo_of(earlier, K) if earlier else x.new_zeros(1, K - 1, x.shape[2])
+        y = causal_conv(x[:, seg.start:seg.stop], w, None, halo, F.silu)
+        qq, kk, vv = y.split([nk * dk, nk * dk, nv * dv], -1)
+        following = i + 1 < len(segs) and not segs[i + 1].first
+        results.append(run_segment(recurrent_rule, qq.unflatten(-1, (nk, dk)), kk.unflatten(-1, (nk, dk)),
+                                   vv.unflatten(-1, (nv, dv)), g[:, seg.start:seg.stop], beta[:, seg.start:seg.stop],
+                                   affine=not seg.first or following))
+        tail = x[:, max(seg.start, seg.stop - K + 1):seg.stop]
+        tails = ([] if seg.first else tails) + [(seg.first, F.pad(tail, (0, 0, K - 1 - tail.shape[1], 0)),
+                                                 seg.length)]
+    chain = [(seg.first, run.transition, run.final) for seg, run in zip(segs, results)]
+    got = torch.cat([with_initial_state(run, s0) for run, s0 in zip(results, initial_states(chain))], 1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_response_and_transition_are_the_affine_map():
+    """run_segment's one augmented call: from any S0, outputs = out + response @ S0, final = transition @ S0 + final."""
+    from ds_usp.linear.delta import run_segment
+
+    q, k, v, g, beta, _ = _inputs(7, 2, 4, 3, 5, 1)
+    s0 = torch.randn(1, 4, 3, 5, dtype=torch.float64)
+    want_out, want_final = recurrent_rule(q, k, v, g, beta, s0)
+    run = run_segment(recurrent_rule, q, k, v, g, beta, affine=True)
+    torch.testing.assert_close(run.out + torch.einsum("btnk,bnkv->btnv", run.response, s0), want_out)
+    torch.testing.assert_close(run.transition @ s0 + run.final, want_final)
+
+
+# ------------------------------------------------------------------------------------ 4 ranks, fp64
+
+SPLITS = [(4, 1, "zigzag", 37, None), (2, 2, "zigzag", 37, None), (1, 4, "contiguous", 37, None),
+          (1, 4, "zigzag", 45, None), (2, 2, "zigzag", 37, [10, 2, 25]), (1, 4, "balanced", 37, [10, 2, 25]),
+          (1, 4, "zigzag", 45, [1, 1, 1, 40, 2])]
+
+
+def distributed_case(u: int, r: int, layout: str, seq: int, docs) -> list[float]:
+    """On every rank: gated_delta_attention on shards vs the single-process recurrence; the max differences."""
+    import ds_usp
+    from ds_usp.linear import gated_delta_attention
+
+    topo = get_topo(u, r)
+    nk, nv, dk, dv = 2, 4, 4, 3
+    q, k, v, g, beta, w = _inputs(seq, nk, nv, dk, dv, seed=seq + u)
+    dout = torch.randn(1, seq, nv, dv, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, w)]
+    _reference(*leaves, docs or [seq]).backward(dout)
+    shard = functools.partial(ds_usp.shard_sequence, topo=topo, dim=1, layout=layout, doc_lens=docs)
+    local = [shard(t).requires_grad_() for t in (q, k, v, g, beta)]
+    w_local = w.clone().requires_grad_()
+    out = gated_delta_attention(*local, w_local, None, topo, recurrent_rule, F.silu, layout=layout, seq_len=seq,
+                                doc_lens=docs, native_op=False)
+    out.backward(shard(dout))
+    gather = functools.partial(ds_usp.gather_sequence, topo=topo, dim=1, layout=layout, seq_len=seq, doc_lens=docs)
+    want = _reference(*(t.detach() for t in leaves[:5]), leaves[5].detach(), docs or [seq])
+    errors = [float((gather(out.detach()) - want).abs().max())]
+    errors += [float((gather(a.grad) - b.grad).abs().max()) for a, b in zip(local, leaves)]
+    dw = w_local.grad.clone()
+    torch.distributed.all_reduce(dw, group=topo.sp_group)  # what DeepSpeed sums over the ranks
+    return errors + [float((dw - leaves[5].grad).abs().max())]
+
+
+def test_distributed_state_passing_is_exact(world4):
+    for case in SPLITS:
+        errors = world4.run(distributed_case, *case)[0]
+        assert max(errors) < 1e-12, f"{case}: out, dq, dk, dv, dg, dbeta, dw errors {errors}"
+
+
+# -------------------------------------------------------------- HF layers and models (qwen3_5, qwen3_next)
+
+FAMILIES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
+            "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next"}
+SEQ = 67
+
+
+
+def _config(family: str):
+    import transformers
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_conv_kernel_dim=K,
+                layer_types=["linear_attention"] * 3 + ["full_attention"])
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            decoder_sparse_step=1)
+    return transformers.Qwen3_5TextConfig(**base, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "partial_rotary_factor": 0.5,
+                                                                   "mrope_section": [2, 1, 1]})
+
+
+def _fp64_rule(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, **kwargs):
+    """The family's rule signature over :func:`recurrent_rule` (fp64)."""
+    out, final = recurrent_rule(q, k, v, g, beta, initial_state)
+    return out, final if output_final_state else None
+
+
+def layer_case(family: str, u: int, r: int, layout: str, docs, detail: bool = False) -> float:
+    """On every rank: one GDN layer in fp64, wrapped vs its own forward on the whole sequence; max difference."""
+    import ds_usp
+    from ds_usp.integration.hf import USPContext, attach
+    from ds_usp.integration.linear import is_gated_deltanet, wrap_linear_layers
+
+    module = importlib.import_module(FAMILIES[family])
+    saved = module.torch_chunk_gated_delta_rule
+    module.torch_chunk_gated_delta_rule = _fp64_rule
+    try:
+        torch.manual_seed(0)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+        layer = next(m for m in model.modules() if is_gated_deltanet(m)).double()
+        twin = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+        mine = next(m for m in twin.modules() if is_gated_deltanet(m)).double()
+        mine.load_state_dict(layer.state_dict())
+        topo = get_topo(u, r)
+        attach(mine, USPContext(topo=topo, layout=layout, native_op=False))
+        wrap_linear_layers(mine)
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(1, SEQ, 64, generator=gen, dtype=torch.float64)
+        dout = torch.randn(1, SEQ, 64, generator=gen, dtype=torch.float64)
+        want, start = [], 0
+        xr = x.clone().requires_grad_()
+        for n in docs or [SEQ]:  # the layer's own forward, one document at a time
+            want.append(layer(xr[:, start:start + n]))
+            start += n
+        torch.cat(want, 1).backward(dout)
+        shard = functools.partial(ds_usp.shard_sequence, topo=topo, dim=1, layout=layout, doc_lens=docs)
+        xl = shard(x).requires_grad_()
+        cu = ds_usp.data.cu_seq_lens([docs] if docs else None, 1, SEQ, "cpu")
+        out = mine(xl, cu_seq_lens_q=cu)
+        out.backward(shard(dout))
+        gather = functools.partial(ds_usp.gather_sequence, topo=topo, dim=1, layout=layout, seq_len=SEQ, doc_lens=docs)
+        errors = [float((gather(out.detach()) - torch.cat(want, 1).detach()).abs().max()),
+                  float((gather(xl.grad) - xr.grad).abs().max())]
+        for (name, p), (_, q) in zip(layer.named_parameters(), mine.named_parameters()):
+            grad = q.grad.clone()
+            torch.distributed.all_reduce(grad, group=topo.sp_group)
+            # A_log's gradient is fp32 in the layer itself (it computes -A_log.float().exp()): fp32 rounding
+            scale = 1e-4 if name == "A_log" else 1.0
+            errors.append(scale * float((grad - p.grad).abs().max() / p.grad.abs().max()))
+        return errors if detail else max(errors)
+    finally:
+        module.torch_chunk_gated_delta_rule = saved
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_layer_is_exact_in_fp64(world4, family):
+    for u, r, layout, docs in ((2, 2, "zigzag", None), (1, 4, "zigzag", [20, 30, 17]), (4, 1, "zigzag", None)):
+        err = world4.run(layer_case, family, u, r, layout, docs)[0]
+        assert err < 1e-10, f"{family} {u}x{r} {layout} docs={docs}: {err:.2e}"
+
+
+def _drift(family: str) -> dict:
+    """Per parameter: the relative difference of the single-process first-step gradient between chunk sizes 64 and 16
+    of the family's own fp32 kernel (how much fp32 alone moves each gradient)."""
+    from transformers import AutoModelForCausalLM
+
+    module = importlib.import_module(FAMILIES[family])
+    saved = module.torch_chunk_gated_delta_rule
+    grads = []
+    for chunk in (64, 16):
+        module.torch_chunk_gated_delta_rule = functools.partial(saved, chunk_size=chunk)
+        try:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+            ids = _batch(0, False)["input_ids"]
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        finally:
+            module.torch_chunk_gated_delta_rule = saved
+    return {n: float((grads[0][n] - grads[1][n]).norm() / grads[0][n].norm().clamp_min(1e-30)) for n in grads[0]}
+
+
+def _batch(step: int, packed: bool) -> dict:
+    g = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(3, 128, (1, SEQ), generator=g)
+    batch = {"input_ids": ids}
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in (20, 30, SEQ - 50)]).unsqueeze(0)
+    return batch
+
+
+def model_case(family: str, u: int, r: int, layout: str, packed: bool, memory: bool) -> dict:
+    """On every rank: the model through ds_usp.initialize, 3 AdamW steps, vs one process; the differences."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    import ds_usp
+
+    ds_usp.hf.register_usp_attention()
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="usp")
+    model.load_state_dict(ref.state_dict())
+    usp = {"ulysses_degree": u, "ring_degree": r, "layout": layout, "native_op": False}
+    if memory:  # the whole memory stack on, at this size: chunked loss, tiled MLP, selective checkpointing
+        usp.update(chunked_loss=True, tiled_mlp=True, activation_checkpointing="selective", tile_mib=0.01)
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+        "sequence_parallel": "usp", "sequence_parallel_size": u * r, "usp": usp})
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    report = {"token": [], "grad": {}}
+    for step in range(3):
+        batch = _batch(step, packed)
+        lens = [20, 30, SEQ - 50] if packed else [SEQ]
+        per_token, start = [], 0
+        for n in lens:  # the reference, one document at a time
+            ids = batch["input_ids"][:, start:start + n]
+            logits = ref(input_ids=ids, use_cache=False).logits[0, :-1]
+            per_token += [F.cross_entropy(logits, ids[0, 1:], reduction="none"), torch.zeros(1)]
+            start += n
+        per_token = torch.cat(per_token)
+        want = per_token.sum() / (SEQ - len(lens))
+        shard = ds_usp.shard_batch(batch, engine.usp.topo, layout=engine.usp.layout)
+        got = _sp_token_losses(engine, shard)  # through the gathered logits
+        report["token"].append(float((got - per_token.detach()).abs().max()))
+        out = engine(**shard)
+        report["token"].append(abs(float(out.loss) - float(want)))  # and through the SP loss
+        opt.zero_grad()
+        want.backward()
+        engine.backward(out.loss)
+        if step == 0:
+            for (name, p), (_, q) in zip(ref.named_parameters(), engine.module.named_parameters()):
+                if p.grad is not None and p.grad.norm() > 0:
+                    full = deepspeed.utils.safe_get_full_grad(q)
+                    report["grad"][name] = float((full - p.grad).norm() / p.grad.norm())
+        opt.step()
+        engine.step()
+    return report
+
+
+MODEL_CASES = [(4, 1, "zigzag", False, False), (2, 2, "zigzag", False, False), (1, 4, "contiguous", False, False),
+               (1, 4, "zigzag", False, False), (2, 2, "zigzag", True, False), (2, 2, "zigzag", False, True)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hybrid_models_train_exactly(world4, family):
+    drift = _drift(family)
+    for case in MODEL_CASES:
+        report = world4.run(model_case, family, *case)[0]
+        what = f"{family} {case[0]}x{case[1]} {case[2]} packed={case[3]} memory={case[4]}"
+        assert max(report["token"]) < 1e-4, f"{what}: loss differences per step {report['token']}"
+        bad = {n: (e, drift[n]) for n, e in report["grad"].items() if not e < max(1e-4, 3 * drift[n])}
+        assert report["grad"] and not bad, f"{what}: gradients off (relative error, fp32 drift): {bad}"
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("family,config", [
+    ("KimiLinearConfig", dict(num_key_value_heads=4, linear_attn_config={"kda_layers": [1], "full_attn_layers": [2],
+                                                                          "num_heads": 4, "head_dim": 16,
+                                                                          "short_conv_kernel_size": 4})),
+    ("MiniMaxConfig", dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4,
+                           num_experts_per_tok=2)),
+    ("JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                         num_experts=4, num_experts_per_tok=2, mamba_d_state=8)),
+    ("Lfm2Config", dict(layer_types=["conv", "full_attention"])),
+    ("RecurrentGemmaConfig", dict(block_types=["recurrent", "attention"], lru_width=64, head_dim=16)),
+    ("NemotronHConfig", dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
+                             n_groups=1, chunk_size=16)),
+    ("OlmoHybridConfig", {}),
+])
+def test_other_recurrent_families_are_refused_by_name(family, config):
+    import transformers
+
+    import ds_usp
+    from ds_usp.integration.linear import is_gated_deltanet
+    from ds_usp.integration.models import check_model
+
+    ds_usp.hf.register_usp_attention()
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, family)(**{**base, **config}),
+                                                          attn_implementation="usp")
+    with pytest.raises(ValueError, match=rf"{type(model).__name__} mixes tokens along the sequence outside attention"):
+        check_model(model, handled=is_gated_deltanet)
+
+
+def test_linear_heads_the_degree_cannot_split_are_refused():
+    from ds_usp.linear import check_linear_heads
+
+    check_linear_heads(2, 4, 4)  # key heads replicated over 2 ranks each
+    with pytest.raises(ValueError, match=r"linear-attention heads \(3 key, 6 value\) and ulysses_degree \(4\)"):
+        check_linear_heads(3, 6, 4)
