@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Optional
 
 ACC_BYTES = 4  # the ring backward's dK/dV and dQ accumulators and the LSE are fp32 whatever the input dtype
 
@@ -69,15 +70,17 @@ def sent_kv_heads(kv_heads: int, ulysses: int) -> int:
 
 
 def _all_to_all_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-                      elem_bytes: int) -> tuple[Fraction, int, Fraction]:
-    """``(T, H_kv' D, bytes of the two all-to-alls of one direction)``: the same forward and backward."""
+                      elem_bytes: int, v_head_dim: Optional[int] = None) -> tuple[Fraction, int, Fraction]:
+    """``(T, H_kv' (D + D_v), bytes of the two all-to-alls of one direction)``: the same forward and backward."""
+    dv = head_dim if v_head_dim is None else v_head_dim
     tokens = Fraction(batch * seq, ulysses * ring)
-    d_q, d_kv = heads * head_dim, sent_kv_heads(kv_heads, ulysses) * head_dim
-    return tokens, d_kv, tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (2 * d_q + 2 * d_kv)
+    hk = sent_kv_heads(kv_heads, ulysses)
+    d_q, d_kv = heads * (head_dim + dv), hk * (head_dim + dv)  # q in and out (D, D_v); k and v
+    return tokens, d_kv, tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (d_q + d_kv)
 
 
 def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-                  elem_bytes: int) -> Volume:
+                  elem_bytes: int, v_head_dim: Optional[int] = None) -> Volume:
     """Closed form of the bytes one rank sends in the forward of one USP attention layer.
 
     Args:
@@ -89,28 +92,79 @@ def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int
         ulysses: U.
         ring: R.
         elem_bytes: e (4 fp32, 2 bf16/fp16).
+        v_head_dim: the value head dim when it is not ``head_dim`` (MLA).
 
     Returns:
         The :class:`Volume` (exact; floats only because (U-1)/U need not divide).
     """
-    tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes)
-    return Volume(float(a2a), float(tokens * elem_bytes * 2 * (ring - 1) * d_kv))
+    tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
+                                          v_head_dim)
+    return Volume(float(a2a), float(tokens * elem_bytes * (ring - 1) * d_kv))
 
 
 def backward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-                   elem_bytes: int) -> Volume:
+                   elem_bytes: int, v_head_dim: Optional[int] = None) -> Volume:
     """Closed form of the bytes one rank sends in the backward of one USP attention layer.
 
     Args:
-        batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes: as for :func:`forward_bytes`.
+        batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes, v_head_dim: as for :func:`forward_bytes`.
 
     Returns:
         The :class:`Volume`: all-to-alls for dout and for dq/dk/dv, ring K/V (R-1 hops, e bytes) and
         fp32 dK/dV (R hops); no ring traffic when R = 1.
     """
-    tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes)
-    ring_b = tokens * 2 * d_kv * ((ring - 1) * elem_bytes + ring * ACC_BYTES) if ring > 1 else 0
+    tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
+                                          v_head_dim)
+    ring_b = tokens * d_kv * ((ring - 1) * elem_bytes + ring * ACC_BYTES) if ring > 1 else 0
     return Volume(float(a2a), float(ring_b))
+
+
+# ----------------------------------------------------------------- a linear-attention (Gated DeltaNet) layer
+
+
+def linear_bytes(batch: int, seq: int, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int,
+                 kernel: int, ulysses: int, ring: int, elem_bytes: int, segments: int) -> tuple[Volume, Volume]:
+    """Closed form of the bytes one rank sends in one Gated DeltaNet layer under USP: ``(forward, backward)``.
+
+    With ``nk' = max(nk, U)`` key heads sent (replicated when ``nk < U``), ``C = (2 nk' dk + nv dv) / U`` the
+    convolution channels of a rank's heads, ``n`` the segments a ring rank holds (1 contiguous, 2 zigzag, more
+    where documents or the end padding cut them: the largest count over the ranks)::
+
+        all-to-all, each way = T (U-1)/U [ e (2 nk' dk + nv dv) + 4 * 2 nv + e nv dv ]    (q, k, v; g, beta; out)
+        forward ring         = (R-1) n b [ e (K-1) C  +  4 (nv/U) dk (dk + dv) ]          (halos; states)
+        backward ring        = (R-1) R n b [ e (K-1) C  +  4 (nv/U) dk (dk + dv) ]        (their gradients summed)
+
+    Linear attention sends no K/V around the ring: per segment, ``K-1`` tokens of inputs (the convolution's
+    halo) and a ``dk x (dk + dv)`` state per head, independent of the length. The ring's collectives are an
+    all-gather (forward) and an all-reduce of the gathered gradient (backward), counted as the bytes handed to
+    them times the other ranks (the meter's convention; a ring all-reduce puts ``2 (R-1)/R`` of it on the wire).
+
+    Args:
+        batch: b.
+        seq: L, the padded global length.
+        num_k_heads: nk.
+        num_v_heads: nv.
+        k_head_dim: dk.
+        v_head_dim: dv.
+        kernel: K, the convolution's width.
+        ulysses: U.
+        ring: R.
+        elem_bytes: e of the activations (the gates and states travel in fp32).
+        segments: n.
+
+    Returns:
+        ``(forward, backward)`` :class:`Volume` s: all-to-all, and the ring's collectives as ``other``.
+    """
+    tokens = Fraction(batch * seq, ulysses * ring)
+    nk = num_k_heads if num_k_heads % ulysses == 0 else ulysses  # sent key heads
+    share = Fraction(ulysses - 1, ulysses)
+    a2a = tokens * share * (elem_bytes * (2 * nk * k_head_dim + 2 * num_v_heads * v_head_dim) + 4 * 2 * num_v_heads)
+    channels = Fraction(2 * nk * k_head_dim + num_v_heads * v_head_dim, ulysses)
+    part = segments * batch * (elem_bytes * (kernel - 1) * channels
+                               + ACC_BYTES * Fraction(num_v_heads, ulysses) * k_head_dim * (k_head_dim + v_head_dim))
+    ring_fwd = (ring - 1) * part if ring > 1 else 0
+    ring_bwd = (ring - 1) * ring * part if ring > 1 else 0
+    return Volume(float(a2a), 0.0, float(ring_fwd)), Volume(float(a2a), 0.0, float(ring_bwd))
 
 
 @dataclass(frozen=True)

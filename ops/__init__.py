@@ -8,7 +8,8 @@ keeps ``op_builder/`` and ``csrc/``); setup.py installs it as ``ds_usp.ops.op_bu
 package data, so a plain ``pip install .`` can JIT-build it; both builders return absolute source paths.
 
 * ``builder.jit_load()`` (DeepSpeed's) builds with ninja into torch's extension cache
-  (``~/.cache/torch_extensions``, rebuilt only when a source changes); :mod:`ds_usp.ops` calls it.
+  (``~/.cache/torch_extensions``, in a directory per build command: ``build_name()``; rebuilt only when a source
+  changes); :mod:`ds_usp.ops` calls it.
 * ``builder.is_compatible()`` checks for the compilers and sets ``error_log`` to the reason.
 * ``builder.builder()`` returns the setuptools extension for ``DS_BUILD_USP=1 pip install``.
 
@@ -16,9 +17,11 @@ This file imports nothing from ``ds_usp`` (setup.py loads it by path before ds_u
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
@@ -42,9 +45,31 @@ def plain_arch_list(archs: str) -> str:
 
 
 class _USPBuilderMixin:
-    """What both variants share: sources and flags."""
+    """What both variants share: sources, flags, and a build directory of their own per build command."""
 
     BUILD_VAR = BUILD_VAR
+
+    def build_name(self) -> str:
+        """``NAME`` + a digest of what makes the build command: the sources' place, the compiler, its flags and the
+        ninja that runs it.
+
+        torch's extension cache keys a build directory by name alone, and ninja rebuilds when the command line
+        differs from its log's: two installs (editable and not, two checkouts) or two ninja binaries on ``PATH``
+        (pip's and the system's hash command lines differently) shared one directory and rebuilt each other's op
+        for a minute at every switch. With the digest each keeps its own directory, built once.
+        """
+        ninja = shutil.which("ninja") or "no ninja"
+        try:
+            version = subprocess.run([ninja, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            version = "unknown"
+        key = "\n".join([str(CSRC), os.environ.get("CXX", "c++"), " ".join(self.cxx_args()), ninja, version])
+        return f"{self.NAME}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+    def jit_load(self, verbose: bool = True) -> object:
+        """DeepSpeed's JIT build, into the build directory of :meth:`build_name`."""
+        self.name = self.build_name()
+        return super().jit_load(verbose)
 
     def include_paths(self) -> list[str]:
         """Absolute include directories."""

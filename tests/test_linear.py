@@ -389,3 +389,41 @@ def test_linear_heads_the_degree_cannot_split_are_refused():
     check_linear_heads(2, 4, 4)  # key heads replicated over 2 ranks each
     with pytest.raises(ValueError, match=r"linear-attention heads \(3 key, 6 value\) and ulysses_degree \(4\)"):
         check_linear_heads(3, 6, 4)
+
+
+# ------------------------------------------------------------------------------------ bytes on the wire
+
+
+def metered_layer(u: int, r: int, layout: str, seq: int) -> tuple:
+    """On every rank: one gated_delta_attention forward and backward under the byte meter (after a warm-up)."""
+    import ds_usp
+    from ds_usp.linear import gated_delta_attention
+    from meters import CommCounter
+
+    topo = get_topo(u, r)
+    q, k, v, g, beta, w = _inputs(seq, 2, 4, 4, 3, seed=1, dtype=torch.float32)
+    local = [ds_usp.shard_sequence(t, topo, dim=1, layout=layout) for t in (q, k, v, g, beta)]
+
+    def run(counter=None):
+        leaves = [t.clone().requires_grad_() for t in local]
+        out = gated_delta_attention(*leaves, w, None, topo, recurrent_rule, F.silu, layout=layout, native_op=False)
+        return leaves, out
+
+    leaves, out = run()
+    out.sum().backward()
+    counter = CommCounter()
+    with counter.phase("fwd"):
+        leaves, out = run()
+    with counter.phase("bwd"):
+        out.sum().backward()
+    return counter.volume("fwd"), counter.volume("bwd")
+
+
+@pytest.mark.parametrize("u,r,layout,segments", [(4, 1, "zigzag", 1), (2, 2, "zigzag", 2), (1, 4, "contiguous", 1)])
+def test_linear_bytes_match_the_closed_form(world4, u, r, layout, segments):
+    from ds_usp.cost import linear_bytes
+
+    fwd, bwd = world4.run(metered_layer, u, r, layout, 48)[0]
+    want_fwd, want_bwd = linear_bytes(1, 48, 2, 4, 4, 3, K, u, r, 4, segments)
+    assert (fwd.all_to_all, fwd.ring, fwd.other) == (want_fwd.all_to_all, want_fwd.ring, want_fwd.other)
+    assert (bwd.all_to_all, bwd.ring, bwd.other) == (want_bwd.all_to_all, want_bwd.ring, want_bwd.other)

@@ -39,7 +39,9 @@ from ds_usp.integration.step_plan import MemoryContext, MemorySettings
 from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.integration.linear import check_hybrid, is_gated_deltanet, wrap_linear_layers
 from ds_usp.integration.models import check_model
+from ds_usp.comm import group_device
 from ds_usp.log import log_info
+from ds_usp.ops import resolve_native_op
 from ds_usp.topology import USPTopology
 
 
@@ -307,6 +309,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         topo = USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree,
                                  timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds))
         kwargs["mpu"] = topo.mpu
+        if usp_cfg.native_op is not False:  # built (or loaded) now, with a progress line, not inside step 1
+            resolve_native_op(usp_cfg.native_op, group_device(topo.sp_group))
         if model is not None:
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
                                      native_op=usp_cfg.native_op))

@@ -220,9 +220,13 @@ def _ring_sum(grad: Tensor, spec: _RowsSpec) -> Tensor:
     return grad[spec.ring_rank]
 
 
-def _gather(parts: list[Tensor], template: Tensor, count: int, spec: _RowsSpec) -> tuple[Tensor, Tensor]:
-    """``(this rank's parts zero-padded to count, every ring rank's: (R, count, ...))`` (no graph: see the caller)."""
+def _gather(parts: list[Tensor], template: Tensor, count: int, spec: _RowsSpec,
+            gathered: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(this rank's parts zero-padded to count, every ring rank's: (R, count, ...))``; ``gathered`` given (the
+    backward's recomputation): it stands for the all-gather (no graph through the collective: see the caller)."""
     mine = torch.stack(parts + [torch.zeros_like(template)] * (count - len(parts)))
+    if gathered is not None:
+        return mine, gathered
     if spec.ring == 1:
         return mine, mine.unsqueeze(0)
     return mine, torch.stack(all_gather_rows(mine.detach().contiguous(), spec.group, "linear-attention state"))
@@ -251,8 +255,7 @@ def _ring_rows(x: Tensor, g: Tensor, beta: Tensor, weight: Tensor, bias: Optiona
     template = x.new_zeros(b, kernel - 1, x.shape[2])
     tails = [F.pad(x[:, s.row + max(0, s.length - kernel + 1):s.row + s.length],
                    (0, 0, kernel - 1 - min(s.length, kernel - 1), 0)) for s in mine]
-    my_tails, gathered = _gather(tails, template, count, spec)
-    gathered = gathered if halos is None else halos  # (R, count, b, K-1, C)
+    my_tails, gathered = _gather(tails, template, count, spec, halos)  # (R, count, b, K-1, C)
     runs: list[SegmentRun] = []
     for i, seg in enumerate(mine):
         n = position[(ring_rank, i)]
@@ -276,8 +279,7 @@ def _ring_rows(x: Tensor, g: Tensor, beta: Tensor, weight: Tensor, bias: Optiona
     zero = torch.zeros(b, hv, dk, dk + dv, dtype=state_dtype(x), device=x.device)
     parts = [torch.cat([run.transition if run.transition is not None else zero[..., :dk], run.final], dim=-1)
              for run in runs]
-    my_states, every = _gather(parts, zero, count, spec)
-    every = every if states is None else states  # (R, count, b, hv, dk, dk + dv)
+    my_states, every = _gather(parts, zero, count, spec, states)  # (R, count, b, hv, dk, dk + dv)
     chain = [(plan[rank][j].first, every[rank, j][..., :dk], every[rank, j][..., dk:]) for _, rank, j in order]
     starts = initial_states(chain)
     outs = [with_initial_state(run, starts[position[(ring_rank, i)]]) for i, run in enumerate(runs)]

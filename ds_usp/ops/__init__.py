@@ -14,12 +14,15 @@ per device type and warns at most once.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -154,11 +157,9 @@ def load_native_op(device: Union[torch.device, str], verbose: bool = False) -> N
             builder = _builder(device_type)
             if not builder.is_compatible(verbose):
                 raise NativeOpUnavailable(f"cannot build the ds-usp native op ({builder.NAME}): {builder.error_log}")
-            if not _jit_cached(builder):
-                log_rank0(f"JIT-building the ds-usp native op ({builder.NAME}) with ninja: about a minute, once; "
-                         f"cached in {_build_dir(builder)} (usp.native_op=false skips it)")
             try:
-                ops = NativeOps(builder.jit_load(verbose), "jit")
+                with _progress(builder):
+                    ops = NativeOps(builder.jit_load(verbose), "jit")
             except Exception as e:  # noqa: BLE001 - any build failure becomes one clear error
                 raise NativeOpUnavailable(f"building the ds-usp native op ({builder.NAME}) failed: "
                                           f"{type(e).__name__}: {_short(str(e))}") from e
@@ -172,12 +173,37 @@ def load_native_op(device: Union[torch.device, str], verbose: bool = False) -> N
 def _build_dir(builder: Any) -> str:
     from torch.utils.cpp_extension import _get_build_directory  # private, but only used for messages
 
-    return _get_build_directory(builder.NAME, False)
+    return _get_build_directory(builder.build_name(), False)
 
 
 def _jit_cached(builder: Any) -> bool:
     """Whether a JIT build of ``builder``'s op is already in torch's extension cache."""
-    return os.path.exists(os.path.join(_build_dir(builder), f"{builder.NAME}.so"))
+    return os.path.exists(os.path.join(_build_dir(builder), f"{builder.build_name()}.so"))
+
+
+@contextlib.contextmanager
+def _progress(builder: Any, every: float = 15.0) -> Iterator[None]:
+    """Say that a JIT build starts, how long it has been running every ``every`` seconds, and when it is done
+    (rank 0 only; nothing when the build is cached)."""
+    if _jit_cached(builder):
+        yield
+        return
+    log_rank0(f"building the ds-usp native op ({builder.NAME}) with ninja: about a minute, once per machine and "
+              f"environment, cached in {_build_dir(builder)} (usp.native_op=false skips it)")
+    start, done = time.monotonic(), threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every):
+            log_rank0(f"  ... still building the native op ({time.monotonic() - start:.0f} s)")
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+    log_rank0(f"built the ds-usp native op in {time.monotonic() - start:.0f} s")
 
 
 def _short(msg: str, limit: int = 1500) -> str:
