@@ -1,9 +1,9 @@
-"""What every benchmark shares: one argument set, one process-group start, one table, one SDPA reference.
+"""The one harness every benchmark uses: flags, process group, timing, inputs, table and JSON results.
 
 The scripts run as ``python benchmarks/X.py`` or under the launcher (``deepspeed --num_gpus 4
 benchmarks/X.py``); either way this folder is ``sys.path[0]``, so they ``from _common import ...``.
 Raw runs go to ``benchmarks/results/*.json`` (:func:`save_results`); docs/benchmarks.md keeps the
-method and the current tables.
+method, the tables and the command behind each.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import math
 import os
 import platform
 import socket
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -35,20 +37,11 @@ NAME = Path(sys.argv[0]).stem  # the running benchmark: log tag and default resu
 
 
 def comma_list(kind: Callable[[str], Any], choices: Optional[Sequence[str]] = None) -> Callable[[str], list]:
-    """An argparse type for comma-separated values.
-
-    Args:
-        kind: converts one value (e.g. ``int``).
-        choices: the values allowed (None: any).
-
-    Returns:
-        The type function; it raises ``argparse.ArgumentTypeError`` for an empty list or a value not allowed.
-    """
+    """An argparse type for comma-separated values of ``kind`` (from ``choices`` when given)."""
 
     def convert(text: str) -> list:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-        bad = [x for x in values if choices is not None and x not in choices]
-        if not values or bad:
+        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if not values or any(choices is not None and x not in choices for x in values):
             raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list"
                                              + (f" from {', '.join(choices)}" if choices else ""))
         return values
@@ -56,27 +49,15 @@ def comma_list(kind: Callable[[str], Any], choices: Optional[Sequence[str]] = No
     return convert
 
 
-def parser(description: str, *, seq: Union[int, Sequence[int]] = 8192,
-           dtype: Union[str, Sequence[str], None] = "fp32",
+def parser(description: str, *, seq: Union[int, Sequence[int]] = 8192, dtype: Union[str, Sequence[str], None] = "fp32",
            kv_heads_list: bool = False, heads: int = 8, head_dim: Optional[int] = 64,
            timing: Optional[tuple[int, int]] = None, native_op: bool = True) -> argparse.ArgumentParser:
-    """The command line every benchmark starts from; the benchmark adds its own flags to it.
+    """The command line every benchmark starts from; the benchmark adds its own flags.
 
-    A list default makes the flag a comma-separated list with a plural name that also answers to the
+    A list default makes a flag a comma-separated list with a plural name that also answers to the
     singular (``--seqs``/``--seq``, ``--dtypes``/``--dtype``); a single default makes it one value.
-
-    Args:
-        description: the ``--help`` text.
-        seq: default global sequence length (``--seq``), or lengths (``--seqs``).
-        dtype: default dtype name (``--dtype``), or names (``--dtypes``), from :data:`DTYPES`; None: no flag.
-        kv_heads_list: ``--kv-heads`` takes a comma-separated list (default: the benchmark's).
-        heads: default ``--heads``.
-        head_dim: default ``--head-dim`` (None: the benchmark derives it).
-        timing: ``(iters, warmup)`` defaults: adds ``--iters`` and ``--warmup``.
-        native_op: add ``--native-op {auto,on,off}`` (default ``auto``, the library's).
-
-    Returns:
-        The parser; read it with :func:`parse`.
+    ``timing=(iters, warmup)`` adds ``--iters``/``--warmup``; ``dtype=None`` leaves the dtype out;
+    ``head_dim=None`` lets the benchmark derive it.
     """
     p = argparse.ArgumentParser(description=description)
     if isinstance(seq, int):
@@ -103,7 +84,7 @@ def parser(description: str, *, seq: Union[int, Sequence[int]] = 8192,
                        help="ds-usp's usp.native_op: auto (the library default), on, off (the PyTorch twins)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds any collective may wait before the run fails instead of hanging")
+                   help="seconds any collective (or one run) may wait before the run fails instead of hanging")
     p.add_argument("--json", default=None,
                    help=f"write the raw run here (default: benchmarks/results/{NAME}-<date>.json)")
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the deepspeed launcher
@@ -114,13 +95,7 @@ def parser(description: str, *, seq: Union[int, Sequence[int]] = 8192,
 def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the shared flags: sizes at least 1, query heads a multiple of every kv head count.
 
-    Args:
-        p: a parser from :func:`parser`.
-        argv: the arguments (default ``sys.argv[1:]``).
-
-    Returns:
-        The arguments; an unset ``--kv-heads`` is ``--heads``, or as a list ``--heads``, 2 and 1 (those
-        that divide ``--heads``: MHA, GQA and MQA).
+    An unset ``--kv-heads`` is ``--heads`` (as a list: ``--heads``, 2 and 1 where they divide it: MHA, GQA, MQA).
     """
     args = p.parse_args(argv)
     if args.kv_heads is None:
@@ -142,22 +117,12 @@ def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> a
 # ------------------------------------------------------------------------------------ process group
 
 
-def init_distributed(timeout: float, gloo: bool = False) -> torch.device:
-    """Join the process group that the launcher describes, one intra-op thread per rank.
+def init_distributed(timeout: float) -> torch.device:
+    """Join the launcher's process group (NCCL with CUDA, else gloo), one intra-op thread per rank.
 
-    ``torch.distributed`` directly, NCCL when CUDA is available (else, or with ``gloo``, gloo on CPU):
-    ``deepspeed.init_distributed`` on CPU also sets up DeepSpeed's shared-memory all-reduce, whose
-    buffers outlive the run (see :func:`close_distributed`); only what needs ``deepspeed.comm`` sets it up.
-
-    Args:
-        timeout: seconds any collective may wait.
-        gloo: gloo and the CPU even when CUDA is available (a driver that only coordinates).
-
-    Returns:
-        This rank's device (``cuda:LOCAL_RANK`` or ``cpu``).
-
-    Raises:
-        SystemExit: RANK, WORLD_SIZE, MASTER_ADDR or MASTER_PORT is not set (no launcher).
+    ``torch.distributed`` directly: ``deepspeed.init_distributed`` on CPU also sets up DeepSpeed's
+    shared-memory all-reduce, whose buffers outlive the run (see :func:`close_distributed`); only what
+    needs ``deepspeed.comm`` sets it up. Returns this rank's device.
     """
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
@@ -165,21 +130,16 @@ def init_distributed(timeout: float, gloo: bool = False) -> torch.device:
                          f"deepspeed --num_gpus 4 {sys.argv[0]}")
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    if torch.cuda.is_available() and not gloo:
+    if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
     return device
 
 
 def close_distributed() -> None:
-    """Wait for every rank, leave the process group, and remove this rank's DeepSpeed shared-memory buffer.
-
-    DeepSpeed's CPU communication backend (set up by ``deepspeed.initialize`` or a DeepSpeed layer's
-    ``deepspeed.init_distributed``) maps an all-reduce buffer of about 66 MB per rank in ``/dev/shm``,
-    named after MASTER_ADDR and MASTER_PORT, and never removes it.
-    """
+    """Wait for every rank, leave the group, remove this rank's DeepSpeed shared-memory buffer (about 66 MB
+    in ``/dev/shm``, named after MASTER_ADDR/PORT, which DeepSpeed's CPU backend never removes)."""
     rank = dist.get_rank()
     dist.barrier()
     dist.destroy_process_group()
@@ -189,7 +149,7 @@ def close_distributed() -> None:
 
 
 def free_port() -> int:
-    """A TCP port free on this host right now (for a process group started by a benchmark itself)."""
+    """A TCP port free on this host right now (for a job a benchmark launches itself)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -199,6 +159,61 @@ def log(msg: str) -> None:
     """Print a progress line, tagged with the benchmark's name, on rank 0 (or without a process group)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[{NAME}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+
+@dataclasses.dataclass
+class Timing:
+    """Seconds of a step on three clocks: per iteration the slowest rank, then the median over iterations.
+
+    ``wall`` is ``perf_counter``; ``cpu`` the process CPU time (the compute thread plus gloo's transfer
+    threads; not the time spent descheduled); ``thread`` the compute thread's CPU time. ``ranks`` has,
+    per rank, the medians of the three clocks.
+    """
+
+    wall: float
+    cpu: float
+    thread: float
+    ranks: list[list[float]]
+
+    def imbalance(self, clock: int = 1) -> float:
+        """Slowest rank's median over the mean rank's, on clock 0 (wall), 1 (cpu) or 2 (thread)."""
+        values = [r[clock] for r in self.ranks]
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean > 0 else float("nan")
+
+
+def timed(step: Callable[[], Any], iters: int, warmup: int, device: torch.device, only_rank0: bool = False
+          ) -> tuple[Timing, Any]:
+    """Run ``step`` ``warmup + iters`` times on every rank, each after a barrier; time the last ``iters``.
+
+    Args:
+        step: one iteration (ranks that only wait pass a no-op).
+        only_rank0: the times of rank 0 alone (a single-rank baseline while the others wait).
+
+    Returns:
+        The :class:`Timing` (the same on every rank) and ``step``'s last return value.
+    """
+    times = torch.zeros(iters, 3, dtype=torch.float64)
+    out = None
+    for i in range(warmup + iters):
+        dist.barrier()
+        w0, c0, t0 = time.perf_counter(), time.process_time(), time.thread_time()
+        out = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times[i - warmup] = torch.tensor([time.perf_counter() - w0, time.process_time() - c0,
+                                              time.thread_time() - t0], dtype=torch.float64)
+    parts = [torch.empty_like(times, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, times.to(device))
+    every = torch.stack(parts).cpu()[: 1 if only_rank0 else None]  # (ranks, iters, 3)
+    slowest = every.max(dim=0).values
+    med = [statistics.median(slowest[:, j].tolist()) for j in range(3)]
+    ranks = [[statistics.median(every[r, :, j].tolist()) for j in range(3)] for r in range(every.shape[0])]
+    return Timing(*med, ranks), out
 
 
 # ---------------------------------------------------------------------------------------- workloads
@@ -222,45 +237,18 @@ def split_refusal(heads: int, kv_heads: int, ulysses: int) -> Optional[str]:
 
 def random_qkv(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                device: torch.device, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Random q, k, v and an output gradient, drawn on the CPU from ``seed`` (the same values on any device).
-
-    Args:
-        batch, seq, heads, kv_heads, head_dim: the shapes, ``(batch, seq, heads or kv_heads, head_dim)``.
-        dtype: their dtype.
-        device: where they go.
-        seed: the generator's seed.
-
-    Returns:
-        ``(q, k, v, dout)``, bshd; none requires grad.
-    """
+    """Random bshd ``(q, k, v, dout)`` drawn on the CPU from ``seed`` (the same values on any device)."""
     gen = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(batch, seq, h, head_dim, generator=gen).to(device=device, dtype=dtype)
                  for h in (heads, kv_heads, kv_heads, heads))  # type: ignore[return-value]
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float] = None,
-         mask: Optional[Tensor] = None) -> Tensor:
-    """The reference: ``F.scaled_dot_product_attention`` over the whole sequence, on bshd tensors.
-
-    KV heads are shared by groups of query heads (GQA/MQA, ``enable_gqa``: no repeated copy); the
-    transposes are views, so on CPU this is PyTorch's flash attention, the kernel ds-usp's ``torch``
-    backend runs too (with an explicit ``mask``, SDPA picks a kernel that takes one).
-
-    Args:
-        q: ``(b, S, H, D)``.
-        k: ``(b, S, H_kv, D)``.
-        v: ``(b, S, H_kv, D)``.
-        causal: causal mask (ignored when ``mask`` is given).
-        scale: softmax scale (default ``1/sqrt(D)``).
-        mask: an explicit boolean mask, ``(b, 1, S, S)``, True where a query may see a key.
-
-    Returns:
-        ``(b, S, H, D)``; differentiable (its backward is the reference backward).
-    """
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         is_causal=causal and mask is None, scale=scale,
+def sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """The reference: ``F.scaled_dot_product_attention`` over the whole sequence on bshd tensors (GQA without
+    copies); on CPU that is PyTorch's flash attention, the kernel ds-usp's ``torch`` backend runs too."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
                                          enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)  # (b, h, s, d) -> (b, s, h, d)
+    return out.transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -280,26 +268,17 @@ def _cell(value: Any, spec: Optional[str]) -> str:
 
 def table(rows: Sequence[Any], columns: Optional[Sequence[str]] = None, fmt: Optional[Mapping[str, str]] = None,
           markdown: bool = False) -> str:
-    """Rows as an aligned text table (numbers right-aligned, a rule under the header) or a Markdown table.
+    """Rows (dicts or dataclasses) as an aligned text table, or a Markdown one; None and NaN show as ``-``.
 
-    Args:
-        rows: dicts or dataclass instances.
-        columns: the keys to show, in order (default: the first row's).
-        fmt: format spec per column (e.g. ``{"ms": ".1f"}``); default ``.6g`` for floats.
-        markdown: a Markdown table instead.
-
-    Returns:
-        The table; None and NaN show as ``-``.
+    ``columns``: the keys to show (default: the first row's); ``fmt``: a format spec per column.
     """
     plain = [_plain(r) for r in rows]
     columns = list(columns if columns is not None else (plain[0] if plain else []))
-    fmt = fmt or {}
-    cells = [[_cell(r.get(c), fmt.get(c)) for c in columns] for r in plain]
+    cells = [[_cell(r.get(c), (fmt or {}).get(c)) for c in columns] for r in plain]
     if markdown:
         lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
-    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None or r.get(c) == "-" for r in plain)
-               for c in columns]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in plain) for c in columns]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
 
     def line(values: Sequence[str]) -> str:
@@ -323,34 +302,26 @@ def _json_safe(x: Any) -> Any:
     return str(x)
 
 
+def result_path(path: str) -> Path:
+    """``path``, or for a bare file name ``benchmarks/results/<name>``."""
+    return RESULTS / path if Path(path).parent == Path(".") else Path(path)
+
+
 def save_results(path: Optional[str], meta: Union[Mapping[str, Any], argparse.Namespace], rows: Sequence[Any]) -> Path:
-    """Write one run as JSON: what ran, where, and its rows.
-
-    Args:
-        path: the file; a bare file name goes into ``benchmarks/results/``; empty or None:
-            ``benchmarks/results/<benchmark>-<UTC date and time>.json``.
-        meta: the run's settings (``args``, or a dict such as ``vars(args)`` with more keys).
-        rows: the measurements, dicts or dataclass instances.
-
-    Returns:
-        The path written. Besides ``args`` and ``rows`` the file holds the command line, the date, the
-        torch and deepspeed versions, the device and the world size.
-    """
+    """Write one run as JSON: the command line, date, torch/deepspeed versions, device, world size, ``args``
+    (``meta``) and ``rows``. A bare file name goes into ``benchmarks/results/``; none:
+    ``benchmarks/results/<benchmark>-<UTC date and time>.json``. Returns the path written."""
     meta = vars(meta) if isinstance(meta, argparse.Namespace) else meta
     now = datetime.datetime.now(datetime.timezone.utc)
-    target = Path(path) if path else RESULTS / f"{NAME}-{now:%Y%m%d-%H%M%S}.json"
-    if path and target.parent == Path("."):
-        target = RESULTS / target
+    target = result_path(path or f"{NAME}-{now:%Y%m%d-%H%M%S}.json")
     try:
         import deepspeed
 
         ds_version = deepspeed.__version__
     except ImportError:
         ds_version = None
-    if torch.cuda.is_available():
-        device = torch.cuda.get_device_name()
-    else:
-        device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     payload = {"benchmark": NAME, "command": " ".join([Path(sys.executable).name] + sys.argv),
                "date": now.isoformat(timespec="seconds"), "torch": torch.__version__, "deepspeed": ds_version,

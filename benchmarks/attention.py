@@ -1,28 +1,17 @@
-"""Attention benchmark (issue 3): ds-usp's U x R splits vs DeepSpeed-Ulysses vs one rank.
+"""Attention (issues 3 and 6): time, peak memory and correctness of one forward+backward per rank.
 
-Run (4 CPU ranks, gloo; NCCL when CUDA is available):
+Run (4 CPU ranks over gloo; NCCL with one GPU per rank on a CUDA machine):
 
-    deepspeed --num_gpus 4 benchmarks/attention.py --seq 8192 --heads 8 --kv-heads 8 --head-dim 64 \
-        --dtype fp32 --iters 5 --warmup 2 --causal
+    deepspeed --num_gpus 4 benchmarks/attention.py --seq 8192 --iters 5 --warmup 2
 
-In one run it times forward+backward of
-
-* a single-rank full attention (torch SDPA over the whole sequence on rank 0, the others idle at
-  a barrier): the baseline ``t_single``;
-* DeepSpeed's ``DistributedAttention`` (Ulysses over all N ranks, SDPA inside), when the head
-  counts allow it;
-* ``ds_usp.usp_attention`` for every ``U x R = N`` split, zigzag layout, plus the contiguous layout
-  (basic ring) for the splits with a ring;
-* a compute-only control: every rank at once runs SDPA for its ``1/N`` of the heads, no
-  communication (how much the ranks slow each other down on this machine).
-
-Every rank runs one intra-op thread. Per iteration each rank measures wall time, CPU time of its
-process (``time.process_time``: the compute thread plus gloo's transfer threads, not the time
-spent descheduled) and CPU time of its compute thread (``time.thread_time``). A row's time is the
-median over iterations of the slowest rank. Parallel efficiency is ``t_single / (N * t_split)``,
-reported on CPU time (the emulation of one device per rank on a machine with fewer cores than
-ranks) and on wall time. Every row's gathered output and q/k/v gradients are checked against the
-single-rank ones. See docs/benchmarks.md.
+Rows: one rank running SDPA over the whole sequence (the others wait: ``t_single``); every rank at
+once running SDPA over the whole sequence for its 1/N of the heads, no communication (the ceiling
+that contention between the ranks leaves); DeepSpeed's ``DistributedAttention`` (Ulysses over the N
+ranks) when the heads and the length allow it; ``ds_usp.usp_attention`` for every split U x R = N,
+zigzag, and contiguous for the splits with a ring. Times: :func:`_common.timed` (slowest rank per
+iteration, median); efficiency ``t_single / (N t)``. Memory: one more forward+backward under a meter
+(:func:`peak_memory`). Every row's gathered output and q/k/v gradients are checked against the
+single rank's. See docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -30,43 +19,31 @@ import argparse
 import datetime
 import functools
 import os
-import statistics
 import time
-import warnings
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._library.custom_ops import OPDEFS
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from _common import (DTYPES, NATIVE_OP, close_distributed, init_distributed, log, parse, parser, random_qkv,
-                     save_results, sdpa, split_refusal, splits, table)
+from _common import (DTYPES, MIB, NATIVE_OP, close_distributed, init_distributed, log, parse, parser, random_qkv,
+                     save_results, sdpa, split_refusal, splits, table, timed)
 
-# (atol, rtol) of the correctness check against the single-rank output and gradients.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float32: (2e-4, 2e-4),
-    torch.bfloat16: (3e-2, 3e-2),
-    torch.float16: (5e-3, 5e-3),
-}
-TARGET_EFFICIENCY = 0.90  # issue 3: every split, on CPU time
+TOLERANCES = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}  # atol, rtol
+TARGET_EFFICIENCY = 0.90  # issue 3: every zigzag split, on CPU time
 TARGET_VS_DEEPSPEED = 1.10  # issue 3: ds-usp time / DeepSpeed-Ulysses time
-
-Step = Callable[[], Optional[Tensor]]
+TARGET_MEMORY = 1.2  # issue 6: per-rank peak <= 1.2 x single-rank peak / N
+SETTLE_S = 0.2  # after the forward, let gloo's worker thread drop its reference to the last send buffer
 
 
 @dataclass
 class Method:
-    """One row of the table.
-
-    Attributes:
-        label: the row's name.
-        kind: ``"single"``, ``"ceiling"``, ``"deepspeed"`` or ``"usp"``.
-        ulysses: Ulysses degree U (the all-to-all group size).
-        ring: ring degree R.
-        layout: sequence layout of the shards.
-        skip: why the row cannot run with these arguments (None: it runs).
-    """
+    """One row: ``kind`` is single, ceiling, deepspeed or usp; ``skip`` why it cannot run (None: it runs)."""
 
     label: str
     kind: str
@@ -76,374 +53,280 @@ class Method:
     skip: Optional[str] = None
 
 
-@dataclass
-class Result:
-    """Timings of one method (seconds), reduced over ranks and iterations.
-
-    Attributes:
-        wall: median over iterations of the slowest rank's wall time.
-        cpu: median over iterations of the slowest rank's process CPU time.
-        thread: median over iterations of the slowest rank's main-thread CPU time.
-        rank_cpu: per rank, the median of its CPU time.
-        max_err: largest absolute difference to the single-rank output/gradients.
-        elapsed: seconds the whole measurement of this method took (warmup included).
-    """
-
-    wall: float
-    cpu: float
-    thread: float
-    rank_cpu: list[float] = field(default_factory=list)
-    max_err: float = 0.0
-    elapsed: float = 0.0
-
-    @property
-    def imbalance(self) -> float:
-        """Slowest rank's median CPU time over the mean rank's (1.0 = balanced)."""
-        mean = sum(self.rank_cpu) / len(self.rank_cpu)
-        return max(self.rank_cpu) / mean if mean > 0 else float("nan")
-
-
-@dataclass
-class Reference:
-    """The single-rank output and gradients (rank 0 only), for the correctness check."""
-
-    out: Tensor
-    dq: Tensor
-    dk: Tensor
-    dv: Tensor
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """The shared flags (one ``--seq`` and ``--dtype``, ``--iters``/``--warmup``) and ``--causal``."""
-    p = parser("ds-usp attention benchmark (forward+backward)", timing=(5, 2))
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    return parse(p, argv)
-
-
 def plan_methods(args: Any, world: int) -> list[Method]:
-    """The rows to measure, each with a skip reason when it cannot run (a pure function: same on every rank).
-
-    Args:
-        args: the command line.
-        world: number of ranks N.
-
-    Returns:
-        The methods in measurement order: single rank, compute-only ceiling, DeepSpeed-Ulysses, then the
-        ds-usp splits.
-    """
+    """The rows in measurement order, each with its skip reason (the same on every rank)."""
     heads_skip = None
     if args.heads % world or args.kv_heads % world:
         heads_skip = f"needs q heads ({args.heads}) and kv heads ({args.kv_heads}) divisible by the {world} ranks"
-    ds_skip = f"DeepSpeed-Ulysses {heads_skip}" if heads_skip else None
-    if ds_skip is None and args.seq % world:
-        ds_skip = f"DeepSpeed-Ulysses needs the sequence ({args.seq}) divisible by the {world} ranks (no padding)"
+    ds_skip = heads_skip or (f"needs the sequence ({args.seq}) divisible by the {world} ranks (no padding)"
+                             if args.seq % world else None)
     methods = [Method("single-rank SDPA", "single", 1, 1, "-"),
                Method("compute only (ceiling)", "ceiling", world, 1, "-", heads_skip),
                Method("DeepSpeed-Ulysses", "deepspeed", world, 1, "contiguous", ds_skip)]
     for u, r in splits(world):
         skip = split_refusal(args.heads, args.kv_heads, u)
-        methods.append(Method("ds-usp", "usp", u, r, "zigzag", skip))
-        if r > 1:
-            methods.append(Method("ds-usp (basic ring)", "usp", u, r, "contiguous", skip))
+        methods += [Method("ds-usp", "usp", u, r, layout, skip) for layout in ("zigzag", "contiguous")[:1 + (r > 1)]]
     return methods
 
 
-def leaves(*xs: Tensor) -> list[Tensor]:
-    """Detached copies that require grad (the inputs a timed step differentiates)."""
-    return [x.detach().clone().requires_grad_(True) for x in xs]
+# ------------------------------------------------------------------------------------------ memory
 
 
-def fwd_bwd(attn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Step:
-    """A step that runs ``attn`` forward and backward (with gradient ``dout``) and returns the output."""
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of the tensor storages that ATen ops allocate while active, and their peak (CPU tensors have
+    no allocator statistics). A storage is registered when an op returns it (not a view or in-place result of an
+    argument, not an excluded input) and dropped when it dies (a weakref finalizer on the storage object).
+    ds-usp's custom ops are entered: the mode runs their Python bodies, so their buffers count too."""
 
-    def step() -> Tensor:
-        q.grad = k.grad = v.grad = None
-        out = attn(q, k, v)
-        out.backward(dout)
+    def __init__(self, exclude: Sequence[Tensor]) -> None:
+        super().__init__()
+        self._external = {t.untyped_storage()._cdata for t in exclude}
+        self._bytes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.live -= self._bytes.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        opdef = OPDEFS.get(func._schema.name) if func.namespace == "ds_usp" else None
+        if opdef is not None:
+            with self:
+                out = opdef._init_fn(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        arg_keys = {x.untyped_storage()._cdata for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            key, n = st._cdata, st.nbytes()
+            if n and key not in self._bytes and key not in self._external and key not in arg_keys:
+                self._bytes[key] = n
+                weakref.finalize(st, self._free, key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
         return out
 
-    return step
+
+def peak_memory(attn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, dout: Tensor
+                ) -> tuple[int, int]:
+    """``(peak, kept)`` bytes of one ``attn`` forward+backward beyond its inputs and ``dout``: the most alive at
+    once, and what is alive between forward and backward (the output and what autograd saved). CUDA: the
+    allocator's statistics; CPU: :class:`LiveBytes`."""
+    q.grad = k.grad = v.grad = None
+    if q.device.type == "cuda":
+        torch.cuda.synchronize(q.device)
+        base = torch.cuda.memory_allocated(q.device)
+        torch.cuda.reset_peak_memory_stats(q.device)
+        out = attn(q, k, v)
+        torch.cuda.synchronize(q.device)
+        kept = torch.cuda.memory_allocated(q.device) - base
+        out.backward(dout)
+        torch.cuda.synchronize(q.device)
+        return torch.cuda.max_memory_allocated(q.device) - base, kept
+    with LiveBytes(exclude=[q, k, v, dout]) as meter:
+        out = attn(q, k, v)
+        time.sleep(SETTLE_S)
+        kept = meter.live
+        out.backward(dout)
+    return meter.peak, kept
 
 
-def time_step(step: Step, args: Any, device: torch.device) -> tuple[Tensor, Optional[Tensor]]:
-    """Run ``step`` ``warmup + iters`` times, each after a barrier, and time the last ``iters``.
+def model_memory(args: Any, m: Method) -> tuple[float, float]:
+    """ds_usp.cost.attention_memory of a split: ``(kept, peak)`` MiB, peak = max(forward, kept + backward)."""
+    from ds_usp.cost import attention_memory
+    from ds_usp.sharding import padded_length
 
-    Returns:
-        ``(times, last output)``; ``times`` is ``(iters, 3)`` float64: wall, process CPU, thread CPU seconds.
-    """
-    times = torch.zeros(args.iters, 3, dtype=torch.float64)
-    out = None
-    for i in range(args.warmup + args.iters):
-        dist.barrier()
-        w0, c0, t0 = time.perf_counter(), time.process_time(), time.thread_time()
-        out = step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        w1, c1, t1 = time.perf_counter(), time.process_time(), time.thread_time()
-        if i >= args.warmup:
-            times[i - args.warmup] = torch.tensor([w1 - w0, c1 - c0, t1 - t0], dtype=torch.float64)
-    return times, out
+    e = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
+    a = attention_memory(args.batch, padded_length(args.seq, m.ulysses, m.ring, m.layout), args.heads, args.kv_heads,
+                         args.head_dim, m.ulysses, m.ring, e)
+    kept = a.output + a.saved
+    return kept / MIB, max(a.forward_peak, kept + a.backward_peak) / MIB
 
 
-def reduce_times(times: Tensor, only_rank0: bool, device: torch.device) -> Result:
-    """Combine every rank's ``(iters, 3)`` times: per iteration the slowest rank, then the median.
-
-    Args:
-        times: this rank's times.
-        only_rank0: use rank 0's times alone (the single-rank baseline).
-        device: where the collective's tensors must live (CUDA for NCCL).
-
-    Returns:
-        The :class:`Result` (identical on every rank).
-    """
-    parts = [torch.empty_like(times, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, times.to(device))
-    every = torch.stack(parts).cpu()  # (ranks, iters, 3)
-    every = every[:1] if only_rank0 else every
-    slowest = every.max(dim=0).values  # (iters, 3)
-    med = [statistics.median(slowest[:, j].tolist()) for j in range(3)]
-    rank_cpu = [statistics.median(every[r, :, 1].tolist()) for r in range(every.shape[0])]
-    return Result(wall=med[0], cpu=med[1], thread=med[2], rank_cpu=rank_cpu)
+# -------------------------------------------------------------------------------------------- rows
 
 
-def gather_contiguous(x: Tensor, group: Any) -> Tensor:
-    """All-gather contiguous sequence shards (dim 1) of ``group`` in rank order."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
-
-
-def check(label: str, got: Sequence[Tensor], ref: Optional[Reference], dtype: torch.dtype,
+def check(label: str, got: Sequence[Tensor], ref: Optional[Sequence[Tensor]], dtype: torch.dtype,
           device: torch.device) -> float:
-    """Compare gathered (out, dq, dk, dv) with the single-rank reference on rank 0; fail on every rank if off.
-
-    Returns:
-        The largest absolute error (same on every rank).
-
-    Raises:
-        AssertionError: on every rank, when any tensor is outside the tolerance.
-    """
+    """Compare gathered (out, dq, dk, dv) with the single rank's on rank 0; raise on every rank if off.
+    Returns the largest absolute error."""
     atol, rtol = TOLERANCES[dtype]
     status = torch.zeros(2, dtype=torch.float64)  # (failed, max abs error)
     message = ""
     if dist.get_rank() == 0:
-        if ref is None:
-            raise RuntimeError("the single-rank reference must be measured before the distributed rows")
-        for name, g, r in zip(("out", "dq", "dk", "dv"), got, (ref.out, ref.dq, ref.dk, ref.dv)):
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
             g, r = g.float().cpu(), r.float().cpu()
             status[1] = max(status[1].item(), (g - r).abs().max().item())
             try:
                 torch.testing.assert_close(g, r, atol=atol, rtol=rtol)
             except AssertionError as err:
-                status[0] = 1.0
-                message += f"\n{name}: {err}"
+                status[0], message = 1.0, f"{message}\n{name}: {err}"
     status = status.to(device)
     dist.broadcast(status, src=0)
-    status = status.cpu()
     if status[0].item():
-        raise AssertionError(f"{label}: result differs from the single-rank attention (atol={atol}, rtol={rtol})"
+        raise AssertionError(f"{label}: differs from the single-rank attention (atol={atol}, rtol={rtol})"
                              f"{message or ' (details on rank 0)'}")
     return status[1].item()
 
 
-def run_single(args: Any, device: torch.device, full: Sequence[Tensor]) -> tuple[Result, Optional[Reference]]:
-    """Time the whole-sequence attention on rank 0 while the other ranks wait at the barrier."""
-    rank0 = dist.get_rank() == 0
-    step: Step = lambda: None  # noqa: E731 - idle ranks only join the barriers
-    if rank0:
-        q, k, v = leaves(*full[:3])
-        step = fwd_bwd(functools.partial(sdpa, causal=args.causal), q, k, v, full[3])
-    times, out = time_step(step, args, device)
-    ref = Reference(out.detach(), q.grad, k.grad, v.grad) if rank0 else None
-    return reduce_times(times, only_rank0=True, device=device), ref
-
-
-def run_ceiling(args: Any, device: torch.device, full: Sequence[Tensor]) -> Result:
-    """Time the ideal per-rank work with no communication: every rank at once runs SDPA over the whole
-    sequence for its ``1/N`` of the heads. Its efficiency is the most this machine's contention allows."""
-    n, me = dist.get_world_size(), dist.get_rank()
-    q, k, v, dout = (x.chunk(n, dim=2)[me] for x in full)  # (b, S, h/N, d): head group ``me``
-    q, k, v = leaves(q, k, v)
-    times, _ = time_step(fwd_bwd(functools.partial(sdpa, causal=args.causal), q, k, v, dout.contiguous()), args,
-                         device)
-    return reduce_times(times, only_rank0=False, device=device)
-
-
-def run_deepspeed(args: Any, device: torch.device, full: Sequence[Tensor], group: Any,
-                  ref: Optional[Reference]) -> Result:
-    """Time DeepSpeed's ``DistributedAttention`` (Ulysses over ``group``) on contiguous shards."""
-    import deepspeed
-    from deepspeed.sequence.layer import DistributedAttention
-
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # its layer talks to deepspeed.comm
-
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    q, k, v, dout = (x.chunk(n, dim=1)[me] for x in full)  # contiguous shards, (b, S/N, h, d)
-    q, k, v = leaves(q, k, v)
-    layer = DistributedAttention(functools.partial(sdpa, causal=args.causal), group, scatter_idx=2, gather_idx=1)
-    # batch_dim_idx=0: the tensors are (batch, seq, heads, head_dim)
-    times, out = time_step(fwd_bwd(lambda a, b, c: layer(a, b, c, 0), q, k, v, dout.contiguous()), args, device)
-    result = reduce_times(times, only_rank0=False, device=device)
-    with torch.no_grad():
-        got = [gather_contiguous(x, group) for x in (out, q.grad, k.grad, v.grad)]
-    result.max_err = check("DeepSpeed-Ulysses", got, ref, q.dtype, device)
-    return result
-
-
-def run_usp(args: Any, device: torch.device, full: Sequence[Tensor], topo: Any, layout: str, label: str,
-            ref: Optional[Reference]) -> Result:
-    """Time ``ds_usp.usp_attention`` on one topology and layout."""
+def setup(m: Method, args: Any, full: Sequence[Tensor], cache: dict) -> tuple[Optional[Callable], list[Tensor],
+                                                                              Optional[Callable]]:
+    """What method ``m`` runs on this rank: ``(attn or None to idle, [q, k, v, dout], gather to global order)``."""
     import ds_usp
 
-    q, k, v, dout = (ds_usp.shard_sequence(x, topo, dim=1, layout=layout) for x in full)
-    q, k, v = leaves(q, k, v)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    causal_sdpa = functools.partial(sdpa, causal=args.causal)
+    if m.kind == "single":
+        return (causal_sdpa if rank == 0 else None), list(full), None
+    if m.kind == "ceiling":  # head group ``rank``, whole sequence
+        return causal_sdpa, [x.chunk(world, dim=2)[rank].contiguous() for x in full], None
+    timeout = datetime.timedelta(seconds=args.timeout)
+    if m.kind == "deepspeed":
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # its layer uses deepspeed.comm
+        group = cache.setdefault("deepspeed", dist.new_group(list(range(world)), timeout=timeout))
+        layer = DistributedAttention(causal_sdpa, group, scatter_idx=2, gather_idx=1)
+
+        def gather(x: Tensor) -> Tensor:
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            return torch.cat(parts, dim=1)
+
+        return (lambda a, b, c: layer(a, b, c, 0)), [x.chunk(world, dim=1)[rank].contiguous() for x in full], gather
+    if (m.ulysses, m.ring) not in cache:
+        cache[m.ulysses, m.ring] = ds_usp.USPTopology.build(m.ulysses, m.ring, timeout=timeout)
+    topo = cache[m.ulysses, m.ring]
+    kw = dict(layout=m.layout, seq_len=args.seq)
 
     def attn(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-        return ds_usp.usp_attention(a, b, c, topo, causal=args.causal, layout=layout, seq_len=args.seq,
-                                    native_op=NATIVE_OP[args.native_op])
+        return ds_usp.usp_attention(a, b, c, topo, causal=args.causal, native_op=NATIVE_OP[args.native_op], **kw)
 
-    times, out = time_step(fwd_bwd(attn, q, k, v, dout.contiguous()), args, device)
-    result = reduce_times(times, only_rank0=False, device=device)
-    with torch.no_grad():
-        got = [ds_usp.gather_sequence(x, topo, dim=1, layout=layout, seq_len=args.seq)
-               for x in (out, q.grad, k.grad, v.grad)]
-    result.max_err = check(label, got, ref, q.dtype, device)
-    return result
+    return (attn, [ds_usp.shard_sequence(x, topo, dim=1, layout=m.layout) for x in full],
+            lambda x: ds_usp.gather_sequence(x, topo, dim=1, **kw))
 
 
-def table_rows(rows: list[tuple[Method, Result]], world: int, cpu_valid: bool) -> list[dict[str, Any]]:
-    """One dict per measured method: its times (ms), efficiencies, ratios to DeepSpeed and target verdict."""
-    single = next(r for m, r in rows if m.kind == "single")
-    ds = next((r for m, r in rows if m.kind == "deepspeed"), None)
+def measure(m: Method, args: Any, device: torch.device, full: Sequence[Tensor], cache: dict,
+            ref: Optional[list[Tensor]]) -> dict[str, Any]:
+    """Time, check and meter one method; returns its raw figures (the same on every rank except ``ref``)."""
+    attn, (q, k, v, dout), gather = setup(m, args, full, cache)
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+    def step() -> Optional[Tensor]:
+        if attn is None:
+            return None
+        q.grad = k.grad = v.grad = None
+        out = attn(q, k, v)
+        out.backward(dout)
+        return out
+
+    timing, out = timed(step, args.iters, args.warmup, device, only_rank0=m.kind == "single")
+    raw: dict[str, Any] = {"timing": timing, "max_err": None, "ref": None}
+    if m.kind == "single" and out is not None:
+        raw["ref"] = [out.detach(), q.grad, k.grad, v.grad]
+    if gather is not None:
+        with torch.no_grad():
+            got = [gather(x) for x in (out, q.grad, k.grad, v.grad)]
+        raw["max_err"] = check(f"{m.label} {m.ulysses}x{m.ring} {m.layout}", got, ref, q.dtype, device)
+    mem = torch.tensor([-1.0, -1.0], dtype=torch.float64)
+    if args.memory and attn is not None and m.kind != "ceiling":
+        mem = torch.tensor(peak_memory(attn, q, k, v, dout), dtype=torch.float64)
+    parts = [torch.empty_like(mem, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mem.to(device))
+    measured = [p.cpu() for p in parts if p[0] >= 0]
+    raw["peak"], raw["kept"] = (max(p[i].item() for p in measured) if measured else None for i in (0, 1))
+    return raw
+
+
+def rows_of(measured: list[tuple[Method, dict]], args: Any, world: int, cpu_valid: bool) -> list[dict[str, Any]]:
+    """The table's rows: times (ms), efficiencies, ratios to DeepSpeed, memory (MiB) and the targets."""
+    single = next(raw for m, raw in measured if m.kind == "single")
+    ds = next((raw["timing"] for m, raw in measured if m.kind == "deepspeed"), None)
+    t1 = single["timing"]
     out = []
-    for m, r in rows:
-        n = 1 if m.kind == "single" else world
-        eff_cpu = single.cpu / (n * r.cpu) if cpu_valid else None
-        eff_wall = single.wall / (n * r.wall)
-        vs_cpu = r.cpu / ds.cpu if ds is not None and cpu_valid else None
-        vs_wall = r.wall / ds.wall if ds is not None else None
+    for m, raw in measured:
+        t, n = raw["timing"], 1 if m.kind == "single" else world
+        eff = {c: getattr(t1, c) / (n * getattr(t, c)) for c in ("wall", "cpu", "thread")}
+        vs = {c: getattr(t, c) / getattr(ds, c) if ds else None for c in ("wall", "cpu")}
+        clock = "cpu" if cpu_valid else "wall"
+        peak, kept = raw["peak"], raw["kept"]
+        ideal = single["peak"] / n if single["peak"] and peak is not None and n > 1 else None
+        model = model_memory(args, m) if m.kind == "usp" else (None, None)
         target = "-"
         if m.kind == "usp" and m.layout == "zigzag":
-            eff, vs = (eff_cpu, vs_cpu) if cpu_valid else (eff_wall, vs_wall)
-            ok = eff >= TARGET_EFFICIENCY and (vs is None or vs <= TARGET_VS_DEEPSPEED)
-            target = "ok" if ok else "MISS"
-        out.append({"method": m.label, "UxR": f"{m.ulysses}x{m.ring}", "layout": m.layout, "wall ms": r.wall * 1e3,
-                    "cpu ms": r.cpu * 1e3 if cpu_valid else None, "thr ms": r.thread * 1e3 if cpu_valid else None,
-                    "eff cpu": eff_cpu, "eff thr": single.thread / (n * r.thread) if cpu_valid else None,
-                    "eff wall": eff_wall, "/DS cpu": vs_cpu, "/DS wall": vs_wall,
-                    "cpu imb": r.imbalance if cpu_valid else None,
-                    "max|err|": r.max_err if m.kind in ("usp", "deepspeed") else None, "target": target,
-                    "rank cpu ms": [t * 1e3 for t in r.rank_cpu], "elapsed s": r.elapsed})
+            ok = eff[clock] >= TARGET_EFFICIENCY and (vs[clock] is None or vs[clock] <= TARGET_VS_DEEPSPEED)
+            target = ("ok" if ok else "MISS") + ("" if ideal is None else
+                                                 (" / ok" if peak <= TARGET_MEMORY * ideal else " / MISS"))
+        out.append({"method": m.label, "UxR": f"{m.ulysses}x{m.ring}", "layout": m.layout, "wall ms": t.wall * 1e3,
+                    "cpu ms": t.cpu * 1e3 if cpu_valid else None, "thr ms": t.thread * 1e3 if cpu_valid else None,
+                    "eff cpu": eff["cpu"] if cpu_valid else None, "eff thr": eff["thread"] if cpu_valid else None,
+                    "eff wall": eff["wall"], "/DS cpu": vs["cpu"] if cpu_valid else None, "/DS wall": vs["wall"],
+                    "cpu imb": t.imbalance() if cpu_valid else None, "max|err|": raw["max_err"],
+                    "peak MiB": peak and peak / MIB, "mem ratio": ideal and peak / ideal,
+                    "kept MiB": kept and kept / MIB,
+                    "kept ratio": ideal and kept / (single["kept"] / n),
+                    "model kept": model[0], "model peak": model[1], "target": target,
+                    "rank ms": [[x * 1e3 for x in r] for r in t.ranks]})
     return out
 
 
-def render(args: Any, world: int, cores: int, rows: list[dict[str, Any]], skipped: list[Method], native: str) -> str:
-    """The results table, its notes and the skipped rows, as text."""
-    cols = ["method", "UxR", "layout", "wall ms", "cpu ms", "thr ms", "eff cpu", "eff thr", "eff wall", "/DS cpu",
-            "/DS wall", "cpu imb", "max|err|", "target"]
-    fmt = {c: ".1f" if c.endswith(" ms") else ".2f" for c in cols} | {"max|err|": ".1e"}
-    lines = [f"attention fwd+bwd: N={world} ranks, S={args.seq}, batch={args.batch}, heads={args.heads}, "
-             f"kv_heads={args.kv_heads}, head_dim={args.head_dim}, {args.dtype}, "
-             f"{'causal' if args.causal else 'non-causal'}, iters={args.iters} (median), warmup={args.warmup}, "
-             f"1 thread/rank, {cores} cores; {native}",
-             table(rows, cols, fmt)]
-    if skipped:
-        lines += ["skipped:"] + [f"  {m.label} {m.ulysses}x{m.ring} {m.layout}: {m.skip}" for m in skipped]
-    atol, rtol = TOLERANCES[DTYPES[args.dtype]]
-    lines += [
-        "notes:",
-        "  times: median over iterations of the slowest rank. wall = perf_counter; cpu = process CPU time (compute",
-        "    thread + gloo's transfer threads: all work done, no time descheduled or waiting); thr = CPU time of",
-        "    the compute thread only (transfers excluded, as if they overlapped for free).",
-        "  eff = t_single / (N x t). 'eff cpu' is the headline: one device per rank, transfers costed as CPU work.",
-        "    'eff wall' is what this machine gives; with more ranks than cores it is bounded by cores/ranks = "
-        f"{min(cores, world) / world:.2f}.",
-        "  compute only (ceiling): every rank at once runs SDPA over the whole sequence for its 1/N of the heads,",
-        "    no communication: the efficiency that contention between concurrently running ranks leaves.",
-        "  /DS = time / DeepSpeed-Ulysses time (same clock); cpu imb = slowest rank's CPU / mean rank's CPU.",
-        f"  target: issue 3 (at S=8192, H=8, D=64, causal, fp32): eff >= {TARGET_EFFICIENCY:.2f} and "
-        f"/DS <= {TARGET_VS_DEEPSPEED:.2f}, on {'cpu' if rows[0]['cpu ms'] is not None else 'wall'} time, "
-        "zigzag rows.",
-        f"  max|err|: gathered out/dq/dk/dv vs the single-rank ones; checked with atol={atol:g}, rtol={rtol:g}.",
-    ]
-    if args.causal:
-        lines.append("  the basic (contiguous) ring is unbalanced under a causal mask (ring rank r does r+1/2 blocks"
-                     " of work, the last one the most): the reason for zigzag.")
-    return "\n".join(lines)
-
-
 def native_op_note(args: Any, device: torch.device) -> str:
-    """Which implementation ds-usp's ``native_op`` setting resolved to (call after the ds-usp rows ran: cached)."""
+    """What ds-usp's ``native_op`` setting resolved to."""
     from ds_usp.ops import NativeOps, resolve_native_op
 
-    setting = NATIVE_OP[args.native_op]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            used = "native op" if isinstance(resolve_native_op(setting, device), NativeOps) else "PyTorch twins"
+        used = isinstance(resolve_native_op(NATIVE_OP[args.native_op], device), NativeOps)
+        return f"native_op={args.native_op}: {'native op' if used else 'PyTorch twins'}"
     except Exception as err:  # noqa: BLE001 - a note, not a result
-        used = f"unknown ({type(err).__name__}: {err})"
-    return f"ds-usp native_op={setting!r}: {used}"
-
-
-def run_method(m: Method, args: Any, device: torch.device, full: Sequence[Tensor], ref: Optional[Reference],
-               cache: dict[Any, Any], name: str) -> tuple[Result, Optional[Reference]]:
-    """Measure one runnable method; ``cache`` keeps process groups across methods (created collectively).
-
-    Returns:
-        The result and the reference (set by the single-rank row, passed through otherwise).
-    """
-    import ds_usp
-
-    timeout = datetime.timedelta(seconds=args.timeout)
-    if m.kind == "single":
-        return run_single(args, device, full)
-    if m.kind == "ceiling":
-        return run_ceiling(args, device, full), ref
-    if m.kind == "deepspeed":
-        if "deepspeed" not in cache:
-            cache["deepspeed"] = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
-        return run_deepspeed(args, device, full, cache["deepspeed"], ref), ref
-    key = (m.ulysses, m.ring)
-    if key not in cache:
-        cache[key] = ds_usp.USPTopology.build(m.ulysses, m.ring, timeout=timeout)
-    return run_usp(args, device, full, cache[key], m.layout, name, ref), ref
+        return f"native_op={args.native_op}: unknown ({type(err).__name__}: {err})"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Measure every method, check it, print the table (rank 0); raise on any failure."""
-    args = parse_args(argv)
+    p = parser(__doc__.split("\n")[0], timing=(5, 2))
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="meter one more forward+backward per row for its peak memory")
+    args = parse(p, argv)
     device = init_distributed(args.timeout)
     world = dist.get_world_size()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     methods = plan_methods(args, world)
     full = random_qkv(args.batch, args.seq, args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype], device,
                       args.seed)
-    cache: dict[Any, Any] = {}
-    measured: list[tuple[Method, Result]] = []
-    ref: Optional[Reference] = None
     runnable = [m for m in methods if m.skip is None]
-    log(f"N={world} ranks on {device.type}, {cores} cores; {len(runnable)} of {len(methods)} methods run")
-    for m in methods:
-        if m.skip is not None:
-            log(f"skip {m.label} {m.ulysses}x{m.ring} {m.layout}: {m.skip}")
+    skipped = [f"{m.label} {m.ulysses}x{m.ring} {m.layout}: {m.skip}" for m in methods if m.skip]
+    for s in skipped:
+        log(f"skip {s}")
+    cache: dict[Any, Any] = {}
+    measured: list[tuple[Method, dict]] = []
+    ref = None
     for i, m in enumerate(runnable, 1):
         name = f"({i}/{len(runnable)}) {m.label} {m.ulysses}x{m.ring} {m.layout}"
-        log(f"{name}: warmup {args.warmup}, iters {args.iters} ...")
         start = time.perf_counter()
-        result, ref = run_method(m, args, device, full, ref, cache, name)
-        result.elapsed = time.perf_counter() - start
-        measured.append((m, result))
-        check_note = f", check ok (max|err| {result.max_err:.1e})" if m.kind in ("usp", "deepspeed") else ""
-        log(f"{name}: wall {result.wall * 1e3:.1f} ms, cpu {result.cpu * 1e3:.1f} ms{check_note} "
-            f"[{result.elapsed:.1f} s]")
+        raw = measure(m, args, device, full, cache, ref)
+        ref = raw.pop("ref") or ref
+        measured.append((m, raw))
+        log(f"{name}: wall {raw['timing'].wall * 1e3:.1f} ms, cpu {raw['timing'].cpu * 1e3:.1f} ms"
+            + (f", check ok (max|err| {raw['max_err']:.1e})" if raw["max_err"] is not None else "")
+            + f" [{time.perf_counter() - start:.1f} s]")
     if dist.get_rank() == 0:
-        native = native_op_note(args, device) if any(m.kind == "usp" for m in runnable) else "ds-usp did not run"
-        rows = table_rows(measured, world, cpu_valid=device.type == "cpu")
-        skipped = [m for m in methods if m.skip is not None]
-        print(render(args, world, cores, rows, skipped, native), flush=True)
-        meta = dict(vars(args), native_op_used=native, skipped=[f"{m.label} {m.ulysses}x{m.ring}: {m.skip}"
-                                                                  for m in skipped])
+        rows = rows_of(measured, args, world, cpu_valid=device.type == "cpu")
+        native = native_op_note(args, device)
+        cols = [c for c in rows[0] if c != "rank ms" and (args.memory or "MiB" not in c and "model" not in c
+                                                          and "ratio" not in c)]
+        fmt = {c: ".1f" if c.endswith(" ms") else ".2f" for c in cols} | {"max|err|": ".1e"}
+        print(f"attention fwd+bwd: N={world} ranks on {device.type} ({cores} cores), S={args.seq}, b={args.batch}, "
+              f"H={args.heads}, H_kv={args.kv_heads}, D={args.head_dim}, {args.dtype}, "
+              f"{'causal' if args.causal else 'non-causal'}, median of {args.iters} after {args.warmup}, "
+              f"1 thread/rank, {native}\n{table(rows, cols, fmt)}", flush=True)
+        print(f"target: eff >= {TARGET_EFFICIENCY} and /DS <= {TARGET_VS_DEEPSPEED} on "
+              f"{'cpu' if device.type == 'cpu' else 'wall'} time (issue 3, at S=8192); after '/': "
+              f"mem ratio (peak / (single peak / N)) <= {TARGET_MEMORY} (issue 6)", flush=True)
+        meta = dict(vars(args), native_op_used=native, skipped=skipped)
         log(f"results written to {save_results(args.json, meta, rows)}")
     close_distributed()
 

@@ -22,17 +22,13 @@ at the first length, the table from which ``triton_attn._config``'s defaults wer
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DTYPES, parse, parser, random_qkv, save_results, table  # noqa: E402
-
-from ds_usp.kernels import available_backends, get_backend, triton_attn  # noqa: E402
-from ds_usp.ops import resolve_native_op  # noqa: E402
+from _common import DTYPES, parse, parser, random_qkv, save_results, table
+from ds_usp.kernels import available_backends, get_backend, triton_attn
+from ds_usp.ops import resolve_native_op
 
 
 def _time(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -51,7 +47,7 @@ def _time(fn: Callable[[], object], iters: int, warmup: int) -> float:
 
 
 def plain_rows(args, seq: int, causal: bool, dtype: torch.dtype) -> list[dict]:
-    q, k, v, dout = random_qkv(args.batch, seq, args.heads, args.kv_heads or args.heads, args.head_dim, dtype,
+    q, k, v, dout = random_qkv(args.batch, seq, args.heads, args.kv_heads, args.head_dim, dtype,
                                torch.device("cuda"), args.seed)
     flops = 4 * args.batch * args.heads * seq * seq * args.head_dim * (0.5 if causal else 1.0)
     usable = [n for n, r in available_backends("cuda").items() if r is None]
@@ -82,7 +78,7 @@ def _fused_ring_step(q, k, v, scale: float) -> Callable[[], None]:
 
 def ring_rows(args, seq: int, dtype: torch.dtype) -> list[dict]:
     """One zigzag ring step of a rank: its queries (2 halves) against a K/V block: full + causal diagonal."""
-    q, k, v, _ = random_qkv(args.batch, seq, args.heads, args.kv_heads or args.heads, args.head_dim, dtype,
+    q, k, v, _ = random_qkv(args.batch, seq, args.heads, args.kv_heads, args.head_dim, dtype,
                             torch.device("cuda"), args.seed)
     ops = resolve_native_op("auto", q.device)
     scale = args.head_dim ** -0.5
@@ -110,7 +106,7 @@ SWEEP = [dict(BM=bm, BN=bn, warps=w, stages=st) for bm, bn, w, st in
 
 def sweep_rows(args, seq: int, dtype: torch.dtype) -> list[dict]:
     """Per tile configuration of :data:`SWEEP`: forward and backward ms (full and causal) and the fused ring step."""
-    q, k, v, dout = random_qkv(args.batch, seq, args.heads, args.kv_heads or args.heads, args.head_dim, dtype,
+    q, k, v, dout = random_qkv(args.batch, seq, args.heads, args.kv_heads, args.head_dim, dtype,
                                torch.device("cuda"), args.seed)
     scale = args.head_dim ** -0.5
     chosen, rows = triton_attn._config, []

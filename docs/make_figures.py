@@ -3,8 +3,8 @@
     python docs/make_figures.py
 
 Every number in the figures comes from ds-usp's own code: which positions a rank holds from
-``ds_usp.sharding`` and which blocks the ring computes at each step from ``ds_usp.attention.ring.block_plan``,
-so the pictures change when the code does.
+``ds_usp.sharding``, which (query, key) pairs the ring computes at each step from ``ds_usp.attention.masks``, and
+the bytes a layer sends from ``ds_usp.cost``, so the pictures change when the code does.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 
-from ds_usp.sharding import padded_length, ring_piece_positions, shard_positions  # noqa: E402
-from ds_usp.attention.ring import RingSpec, block_plan  # noqa: E402
+from ds_usp.attention.masks import MaskSpec, block_parts  # noqa: E402
+from ds_usp.cost import backward_bytes, forward_bytes, linear_bytes  # noqa: E402
+from ds_usp.sharding import padded_length, piece_runs, ring_piece_positions, shard_positions  # noqa: E402
 from ds_usp.topology import plan_groups  # noqa: E402
 
 OUT = ROOT / "docs" / "img"
@@ -104,21 +105,22 @@ def figure_usp_2x2(path: Path) -> None:
     plt.close(fig)
 
 
-def _block_work(spec: RingSpec, src: int, piece: int, causal: bool = True) -> int:
-    """(query, key) pairs the kernel computes when ring rank ``spec.rank`` holds ``src``'s K/V block."""
-    plan = block_plan(spec, src, piece, causal)
-    if plan is None:
-        return 0
-    qs, ks, masked = plan
-    nq = len(range(piece)[qs])
-    nk = len(range(piece)[ks])
-    return nq * (nq + 1) // 2 if masked else nq * nk
+def _block_work(mask: MaskSpec, pieces: tuple, me: int, src: int) -> int:
+    """(query, key) pairs the kernel computes when ring rank ``me`` holds ``src``'s K/V block."""
+    total = 0
+    for part in block_parts(mask, (0,), pieces[me], pieces[src]):
+        nq, nk = part.q.stop - part.q.start, part.k.stop - part.k.start
+        i = np.arange(nq)
+        lo = np.zeros(nq, dtype=int) if part.lo is None else np.maximum(0, i + part.lo)
+        hi = np.full(nq, nk - 1) if part.hi is None else np.minimum(nk - 1, i + part.hi)
+        total += int(np.maximum(0, hi - lo + 1).sum())
+    return total
 
 
 def figure_zigzag_balance(path: Path) -> None:
-    """Causal work per ring rank and per ring step, contiguous ("basic") vs zigzag."""
+    """Causal work per ring rank and per ring step, contiguous vs zigzag."""
     r, seq_small, seq = 4, 32, 4096
-    layouts = ["contiguous", "zigzag"]  # ring_impl "basic" shards contiguously, "zigzag" in zigzag
+    layouts = ["contiguous", "zigzag"]
     fig, axs = plt.subplots(2, 2, figsize=(11, 9.5))
     cmap = ListedColormap(["white"] + CHUNK_COLORS[:r])
     for ax, layout in zip(axs[0], layouts):
@@ -128,8 +130,7 @@ def figure_zigzag_balance(path: Path) -> None:
             owner[ring_piece_positions(padded, r, ri, layout).numpy()] = ri + 1
         img = np.where(np.tril(np.ones((padded, padded), dtype=bool)), owner[:, None], 0)
         ax.imshow(img, cmap=cmap, vmin=0, vmax=r, interpolation="nearest")
-        impl = "basic" if layout == "contiguous" else "zigzag"
-        ax.set_title(f"{layout} layout (ring_impl {impl!r}): causal attention,\ncoloured by the ring rank that "
+        ax.set_title(f"{layout} layout: causal attention,\ncoloured by the ring rank that "
                      f"owns the query (R={r}, {padded} tokens)", fontsize=10)
         ax.set_xlabel("key position")
         ax.set_ylabel("query position")
@@ -137,17 +138,16 @@ def figure_zigzag_balance(path: Path) -> None:
     axs[0, 1].legend(handles, [f"ring rank {i}" for i in range(r)], loc="upper right", fontsize=9)
 
     padded = padded_length(seq, 1, r, "zigzag")
-    piece = padded // r
     total = padded * (padded + 1) // 2
+    mask = MaskSpec(causal=True, seq_len=padded)
     width = 0.38
     per_rank, per_step = {}, {}
     for layout in layouts:
         work = np.zeros((r, r))  # (step, ring rank)
+        pieces = tuple(piece_runs(padded, r, i, layout) for i in range(r))
         for me in range(r):
-            spec = RingSpec(group=None, ranks=tuple(range(r)), rank=me, layout=layout, seq_len=padded,
-                            padded_len=padded)
             for step in range(r):
-                work[step, me] = _block_work(spec, (me - step) % r, piece)
+                work[step, me] = _block_work(mask, pieces, me, (me - step) % r)
         assert work.sum() == total  # every causal pair exactly once
         per_rank[layout] = work.sum(axis=0) / total
         per_step[layout] = work.max(axis=1) / total
@@ -174,11 +174,41 @@ def figure_zigzag_balance(path: Path) -> None:
     plt.close(fig)
 
 
+def figure_linear_vs_attention(path: Path) -> None:
+    """Bytes one rank sends per layer (forward + backward) of a Qwen3-Next-like model, softmax vs linear attention."""
+    u, r, e = 4, 4, 2  # 4 Ulysses x 4 ring, bf16
+    seqs = [2 ** k for k in range(15, 21)]  # 32K ... 1M tokens
+    attn = [(forward_bytes(1, s, 16, 2, 256, u, r, e), backward_bytes(1, s, 16, 2, 256, u, r, e)) for s in seqs]
+    lin = [linear_bytes(1, s, 16, 32, 128, 128, 4, u, r, e, 2) for s in seqs]
+    fig, axs = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, rows, title in ((axs[0], attn, "softmax attention layer (16 q / 2 kv heads, d=256)"),
+                            (axs[1], lin, "Gated DeltaNet layer (16 k / 32 v heads, dk=dv=128)")):
+        per_token = 1024.0 * np.array(seqs)  # KiB per token of the sequence
+        a2a = np.array([f.all_to_all + b.all_to_all for f, b in rows]) / per_token
+        ring = np.array([f.ring + f.other + b.ring + b.other for f, b in rows]) / per_token
+        x = np.arange(len(seqs))
+        ax.bar(x, a2a, color="#4C72B0", label="Ulysses all-to-all (heads)")
+        ax.bar(x, ring, bottom=a2a, color="#DD8452", label="ring (K/V blocks / halos and states)")
+        ax.set_xticks(x, [f"{s // 1024}K" for s in seqs])
+        ax.set_xlabel("sequence length")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, loc="upper right")
+    axs[0].set_ylabel("KiB sent per rank per token of the sequence\n(forward + backward)")
+    fig.suptitle(f"what one rank sends per layer, U={u} x R={r}, bf16: linear attention's ring carries "
+                 f"a state per segment, not the sequence", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata=PNG_META)
+    plt.close(fig)
+
+
+FIGURES = {"usp_2x2.png": figure_usp_2x2, "zigzag_balance.png": figure_zigzag_balance,
+           "linear_vs_attention.png": figure_linear_vs_attention}
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    figure_usp_2x2(OUT / "usp_2x2.png")
-    figure_zigzag_balance(OUT / "zigzag_balance.png")
-    for name in ("usp_2x2.png", "zigzag_balance.png"):
+    for name, draw in FIGURES.items():
+        draw(OUT / name)
         print(OUT / name)
 
 

@@ -98,7 +98,10 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
                         intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), vocab=head.weight.shape[0]
                         if head.weight.dim() == 2 and head.weight.numel() else cfg.vocab_size,
                         layers=len(layers), zero3=zero3)
-    if getattr(model, "is_gradient_checkpointing", False) and settings.activation_checkpointing is not False:
+    hf_checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
+    if hf_checkpointing is None:
+        hf_checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if hf_checkpointing and settings.activation_checkpointing is not False:
         model.gradient_checkpointing_disable()  # ours keeps the attention's result; two nested would recompute twice
         log_rank0("HF gradient checkpointing is replaced by usp.activation_checkpointing (set it to false to keep HF's)")
     model.forward = _causal_lm_forward(model, model.forward, decoder, head, ctx, tail)

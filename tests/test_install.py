@@ -1,0 +1,36 @@
+"""A plain (not editable) ``pip install .`` ships the top-level ``ops/`` and JIT-builds the native op from it.
+
+In a fresh virtual environment (system site-packages for torch and DeepSpeed, ``--no-deps``), outside the
+repository: the installed package holds ``ds_usp/ops/op_builder`` with the C++ sources as package data, and
+``python -m ds_usp.report --build`` builds the op from them (into a temporary extension cache: a build of its own,
+about a minute) and reports it JIT-built. The editable install the other tests use reads the same builders from
+the repository's ``ops/``.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_plain_install_ships_and_jit_builds_the_op(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(ROOT)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    where = subprocess.run([str(python), "-c", "import ds_usp.ops.op_builder as b; print(b.CSRC)"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    csrc = Path(where.stdout.strip().splitlines()[-1])
+    assert str(csrc).startswith(str(venv)) and (csrc / "cpu" / "usp_cpu.cpp").is_file(), where.stdout + where.stderr
+    report = subprocess.run([str(python), "-m", "ds_usp.report", "--build"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=900)
+    assert report.returncode == 0, report.stdout + report.stderr
+    line = next(x for x in report.stdout.splitlines() if x.startswith("native op (cpu)"))
+    assert ": jit-built: cached in " + str(tmp_path / "extensions") in line, report.stdout
