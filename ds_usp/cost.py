@@ -227,3 +227,338 @@ def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
         a2a_back = grads_b + 2 * qkv_b + (t * (heads + 2 * kv_heads) * head_dim * e)
         backward_peak = max(2 * dout_heads, dout_heads + ring_bwd, a2a_back)
     return AttentionMemory(output=q_b, saved=saved, forward_peak=forward_peak, backward_peak=backward_peak)
+
+
+# ------------------------------------------------------------------------------------------ a whole step
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the step's cost model needs of a model (``ds_usp.plan.model_shape`` reads it from an HF config).
+
+    Attributes:
+        name: the model (for messages).
+        hidden: h.
+        attention_layers: softmax-attention decoder layers.
+        heads: query heads H.
+        kv_heads: H_kv.
+        head_dim: d (query/key).
+        v_head_dim: d_v (MLA: other than d).
+        vocab: V.
+        mlp_width: the feed-forward width a token goes through in one layer: the intermediate size, or for MoE
+            ``top_k x the expert width`` (+ shared experts).
+        params: all parameters.
+        active_params: the parameters one token uses (MoE: only its experts); embeddings excluded.
+        linear_layers: linear-attention (Gated DeltaNet) layers.
+        linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim, conv_kernel: their heads and dims.
+    """
+
+    name: str
+    hidden: int
+    attention_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    vocab: int
+    mlp_width: int
+    params: int
+    active_params: int
+    linear_layers: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 4
+
+    @property
+    def layers(self) -> int:
+        """All decoder layers."""
+        return self.attention_layers + self.linear_layers
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """One way to run a step: the layout, ZeRO and the memory features (the planner's knobs).
+
+    Attributes:
+        ulysses: U.
+        ring: R.
+        dp: data-parallel replicas.
+        zero: ZeRO stage (1, 2, 3).
+        checkpointing: ``""``, ``"selective"`` or ``"full"``.
+        tiled_mlp: feed-forward blocks over sequence tiles.
+        chunked_loss: logits and loss in chunks.
+        offload_optimizer: the optimizer state (and its step) in host memory.
+        offload_activations: checkpointed layer inputs in host memory.
+        tile_mib: the tile budget (``usp.tile_mib``).
+    """
+
+    ulysses: int
+    ring: int
+    dp: int = 1
+    zero: int = 3
+    checkpointing: str = ""
+    tiled_mlp: bool = False
+    chunked_loss: bool = False
+    offload_optimizer: bool = False
+    offload_activations: bool = False
+    tile_mib: float = 128.0
+
+    @property
+    def sp(self) -> int:
+        """U x R."""
+        return self.ulysses * self.ring
+
+    @property
+    def world(self) -> int:
+        """All ranks."""
+        return self.sp * self.dp
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The constants of :func:`step_memory` that are not counts of tensors: measured, not derived.
+
+    The defaults come from the peaks of whole steps measured on 4 CPU ranks (the ``VmHWM`` meter of the
+    benchmarks; 15 rows of Llama shapes, ZeRO-1/2/3, every feature; tests/test_plan.py, docs/planner.md).
+
+    Attributes:
+        per_layer_hidden: elements of ``h`` a decoder layer keeps per token for its backward (the attention's
+            residuals included, for the usual head sizes).
+        per_layer_mlp: elements of the feed-forward width it keeps per token.
+        selective_hidden: elements of ``h`` per token a layer under selective checkpointing keeps besides its input
+            (the ring's output and LSE, and what the policy saves with them).
+        logits: bytes per token and vocabulary entry of an unchunked loss (the fp32 logits).
+        fixed: bytes a rank holds whatever the model (process heap, communication buffers).
+        per_param: bytes per parameter beyond the counted model states, by ZeRO stage, for DeepSpeed's buffers
+            (counted up to the bucket sizes that bound them).
+    """
+
+    per_layer_hidden: float = 13.97
+    per_layer_mlp: float = 3.21
+    selective_hidden: float = 6.4
+    logits: float = 4.06
+    fixed: float = 179 * 2 ** 20
+    per_param: tuple[float, float, float] = (6.6, 0.9, 16.4)
+
+
+# DeepSpeed's defaults that bound its buffers (elements): reduce_bucket_size, stage3_max_live_parameters
+REDUCE_BUCKET, LIVE_PARAMS = 5e8, 1e9
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Predicted bytes one rank holds at the peak of a step, by part (see :func:`step_memory`)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    attention: float
+    loss: float
+    fixed: float
+
+    @property
+    def total(self) -> float:
+        """Everything."""
+        return self.params + self.grads + self.optimizer + self.activations + self.attention + self.loss + self.fixed
+
+
+def tokens_per_rank(seq: int, micro_batch: int, sp: int) -> int:
+    """``T``: tokens of the micro-batch one rank holds (the sequence padded to a multiple of ``2 x sp``)."""
+    padded = -(-seq // (2 * sp)) * (2 * sp)
+    return micro_batch * padded // sp
+
+
+def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int = 1, elem_bytes: int = 2,
+                cal: Calibration = Calibration()) -> StepMemory:
+    """The bytes one rank holds at the peak of a training step (AdamW, DeepSpeed ZeRO), by part.
+
+    With ``P`` parameters, ``w`` ranks, ``e`` bytes of the training dtype (mixed precision when ``e = 2``):
+
+    * parameters ``P e`` (ZeRO-3: ``P e / w`` plus the gathered ones, up to DeepSpeed's 1e9 live parameters);
+      gradients: the full set while the backward runs (ZeRO-1), up to a reduce bucket (ZeRO-2/3), plus the rank's
+      fp32 partition; optimizer ``P (8 + 4 [fp32 master]) / w`` (nothing with the optimizer offloaded); and
+      :attr:`Calibration.per_param` bytes per parameter (up to a bucket) for DeepSpeed's own buffers;
+    * activations: per token and softmax layer :class:`Calibration`'s ``h`` and feed-forward parts; a linear-
+      attention layer its projections and gates; selective checkpointing keeps the layer input and the ring's
+      output and LSE instead, full checkpointing the layer input, and both add one layer recomputed; tiled
+      feed-forward blocks keep their input only; offloaded layer inputs live on the host;
+    * the attention's transient buffers (``attention_memory(...).backward_peak``);
+    * the loss: the whole fp32 logits, or one chunk (``tile_mib``), an fp32 ``lm_head`` gradient and ``dx``;
+    * the peak is at the loss (the kept activations and the loss's buffers) or in a layer's backward (the kept
+      activations, a recomputed layer and the attention's buffers), whichever is larger.
+
+    Args:
+        shape: the model.
+        s: the layout, ZeRO stage and features.
+        seq: the sequence length S.
+        micro_batch: sequences per micro-batch.
+        elem_bytes: bytes of the training dtype (2 bf16, 4 fp32).
+        cal: the measured constants.
+
+    Returns:
+        The :class:`StepMemory`.
+    """
+    w, t, h, e = s.world, tokens_per_rank(seq, micro_batch, s.sp), shape.hidden, elem_bytes
+    p = shape.params
+    params = p * e / w + min(p, LIVE_PARAMS) * e if s.zero == 3 else p * e
+    grads = (p if s.zero == 1 else min(p, REDUCE_BUCKET)) * e + (0.0 if s.offload_optimizer else p * 4 / w)
+    grads += cal.per_param[s.zero - 1] * min(p, REDUCE_BUCKET)
+    optimizer = 0.0 if s.offload_optimizer else p * (8 + (4 if e != 4 else 0)) / w
+    att = attention_memory(micro_batch, tokens_per_rank(seq, 1, s.sp) * s.sp, shape.heads, shape.kv_heads,
+                           shape.head_dim, s.ulysses, s.ring, e)
+    mlp = 0.0 if s.tiled_mlp else cal.per_layer_mlp * shape.mlp_width
+    full_layer = t * e * (cal.per_layer_hidden * h + mlp)
+    linear_layer = t * e * (2 * shape.linear_k_heads * shape.linear_k_dim + 3 * shape.linear_v_heads
+                            * shape.linear_v_dim + 2 * shape.linear_v_heads) + t * e * cal.per_layer_hidden * h
+    tiled_inputs = t * e * h * shape.layers if s.tiled_mlp else 0.0  # what a tiled block keeps: its input
+    one_layer = max(full_layer if shape.attention_layers else 0.0, linear_layer if shape.linear_layers else 0.0)
+    if s.checkpointing:
+        kept = t * e * h  # the layer input
+        if s.checkpointing == "selective":  # the ring's output and LSE, and what the policy keeps besides
+            kept += t * e * cal.selective_hidden * h
+        kept = 0.0 if s.offload_activations else shape.layers * kept
+    else:
+        kept = shape.attention_layers * full_layer + shape.linear_layers * linear_layer + tiled_inputs
+        one_layer = 0.0  # nothing is recomputed
+    if s.chunked_loss:
+        chunk = max(1, int(s.tile_mib * 2 ** 20 // (shape.vocab * 4)))
+        loss = min(chunk, t) * shape.vocab * 4 + shape.vocab * h * 4 + t * h * e  # one chunk, fp32 dW, dx
+    else:
+        loss = t * shape.vocab * cal.logits
+    attention = att.backward_peak if shape.attention_layers else 0.0
+    # the peak is at the loss (every kept activation and the logits) or in a layer's backward (a layer recomputed,
+    # the attention's buffers), whichever is larger: the loss's buffers are gone by then
+    backward = one_layer + attention
+    activations, loss, attention = kept + (0.0 if loss >= backward else one_layer), (loss if loss >= backward
+                                                                                     else 0.0), \
+        (0.0 if loss >= backward else attention)
+    return StepMemory(params=params, grads=grads, optimizer=optimizer, activations=activations, attention=attention,
+                      loss=loss, fixed=cal.fixed)
+
+
+def step_flops(shape: ModelShape, seq: int, micro_batch: int = 1, causal: bool = True,
+               checkpointing: str = "") -> float:
+    """FLOPs of one training step over one micro-batch (all ranks together).
+
+    ``6 N tokens`` for the matmuls (``N`` the active parameters, ``lm_head`` included) plus the attention's
+    ``3 x 2 b S^2 H (d + d_v)`` per softmax layer (forward and backward; half under a causal mask); checkpointing
+    adds the forward it recomputes (``2 N tokens``, and the attention's forward under full checkpointing).
+
+    Args:
+        shape: the model.
+        seq: S.
+        micro_batch: b.
+        causal: causal attention.
+        checkpointing: ``""``, ``"selective"`` or ``"full"``.
+
+    Returns:
+        FLOPs.
+    """
+    tokens = micro_batch * seq
+    dense = 6 * shape.active_params * tokens
+    attn_fwd = 2 * micro_batch * seq * seq * shape.heads * (shape.head_dim + shape.v_head_dim) * shape.attention_layers
+    attn_fwd *= 0.5 if causal else 1.0
+    recompute = 2 * shape.active_params * tokens if checkpointing else 0
+    if checkpointing == "full":
+        recompute += attn_fwd
+    return dense + 3 * attn_fwd + recompute
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The cluster the step runs on.
+
+    Attributes:
+        nodes: machines.
+        gpus_per_node: ranks per machine.
+        gpu_mem_gib: memory of one GPU.
+        peak_tflops: dense bf16 peak of one GPU.
+        intra_bw: GB/s one rank sends to the ranks of its node (NVLink).
+        inter_bw: GB/s one rank sends across nodes (its share of the network).
+        efficiency: the share of the peak the model's matmuls reach.
+    """
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0
+    peak_tflops: float = 989.0
+    intra_bw: float = 300.0
+    inter_bw: float = 25.0
+    efficiency: float = 0.5
+
+    @property
+    def world(self) -> int:
+        """All ranks."""
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step, by part (see :func:`step_time`)."""
+
+    compute: float
+    all_to_all: float
+    ring: float
+    ring_hidden: float
+    zero: float
+
+    @property
+    def total(self) -> float:
+        """Compute, the all-to-alls and ZeRO's collectives in sequence; the ring's part not hidden behind the
+        attention's compute."""
+        return self.compute + self.all_to_all + max(0.0, self.ring - self.ring_hidden) + self.zero
+
+
+def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_batch: int = 1,
+              elem_bytes: int = 2) -> StepTime:
+    """Seconds of one training step per rank.
+
+    Compute: :func:`step_flops` over the ranks of a sequence at ``peak x efficiency``. Communication: the exact
+    bytes of :func:`forward_bytes` / :func:`backward_bytes` (and :func:`linear_bytes`) per layer, the all-to-all at
+    the bandwidth of the Ulysses group (inside a node when ``U`` fits one), the ring at the bandwidth between
+    ring neighbours (``U`` ranks apart), overlapped with the attention's compute (the K/V of the next step is in
+    flight while this one computes); ZeRO's gradient reduce-scatter (and ZeRO-3's parameter gathers, forward and
+    backward) over all ranks, not overlapped.
+
+    Args:
+        shape: the model.
+        s: the layout and settings.
+        seq: S.
+        hw: the cluster.
+        micro_batch: b.
+        elem_bytes: bytes of the training dtype.
+
+    Returns:
+        The :class:`StepTime`.
+    """
+    flops = step_flops(shape, seq, micro_batch, checkpointing=s.checkpointing) / s.sp
+    rate = hw.peak_tflops * 1e12 * hw.efficiency
+    compute = flops / rate
+    padded = tokens_per_rank(seq, 1, s.sp) * s.sp
+
+    def bw(span: int) -> float:  # GB/s between ranks ``span`` apart
+        return (hw.intra_bw if span < hw.gpus_per_node else hw.inter_bw) * 1e9
+
+    a2a = ring = 0.0
+    if shape.attention_layers:
+        f = forward_bytes(micro_batch, padded, shape.heads, shape.kv_heads, shape.head_dim, s.ulysses, s.ring,
+                          elem_bytes, shape.v_head_dim)
+        b = backward_bytes(micro_batch, padded, shape.heads, shape.kv_heads, shape.head_dim, s.ulysses, s.ring,
+                           elem_bytes, shape.v_head_dim)
+        a2a += shape.attention_layers * (f.all_to_all + b.all_to_all) / bw(s.ulysses)
+        ring += shape.attention_layers * (f.ring + b.ring) / bw(s.ulysses * s.ring if s.ring > 1 else 1)
+    if shape.linear_layers:
+        lf, lb = linear_bytes(micro_batch, padded, shape.linear_k_heads, shape.linear_v_heads, shape.linear_k_dim,
+                              shape.linear_v_dim, shape.conv_kernel, s.ulysses, s.ring, elem_bytes, 2)
+        a2a += shape.linear_layers * (lf.all_to_all + lb.all_to_all) / bw(s.ulysses)
+        ring += shape.linear_layers * (lf.other + lb.other) / bw(s.ulysses * s.ring if s.ring > 1 else 1)
+    attn_flops = 3 * 2 * micro_batch * padded * padded * shape.heads * (shape.head_dim + shape.v_head_dim) * 0.5
+    hidden = shape.attention_layers * attn_flops / s.sp / rate * (s.ring - 1) / s.ring if s.ring > 1 else 0.0
+    per_param = elem_bytes * (3 if s.zero == 3 else 1) * (s.world - 1) / s.world
+    zero = shape.params * per_param / bw(s.world) if s.world > 1 else 0.0
+    return StepTime(compute=compute, all_to_all=a2a, ring=ring, ring_hidden=hidden, zero=zero)

@@ -18,14 +18,16 @@ scaling users report with Ulysses, and the reason the SP loss exists.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime
 import functools
 import inspect
 import json
 import os
+import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping, Optional
 
@@ -38,9 +40,10 @@ from ds_usp.integration.hf import USPContext, attach
 from ds_usp.integration.step_plan import MemoryContext, MemorySettings
 from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.integration.linear import check_hybrid, is_gated_deltanet, wrap_linear_layers
-from ds_usp.integration.models import check_model
+from ds_usp.integration.models import check_model, model_shape, plan_refusal
 from ds_usp.comm import group_device
-from ds_usp.log import log_info
+from ds_usp.cost import Hardware, ModelShape, StepSettings, step_time
+from ds_usp.log import log_info, log_rank0
 from ds_usp.ops import resolve_native_op
 from ds_usp.topology import USPTopology
 
@@ -223,6 +226,40 @@ def _unlink_shm_buffer() -> None:
         pass
 
 
+def _shape_of(model: Any) -> Optional[ModelShape]:
+    """The cost model's view of an HF causal LM (None for another model, or one it cannot describe)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return None
+    try:
+        return model_shape(config, model)
+    except Exception:  # noqa: BLE001 - the plan is advice: a model the cost model cannot read just goes without
+        return None
+
+
+NOMINAL_TOKENS_PER_RANK = 16384  # the length "auto" degrees are priced at (the length is not known yet)
+
+
+def _ask_the_cost_model(cfg: USPConfig, shape: ModelShape, zero: int, per_node: int) -> USPConfig:
+    """Degrees left out: the paper's rule (Ulysses inside a node) unless the cost model prices another split of the
+    sequence-parallel ranks, whose all-to-alls stay inside a node, at least 10% faster; the choice is logged."""
+    sp, dp = cfg.sequence_parallel_size, cfg.data_parallel_size
+    hw = Hardware(nodes=max(1, cfg.world_size // per_node), gpus_per_node=per_node)
+    seq = NOMINAL_TOKENS_PER_RANK * sp
+
+    def priced(u: int) -> float:
+        return step_time(shape, StepSettings(u, sp // u, dp, zero), seq, hw).total
+
+    options = [u for u in range(1, sp + 1) if sp % u == 0 and per_node % u == 0 and plan_refusal(shape, u, sp // u,
+                                                                                                seq) is None]
+    rule = cfg.ulysses_degree
+    best = min(options, key=priced, default=rule)
+    pick = best if rule not in options or priced(best) < 0.9 * priced(rule) else rule
+    log_rank0(f"usp degrees: ulysses_degree={pick} x ring_degree={sp // pick} (the cost model at S={seq}: "
+              + ", ".join(f"{u}x{sp // u} {priced(u):.3g} s" for u in options) + "; see python -m ds_usp.plan)")
+    return replace(cfg, ulysses_degree=pick, ring_degree=sp // pick)
+
+
 def _model_heads(model: Any) -> tuple[Optional[int], Optional[int]]:
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None)
@@ -294,6 +331,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         raise unreadable
     usp_cfg = load_usp_config(raw, world, num_heads=heads, num_kv_heads=kv_heads)
     zero = raw.get("zero_optimization", {})
+    shape = _shape_of(model) if usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 else None
+    if shape is not None and usp_cfg.degrees_chosen_automatically:
+        usp_cfg = _ask_the_cost_model(usp_cfg, shape, zero.get("stage", 0) or 1, ranks_per_node(world))
     zero3_sp = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and zero.get("stage", 0) == 3
     if zero3_sp and zero.get("zero_quantized_gradients", False):
         raise ValueError("zero_optimization.zero_quantized_gradients is not supported with ZeRO-3 and "
@@ -378,7 +418,8 @@ def install_deepspeed_hook() -> None:
     which is refused before anything is built. Calls without the key, or with a ds-usp ``mpu`` built by the
     caller, reach DeepSpeed unchanged.
     """
-    import deepspeed
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time notices: never on a program's stdout
+        import deepspeed
 
     if getattr(deepspeed.initialize, "_ds_usp", False):
         return

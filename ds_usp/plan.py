@@ -1,0 +1,292 @@
+"""``python -m ds_usp.plan``: the layout, ZeRO stage and memory features for a model on a cluster.
+
+    python -m ds_usp.plan --model meta-llama/Llama-3.1-8B --seq 131072 --nodes 2 --gpus-per-node 8 --gpu-mem 80
+    python -m ds_usp.plan --model config.json --seq 65536 --gpus-per-node 8 --write ds.json
+    python -m ds_usp.plan --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --vocab 128256 --intermediate 14336 \\
+        --seq 262144 --nodes 4
+
+Every split of the ranks into ``(U, R, dp)``, ZeRO stage and memory-feature preset is priced by the one cost model
+of :mod:`ds_usp.cost` (memory per rank by part, step time by part); the feasible plans are ranked by predicted
+step time, the infeasible ones say why, and ``--write`` writes the DeepSpeed JSON of the first (the keys a user
+writes: ``"sequence_parallel": "usp"`` and the ``"usp"`` block). The model's shape comes from its HF config: a
+local folder or JSON file, a model id whose config is in the local HF cache (nothing is downloaded), or the sizes
+given by hand; its parameters are counted on the meta device (no memory), MoE experts split into total and active,
+Gated DeltaNet layers counted apart, and a family ds-usp cannot shard refused by name. Instant, no progress.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional, Sequence
+
+from ds_usp.cost import GIB, Hardware, ModelShape, StepMemory, StepSettings, StepTime, step_memory, step_time
+from ds_usp.integration.models import model_shape, plan_refusal
+
+# the memory-feature presets the planner tries: name -> (checkpointing, tiled feed-forward, chunked loss, offloaded
+# layer inputs); "full-offload" is ALST's recipe (with --offload, the optimizer state goes to the host too)
+PRESETS = {"off": ("", False, False, False), "selective": ("selective", True, True, False),
+           "full": ("full", True, True, False), "full-offload": ("full", True, True, True)}
+HEADROOM = 0.9  # a plan fits when it predicts at most this share of the GPU's memory
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One priced plan."""
+
+    settings: StepSettings
+    preset: str
+    memory: StepMemory
+    time: StepTime
+    problem: Optional[str] = None  # why it is infeasible (None: it fits)
+
+    def row(self, seq: int) -> dict[str, Any]:
+        """The plan as a flat dict (the table and ``--json``)."""
+        s = self.settings
+        return {"U": s.ulysses, "R": s.ring, "dp": s.dp, "zero": s.zero, "layout": "zigzag", "features": self.preset,
+                "offload": s.offload_optimizer, "mem_gib": self.memory.total / GIB,
+                **{f"{k}_gib": v / GIB for k, v in asdict(self.memory).items()},
+                "step_s": self.time.total, "compute_s": self.time.compute, "all_to_all_s": self.time.all_to_all,
+                "ring_s": self.time.ring, "ring_exposed_s": max(0.0, self.time.ring - self.time.ring_hidden),
+                "zero_s": self.time.zero, "tokens_per_s": seq * s.dp / self.time.total if self.time.total else None,
+                "problem": self.problem}
+
+
+# ------------------------------------------------------------------------------------------- model shape
+
+
+def load_config(model: str) -> Any:
+    """An HF config from a folder, a JSON file, or a model id in the local HF cache (never downloaded).
+
+    Raises:
+        ValueError: naming what could not be found.
+    """
+    from transformers import AutoConfig
+
+    if os.path.isfile(model):
+        with open(model) as f:
+            raw = json.load(f)
+        if "model_type" not in raw:
+            raise ValueError(f"--model {model}: the JSON has no model_type, so it is no HF config")
+        return AutoConfig.for_model(**raw)
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model!r}: no HF config there or in the local HF cache ({e}); give a folder, a "
+                         f"config JSON, or the sizes (--hidden --layers --heads --kv-heads --vocab --intermediate)") \
+            from None
+
+
+def shape_by_hand(args: argparse.Namespace) -> ModelShape:
+    """A Llama-shaped model from ``--hidden --layers --heads --kv-heads --vocab --intermediate``."""
+    h, layers, heads, kv, vocab, inter = (args.hidden, args.layers, args.heads, args.kv_heads or args.heads, args.vocab,
+                                          args.intermediate)
+    d = h // heads
+    per_layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter + 2 * h
+    total = per_layer * layers + 2 * vocab * h + h
+    return ModelShape(name="by hand", hidden=h, attention_layers=layers, heads=heads, kv_heads=kv, head_dim=d,
+                      v_head_dim=d, vocab=vocab, mlp_width=inter, params=total, active_params=total - vocab * h)
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_bytes: int = 2,
+          zero: Optional[int] = None, offload: bool = False, presets: Sequence[str] = tuple(PRESETS)) -> list[Candidate]:
+    """Every plan for the cluster, priced; feasible ones first by predicted step time, then the others.
+
+    Args:
+        shape: the model.
+        hw: the cluster.
+        seq: S.
+        micro_batch: sequences per micro-batch (per replica).
+        elem_bytes: the training dtype's bytes.
+        zero: one ZeRO stage, or None for 1, 2 and 3.
+        offload: also try the optimizer in host memory.
+        presets: the memory-feature presets to try (:data:`PRESETS`).
+
+    Returns:
+        The candidates.
+    """
+    out = []
+    for sp in _divisors(hw.world):
+        for u in _divisors(sp):
+            r = sp // u
+            refused = plan_refusal(shape, u, r, seq)
+            for stage in ([zero] if zero else [1, 2, 3]):
+                for preset in presets:
+                    ckpt, tiled, chunked, off_act = PRESETS[preset]
+                    for off in ((False, True) if offload else (False,)):
+                        s = StepSettings(u, r, hw.world // sp, stage, ckpt, tiled, chunked, off, off_act)
+                        if refused:  # not priced: ds-usp would refuse it
+                            out.append(Candidate(s, preset, StepMemory(0, 0, 0, 0, 0, 0, 0), StepTime(0, 0, 0, 0, 0),
+                                                 refused))
+                            continue
+                        mem = step_memory(shape, s, seq, micro_batch, elem_bytes)
+                        t = step_time(shape, s, seq, hw, micro_batch, elem_bytes)
+                        problem = None
+                        if mem.total > HEADROOM * hw.gpu_mem_gib * GIB:
+                            problem = f"needs {mem.total / GIB:.1f} GiB of {hw.gpu_mem_gib:g}"
+                        out.append(Candidate(s, preset, mem, t, problem))
+    # fastest per token first: a plan with replicas trains dp sequences per step
+    return sorted(out, key=lambda c: (c.problem is not None, c.time.total / c.settings.dp, c.memory.total))
+
+
+def largest_fitting_seq(shape: ModelShape, hw: Hardware, seq: int, **kw: Any) -> Optional[int]:
+    """The longest sequence some plan fits, to 1% (bisection below ``seq``; None: not even 1024 tokens)."""
+    def fits(s: int) -> bool:
+        return any(c.problem is None for c in plans(shape, hw, s, **kw))
+
+    lo, hi = 1024, seq
+    if not fits(lo):
+        return None
+    while hi - lo > max(1, lo // 100):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def smallest_fitting_cluster(shape: ModelShape, hw: Hardware, seq: int, **kw: Any) -> Optional[int]:
+    """The fewest nodes (doubling, up to 1024) some plan fits at ``seq`` (None: none)."""
+    nodes = hw.nodes
+    while nodes < 1024:
+        nodes *= 2
+        if any(c.problem is None for c in plans(shape, replace(hw, nodes=nodes), seq, **kw)):
+            return nodes
+    return None
+
+
+def ds_config(c: Candidate, micro_batch: int, bf16: bool = True) -> dict[str, Any]:
+    """The DeepSpeed JSON of a plan: DeepSpeed's keys and ds-usp's (what a user writes)."""
+    s = c.settings
+    zero: dict[str, Any] = {"stage": s.zero}
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    ckpt, tiled, chunked, off_act = PRESETS[c.preset]
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": bf16}, "zero_optimization": zero, "sequence_parallel": "usp",
+            "sequence_parallel_size": s.sp,
+            "usp": {"ulysses_degree": s.ulysses, "ring_degree": s.ring, "layout": "zigzag",
+                    "activation_checkpointing": ckpt or False, "tiled_mlp": tiled, "chunked_loss": chunked,
+                    "offload_activations": off_act}}
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ds_usp.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="HF config: a folder, a config JSON, or a model id in the local HF cache")
+    for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--vocab", "--intermediate"):
+        p.add_argument(flag, type=int, help="the model's size by hand (instead of --model)")
+    p.add_argument("--seq", type=int, required=True, help="sequence length")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    p.add_argument("--intra-bw", type=float, default=300.0, help="GB/s a rank sends inside a node")
+    p.add_argument("--inter-bw", type=float, default=25.0, help="GB/s a rank sends across nodes")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU")
+    p.add_argument("--efficiency", type=float, default=0.5, help="share of the peak the matmuls reach")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--zero", default="auto", choices=["1", "2", "3", "auto"])
+    p.add_argument("--offload", action="store_true", help="also try the optimizer state in host memory")
+    p.add_argument("--presets", default=",".join(PRESETS),
+                   help=f"memory-feature presets to try, comma-separated from {', '.join(PRESETS)}")
+    p.add_argument("--fp32", action="store_true", help="train in fp32 (default bf16)")
+    p.add_argument("--top", type=int, default=10, help="feasible plans to print")
+    p.add_argument("--write", metavar="DS_JSON", help="write the first plan's DeepSpeed JSON here")
+    p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print (and optionally write) the plans; returns the exit code (1: nothing fits or bad input)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    by_hand = [args.hidden, args.layers, args.heads, args.vocab, args.intermediate]
+    for name, value in (("--seq", args.seq), ("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                        ("--micro-batch", args.micro_batch)):
+        if value < 1:
+            p.error(f"{name} ({value}) must be at least 1")
+    if args.gpu_mem <= 0:
+        p.error(f"--gpu-mem ({args.gpu_mem}) must be positive")
+    try:
+        if args.model:
+            shape = model_shape(load_config(args.model))
+        elif all(v is not None for v in by_hand):
+            if args.hidden % args.heads:
+                p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
+            shape = shape_by_hand(args)
+        else:
+            p.error("give --model, or all of --hidden --layers --heads --vocab --intermediate")
+    except ValueError as e:
+        print(f"ds_usp.plan: {e}", file=sys.stderr)
+        return 1
+    hw = Hardware(args.nodes, args.gpus_per_node, args.gpu_mem, args.peak_tflops, args.intra_bw, args.inter_bw,
+                  args.efficiency)
+    presets = [x for x in args.presets.split(",") if x]
+    unknown = [x for x in presets if x not in PRESETS]
+    if unknown or not presets:
+        p.error(f"--presets {args.presets!r}: choose from {', '.join(PRESETS)}")
+    kw = dict(micro_batch=args.micro_batch, elem_bytes=4 if args.fp32 else 2,
+              zero=None if args.zero == "auto" else int(args.zero), offload=args.offload, presets=presets)
+    found = plans(shape, hw, args.seq, **kw)
+    good = [c for c in found if c.problem is None]
+    if args.json:
+        print(json.dumps({"model": asdict(shape), "seq": args.seq, "hardware": asdict(hw),
+                          "plans": [c.row(args.seq) for c in found]}, indent=1))
+    else:
+        _print(shape, hw, args, good[:args.top], [c for c in found if c.problem][:5], len(good), len(found))
+    if not good:
+        seq_ok = largest_fitting_seq(shape, hw, args.seq, **kw)
+        nodes_ok = smallest_fitting_cluster(shape, hw, args.seq, **kw)
+        print(f"ds_usp.plan: nothing fits {shape.name} at S={args.seq} on {hw.nodes} x {hw.gpus_per_node} GPUs of "
+              f"{hw.gpu_mem_gib:g} GiB" + (f"; the longest S that fits here: {seq_ok}" if seq_ok else "")
+              + (f"; the fewest nodes that fit S={args.seq}: {nodes_ok}" if nodes_ok else "")
+              + ("" if args.offload else "; --offload may help"), file=sys.stderr)
+        return 1
+    if args.write:
+        with open(args.write, "w") as f:
+            json.dump(ds_config(good[0], args.micro_batch, bf16=not args.fp32), f, indent=2)
+        print(f"wrote {args.write}: launch it with deepspeed --num_nodes {hw.nodes} --num_gpus {hw.gpus_per_node} "
+              f"your_program.py --deepspeed_config {args.write}")
+    return 0
+
+
+def _print(shape: ModelShape, hw: Hardware, args: argparse.Namespace, good: list[Candidate], bad: list[Candidate],
+           n_good: int, n_all: int) -> None:
+    gib = GIB
+    print(f"{shape.name}: {shape.params / 1e9:.2f}B parameters ({shape.active_params / 1e9:.2f}B active), "
+          f"{shape.attention_layers} attention + {shape.linear_layers} linear layers; S={args.seq}, "
+          f"{hw.nodes} x {hw.gpus_per_node} GPUs, {hw.gpu_mem_gib:g} GiB each; {n_good} of {n_all} plans fit")
+    head = (f"{'#':>2} {'U':>3} {'R':>3} {'dp':>3} {'ZeRO':>4} {'features':>9} {'offl':>4} | {'GiB':>6} = "
+            f"{'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'attn':>6} {'loss':>6} {'fixed':>5} | "
+            f"{'step s':>8} = {'comp':>7} {'a2a':>6} {'ring':>6} {'zero':>6} | {'tok/s':>9}")
+    print(head)
+    print("-" * len(head))
+    for i, c in enumerate(good, 1):
+        s, m, t = c.settings, c.memory, c.time
+        exposed = max(0.0, t.ring - t.ring_hidden)
+        print(f"{i:>2} {s.ulysses:>3} {s.ring:>3} {s.dp:>3} {s.zero:>4} {c.preset:>9} {'yes' if s.offload_optimizer else '':>4}"
+              f" | {m.total / gib:>6.1f} = {m.params / gib:>6.1f} {m.grads / gib:>6.1f} {m.optimizer / gib:>6.1f} "
+              f"{m.activations / gib:>6.1f} {m.attention / gib:>6.1f} {m.loss / gib:>6.1f} {m.fixed / gib:>5.1f} | "
+              f"{t.total:>8.2f} = {t.compute:>7.2f} {t.all_to_all:>6.2f} {exposed:>6.2f} {t.zero:>6.2f} | "
+              f"{args.seq * s.dp / t.total:>9.0f}")
+    if bad:
+        print("not feasible (first few):")
+        for c in bad:
+            s = c.settings
+            print(f"   U={s.ulysses} R={s.ring} dp={s.dp} ZeRO-{s.zero} {c.preset}: {c.problem}")
+    print("(ring: the part not hidden behind the attention's compute; step time assumes the matmuls reach "
+          f"{hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
