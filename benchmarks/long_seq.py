@@ -194,7 +194,9 @@ def alst_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Ca
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args),
                                       mpu=mpu)
-    sp_group, sp_rank = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_rank()
+    # at sequence parallel 1 DeepSpeed registers nothing (mpu None): the whole sequence on one rank
+    sp_group, sp_rank = ((groups._get_sequence_parallel_group(), groups._get_sequence_parallel_rank()) if mpu
+                         else (None, 0))
     ids = tokens(args, seq)
     local = seq // args.ranks
     part = slice(sp_rank * local, (sp_rank + 1) * local)  # ALST's contiguous shards
@@ -218,9 +220,12 @@ def alst_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Ca
         else:
             logits = engine(**batch, use_cache=False).logits
             loss = module.loss_function(logits=logits, labels=None, vocab_size=args.vocab, shift_labels=shift)
-        losses = dist_fn.all_gather(loss, group=sp_group)
-        goods = dist_fn.all_gather(good, group=sp_group)
-        total = sum(x * g for x, g in zip(losses, goods)) / sum(goods)
+        if sp_group is None:
+            total = loss
+        else:
+            losses = dist_fn.all_gather(loss, group=sp_group)
+            goods = dist_fn.all_gather(good, group=sp_group)
+            total = sum(x * g for x, g in zip(losses, goods)) / sum(goods)
         engine.backward(total)
         engine.step()
         return float(total)

@@ -1,7 +1,11 @@
 """Shared fixtures: one gloo world per test module (see dist_harness.py).
 
-Without a GPU, ds-usp's Triton kernels run on CPU tensors in Triton's interpreter: ``TRITON_INTERPRET=1``
-is set here, before any test imports triton, for this process and the worlds it starts.
+The same suite runs on CPU machines and on GPU hosts:
+
+* ds-usp's Triton kernels run on CPU tensors in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here, before
+  any test imports triton (ds-usp still compiles the kernels for CUDA tensors, see ``triton_attn._kernels``);
+* on a GPU host this process keeps the GPU for the ``gpu`` tests, and every process it starts (gloo worlds,
+  launchers, jobs) sees none: the multi-rank tests are CPU tests over gloo wherever they run.
 """
 from __future__ import annotations
 
@@ -11,8 +15,10 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+if torch.cuda.is_available():
+    torch.cuda.init()  # this process's devices are fixed from here on
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children: CPU ranks
 
 sys.path.insert(0, os.path.dirname(__file__))
 # the measuring instruments (benchmarks/meters.py) are shared with the benchmarks (spawned ranks get this sys.path)

@@ -11,7 +11,8 @@ import json
 import os
 import sys
 
-import torch
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks over gloo, also on a GPU host (the launcher hands out GPU ids)
+import torch  # noqa: E402
 
 SEQ, VOCAB, STEPS, LR = 90, 96, 3, 0.05
 

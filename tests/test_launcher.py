@@ -34,6 +34,7 @@ def test_two_node_launch_picks_ulysses_inside_nodes(tmp_path):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(JOB.parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["DS_ACCELERATOR"] = "cpu"  # CPU ranks over gloo also on a GPU host (multinode_job.py hides the GPU)
     launchers = [subprocess.Popen(
         ["deepspeed", "--no_ssh", "--num_nodes", "2", "--node_rank", str(node), "--master_addr", "127.0.0.1",
          "--master_port", str(port), "--hostfile", str(hostfile), "--no_local_rank", str(JOB), str(tmp_path)],

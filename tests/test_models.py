@@ -257,6 +257,25 @@ def test_reference_variants_agree():
         assert drift < LOSS_TOL["atol"], f"{family}: eager vs sdpa per-token drift {float(drift):.2e}"
 
 
+EXPECTED_TAIL = {"gemma2": (1.0, 3.0), "gemma3_text": (1.0, 3.0), "granite": (0.25, 0.0), "cohere": (0.0625, 0.0)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_logits_tail_is_found_in_every_training_dtype(dtype):
+    """The probe of what a model applies after lm_head runs in the model's own dtype: a bf16 or fp16 model is
+    not refused for a tail it does not have, and the tails that exist are found."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_usp.integration.models import find_logits_tail
+
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config(family, "features"), dtype=dtype)
+        tail = find_logits_tail(model, model.forward, model.get_decoder(), model.get_output_embeddings())
+        assert tail is not None, f"{family} in {dtype}: no tail found"
+        assert (tail.scale, tail.softcap) == EXPECTED_TAIL.get(family, (1.0, 0.0)), (family, dtype, tail)
+
+
 def test_non_interface_families_are_refused_by_name():
     import transformers
 

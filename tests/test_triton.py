@@ -200,3 +200,18 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_matches_exact_attention_cuda(case, dtype):
     _check_case(case, dtype, "cuda")
+
+
+def test_interpreter_is_chosen_per_tensor_not_per_process():
+    """Under TRITON_INTERPRET=1 (set by conftest, also on a GPU host) CPU tensors get interpreted kernels and CUDA
+    tensors compiled ones: the interpreter never silently runs a GPU's attention, and one pytest process on a GPU
+    host runs both kinds of test. The environment is left as it was."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    before = os.environ.get("TRITON_INTERPRET")
+    interpreted, compiled = triton_attn._kernels(True), triton_attn._kernels(False)
+    assert isinstance(interpreted.fwd, InterpretedFunction)
+    assert isinstance(compiled.fwd, JITFunction)
+    assert not isinstance(compiled.fwd, InterpretedFunction)
+    assert os.environ.get("TRITON_INTERPRET") == before

@@ -195,8 +195,9 @@ def find_logits_tail(model: nn.Module, forward: Callable, decoder: nn.Module, he
     try:
         with gathered([head.weight, getattr(head, "bias", None)]), torch.no_grad():
             base = head(h).float()
-            h = h / base.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)  # each row's largest logit: 1, then x 10^k
-            h = h * torch.tensor([0.01, 1.0, 100.0, 10000.0], device=h.device, dtype=h.dtype)[None, :, None]
+            rows = torch.tensor([0.01, 1.0, 100.0, 10000.0], device=h.device)[None, :, None]
+            # each row's largest logit: 1, then x 10^k (in the head's dtype: a bf16 model is probed in bf16)
+            h = (h * rows / base.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)).to(dtype)
             z = head(h).float()
 
             def stand_in(*args: Any, **kwargs: Any) -> Any:

@@ -17,7 +17,9 @@ scale included, the backward taking the final ``out``/``lse``), plus the band en
 Rows that see no key get zero output, ``-inf`` LSE and zero gradients. Head dims that are not a power
 of two (16..256) are zero-padded (the scores do not change); larger ones are refused. fp16/bf16/fp32
 inputs, fp32 accumulation. Triton is imported when a kernel first runs, so ds_usp imports without it;
-on CPU tensors the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
+on CPU tensors the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1``, for tests). The choice is
+made per tensor, not per process: CUDA tensors get compiled kernels even where ``TRITON_INTERPRET=1`` is set, so a
+GPU host runs the interpreted CPU tests and the compiled GPU ones in one process.
 """
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ def band_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   k_doc: Optional[Tensor] = None, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`band_forward` given the final ``out``/``lse``."""
     _check(q, k, v, q_doc, k_doc)
-    kern = _kernels()
+    kern = _kernels(q.device.type == "cpu")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dp = _padded_dim(d)
@@ -187,7 +189,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[in
              q_doc: Optional[Tensor], k_doc: Optional[Tensor], out: Tensor, lse: Tensor, merge: bool,
              softcap: float = 0.0) -> None:
     _check(q, k, v, q_doc, k_doc)
-    kern = _kernels()
+    kern = _kernels(q.device.type == "cpu")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dp = _padded_dim(d)
@@ -209,9 +211,17 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[in
         out.copy_(target[..., :d])
 
 
-@functools.lru_cache(maxsize=1)
-def _kernels() -> Any:
-    """The @triton.jit kernels, defined on first use (triton is imported here, not with ds_usp)."""
-    from ds_usp.kernels import _triton_kernels
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool) -> Any:
+    """The @triton.jit kernels, defined on first use (triton is imported here, not with ds_usp): Triton decides
+    between interpreter and compiler when a function is decorated, so each mode gets its own copy of the module."""
+    import importlib.util
 
-    return _triton_kernels
+    from triton import knobs
+
+    spec = importlib.util.find_spec("ds_usp.kernels._triton_kernels")
+    module = importlib.util.module_from_spec(spec)
+    with knobs.runtime.scope():  # restores TRITON_INTERPRET as it was
+        knobs.runtime.interpret = interpret
+        spec.loader.exec_module(module)
+    return module
