@@ -192,8 +192,9 @@ def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
     ``T = b L / N`` tokens per rank. The forward's phases: the q/k/v all-to-all (send and receive
     buffer), the ring (fp32 output and LSE accumulators, the stacked K/V block and the one in flight,
     one block's result), the output's all-to-all (send, receive, output). The backward's: the dout
-    all-to-all, the ring (fp32 dQ accumulator, K/V block and the one in flight, fp32 dK/dV block and
-    the one in flight, one block's gradients), the dq/dk/dv all-to-all (send, receive, results).
+    all-to-all, the ring (fp32 dQ accumulator, K/V block and the one in flight, fp32 dK/dV of the block
+    at hand, its accumulator arriving and the previous one leaving, one block's gradients), the dq/dk/dv
+    all-to-all (send, receive, results).
 
     Args:
         batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes: as for :func:`forward_bytes`.
@@ -219,7 +220,9 @@ def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
         a2a_out = qkv_b + q_b + lse_b + 3 * q_b  # residuals, then send, receive, output
         forward_peak = max(a2a_in, ring_phase, a2a_out)
     grads_b = q_b + 2 * kv_b  # one block's dq, dk, dv
-    ring_bwd = (t * heads * head_dim * a + 4 * kv_b + 4 * t * hk * head_dim * a if ring > 1 else 0) + grads_b
+    # fp32 dQ; K/V block and in flight; fp32 dK/dV: the block's own gradients, the accumulator arriving and the one
+    # leaving (three blocks of dK and dV); one block's gradients
+    ring_bwd = (t * heads * head_dim * a + 4 * kv_b + 6 * t * hk * head_dim * a if ring > 1 else 0) + grads_b
     if ulysses == 1:
         backward_peak = ring_bwd + (grads_b if ring > 1 else 0)  # plus the casts of the fp32 accumulators
     else:

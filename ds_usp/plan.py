@@ -98,7 +98,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_bytes: int = 2,
-          zero: Optional[int] = None, offload: bool = False, presets: Sequence[str] = tuple(PRESETS)) -> list[Candidate]:
+          zero: Optional[int] = None, offload: bool = False, presets: Sequence[str] = tuple(PRESETS),
+          ulysses: Optional[int] = None, ring: Optional[int] = None) -> list[Candidate]:
     """Every plan for the cluster, priced; feasible ones first by predicted step time, then the others.
 
     Args:
@@ -110,6 +111,8 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
         zero: one ZeRO stage, or None for 1, 2 and 3.
         offload: also try the optimizer in host memory.
         presets: the memory-feature presets to try (:data:`PRESETS`).
+        ulysses: only splits of this Ulysses degree (None: every one).
+        ring: only splits of this ring degree (None: every one).
 
     Returns:
         The candidates.
@@ -118,6 +121,8 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
     for sp in _divisors(hw.world):
         for u in _divisors(sp):
             r = sp // u
+            if (ulysses and u != ulysses) or (ring and r != ring):
+                continue
             refused = plan_refusal(shape, u, r, seq)
             for stage in ([zero] if zero else [1, 2, 3]):
                 for preset in presets:
@@ -195,6 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, default=0.5, help="share of the peak the matmuls reach")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--zero", default="auto", choices=["1", "2", "3", "auto"])
+    p.add_argument("--ulysses", type=int, help="price only this Ulysses degree (default: every one)")
+    p.add_argument("--ring", type=int, help="price only this ring degree (default: every one)")
     p.add_argument("--offload", action="store_true", help="also try the optimizer state in host memory")
     p.add_argument("--presets", default=",".join(PRESETS),
                    help=f"memory-feature presets to try, comma-separated from {', '.join(PRESETS)}")
@@ -214,6 +221,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         ("--micro-batch", args.micro_batch)):
         if value < 1:
             p.error(f"{name} ({value}) must be at least 1")
+    world = args.nodes * args.gpus_per_node
+    degree = (args.ulysses or 1) * (args.ring or 1)
+    if any(v is not None and v < 1 for v in (args.ulysses, args.ring)) or world % degree:
+        p.error(f"--ulysses ({args.ulysses}) x --ring ({args.ring}) must divide the {world} GPUs")
     if args.gpu_mem <= 0:
         p.error(f"--gpu-mem ({args.gpu_mem}) must be positive")
     try:
@@ -235,7 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown or not presets:
         p.error(f"--presets {args.presets!r}: choose from {', '.join(PRESETS)}")
     kw = dict(micro_batch=args.micro_batch, elem_bytes=4 if args.fp32 else 2,
-              zero=None if args.zero == "auto" else int(args.zero), offload=args.offload, presets=presets)
+              zero=None if args.zero == "auto" else int(args.zero), offload=args.offload, presets=presets,
+              ulysses=args.ulysses, ring=args.ring)
     found = plans(shape, hw, args.seq, **kw)
     good = [c for c in found if c.problem is None]
     if args.json:

@@ -136,6 +136,15 @@ def test_cli_answers_impossible_requests():
     assert any("shorter than 2 x U x R" in (p["problem"] or "") for p in json.loads(short.stdout)["plans"])
     bad = _plan("--hidden", "64", "--seq", "1024")
     assert bad.returncode == 2 and "give --model, or all of" in bad.stderr
+    split = _plan(*LLAMA8B, "--seq", "8192", "--gpus-per-node", "8", "--ulysses", "3")
+    assert split.returncode == 2 and "must divide the 8 GPUs" in split.stderr
+
+
+def test_cli_prices_one_split():
+    """--ulysses/--ring price the layout a user already runs (the published setups of docs/planner.md)."""
+    rows = json.loads(_plan(*LLAMA8B, "--seq", "212992", "--nodes", "2", "--ulysses", "8", "--ring", "2", "--zero", "3",
+                            "--presets", "off,selective,full", "--json").stdout)["plans"]
+    assert {(p["U"], p["R"], p["zero"]) for p in rows} == {(8, 2, 3)} and len(rows) == 3
 
 
 def test_model_shapes_from_hf_configs(tmp_path):

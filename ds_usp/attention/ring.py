@@ -161,7 +161,8 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     here; their own gradient is :func:`sink_grad`).
 
     The K/V blocks travel the same steps again; each block's fp32 dK/dV accumulator travels with it and,
-    after the last needed step, goes home to its owner in one hop.
+    after the last needed step, goes home to its owner in one hop. A rank computes a block's gradients before
+    it waits for the block's accumulator, then adds them: the accumulator's hop overlaps the kernels.
 
     Args:
         dout: ``(b, s, hq, dv)`` gradient of the output.
@@ -188,11 +189,13 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = torch.cat([k, v], dim=-1)  # (b, s, hkv, d + dv)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the accumulator of my own block
+    local = None  # this step's block gradients, while the block's accumulator is still on its way
     wait_dkv = None
     for t in range(steps):
         wait_kv = ring_shift(kv, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
-        if wait_dkv is not None:
-            dkv = wait_dkv()  # the accumulator of the block at hand, from the previous rank
+        # step 0 adds into my own accumulator; later steps compute first and add to the arriving accumulator
+        # after, so its hop from the previous rank overlaps this block's kernels
+        target = dkv if wait_dkv is None else (local.zero_() if local is not None else torch.zeros_like(dkv))
         for rows, parts in schedule[t]:
             for part in parts:
                 pieces = backward_pieces(backend, dout[rows, part.q], q[rows, part.q], kv[..., :dk_][rows, part.k],
@@ -202,14 +205,18 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                     qrows = slice(part.q.start + qs.start, part.q.start + qs.stop)
                     krows = slice(part.k.start + ks.start, part.k.start + ks.stop)
                     ops.accumulate_(dq[rows, qrows], dq_b)
-                    ops.accumulate_(dkv[..., :dk_][rows, krows], dk_b)
-                    ops.accumulate_(dkv[..., dk_:][rows, krows], dv_b)
+                    ops.accumulate_(target[..., :dk_][rows, krows], dk_b)
+                    ops.accumulate_(target[..., dk_:][rows, krows], dv_b)
                     del dq_b, dk_b, dv_b  # free before the next kernel allocates its own
+        if wait_dkv is not None:
+            dkv, local = wait_dkv(), target  # the block's accumulator, from the previous rank
+            dkv += local
         # the accumulator moves on with its block; after the last step it goes straight home (R - t hops ahead)
         hop = 1 if t < steps - 1 else (spec.size - t) % spec.size
         wait_dkv = ring_shift(dkv, spec.group, spec.ranks, spec.rank, hop) if hop else None
         if wait_kv is not None:
             kv = wait_kv()
+    del local
     if wait_dkv is not None:
         dkv = wait_dkv()  # my own block's accumulator, back home
     # dk and dv get storage of their own (a copy only for fp32): the custom op's outputs may not alias each other
