@@ -5,13 +5,13 @@ tokens per rank, ``e`` bytes per element of q/k/v, ``H``/``H_kv`` query/kv heads
 ``H_kv' = max(H_kv, U)`` the kv heads the all-to-all carries (replicated when ``H_kv < U``)::
 
     forward  = T e [ (U-1)/U (2 H + 2 H_kv') D  +  2 (R-1) H_kv' D ]
-    backward = T [ e (U-1)/U (2 H + 2 H_kv') D  +  e 2 (R-1) H_kv' D  +  4 * 2 R H_kv' D [R > 1] ]
+    backward = T [ e (U-1)/U (2 H + 2 H_kv') D  +  e 2 (R-1) H_kv' D  +  e 2 (R-1) H_kv' D ]
 
 Forward: one all-to-all for q, k, v (``H + 2 H_kv'`` heads per token), one for the output (``H``);
 the ring passes the stacked K/V piece R-1 times. Backward: the output's all-to-all reversed for
-dout; the ring passes K/V again R-1 times (not kept from the forward) and the fp32 dK/dV
-accumulator of each block R times (from its owner around and home), 4 bytes per element whatever
-the input dtype; the q/k/v all-to-all reversed for dq, dk, dv. Derived from
+dout; the ring passes K/V again R-1 times (not kept from the forward) and each rank sends the dK/dV
+of the R-1 blocks that visited it straight to their owners, in the training dtype (the owner sums
+them in fp32); the q/k/v all-to-all reversed for dq, dk, dv. Derived from
 :mod:`ds_usp.attention.usp`; the meter in ``benchmarks/meters.py`` measures it (tests/test_comm_volume.py
 checks every split against it) and docs/choosing.md uses it.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
-ACC_BYTES = 4  # the ring backward's dK/dV and dQ accumulators and the LSE are fp32 whatever the input dtype
+ACC_BYTES = 4  # the ring's accumulators (output, dQ, the owner's dK/dV) and the LSE are fp32 whatever the input dtype
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,13 @@ def backward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: in
         batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes, v_head_dim: as for :func:`forward_bytes`.
 
     Returns:
-        The :class:`Volume`: all-to-alls for dout and for dq/dk/dv, ring K/V (R-1 hops, e bytes) and
-        fp32 dK/dV (R hops); no ring traffic when R = 1.
+        The :class:`Volume`: all-to-alls for dout and for dq/dk/dv, ring K/V (R-1 hops) and dK/dV (R-1
+        blocks of gradients, each sent once to its owner), both in the training dtype (e bytes); no ring
+        traffic when R = 1.
     """
     tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
                                           v_head_dim)
-    ring_b = tokens * d_kv * ((ring - 1) * elem_bytes + ring * ACC_BYTES) if ring > 1 else 0
+    ring_b = tokens * d_kv * 2 * (ring - 1) * elem_bytes if ring > 1 else 0
     return Volume(float(a2a), float(ring_b))
 
 
@@ -192,9 +193,9 @@ def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
     ``T = b L / N`` tokens per rank. The forward's phases: the q/k/v all-to-all (send and receive
     buffer), the ring (fp32 output and LSE accumulators, the stacked K/V block and the one in flight,
     one block's result), the output's all-to-all (send, receive, output). The backward's: the dout
-    all-to-all, the ring (fp32 dQ accumulator, K/V block and the one in flight, fp32 dK/dV of the block
-    at hand, its accumulator arriving and the previous one leaving, one block's gradients), the dq/dk/dv
-    all-to-all (send, receive, results).
+    all-to-all, the ring (fp32 dQ accumulator, K/V block and the one in flight, my block's fp32 dK/dV
+    sum, a visiting block's fp32 dK/dV and the two in flight in the training dtype, one block's gradients),
+    the dq/dk/dv all-to-all (send, receive, results).
 
     Args:
         batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes: as for :func:`forward_bytes`.
@@ -220,9 +221,9 @@ def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
         a2a_out = qkv_b + q_b + lse_b + 3 * q_b  # residuals, then send, receive, output
         forward_peak = max(a2a_in, ring_phase, a2a_out)
     grads_b = q_b + 2 * kv_b  # one block's dq, dk, dv
-    # fp32 dQ; K/V block and in flight; fp32 dK/dV: the block's own gradients, the accumulator arriving and the one
-    # leaving (three blocks of dK and dV); one block's gradients
-    ring_bwd = (t * heads * head_dim * a + 4 * kv_b + 6 * t * hk * head_dim * a if ring > 1 else 0) + grads_b
+    # fp32 dQ; K/V block and in flight; dK/dV: my block's fp32 sum, a visiting block's fp32 gradients, and those
+    # leaving and arriving in the training dtype; one block's gradients
+    ring_bwd = (t * heads * head_dim * a + 4 * kv_b + 4 * (a + e) * t * hk * head_dim if ring > 1 else 0) + grads_b
     if ulysses == 1:
         backward_peak = ring_bwd + (grads_b if ring > 1 else 0)  # plus the casts of the fp32 accumulators
     else:

@@ -19,7 +19,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CASES = [  # (b, seq, H, H_kv, D, dtype, causal, layout)
     (B, 64, H, H, D, "fp32", True, "zigzag"),
     (B, 64, H, 2, D, "fp32", True, "contiguous"),  # H_kv < U=4: kv replicated before the all-to-all
-    (B, 64, H, 1, D, "bf16", False, "zigzag"),  # MQA, bf16 (fp32 dK/dV accumulators all the same)
+    (B, 64, H, 1, D, "bf16", False, "zigzag"),  # MQA, bf16 (dK/dV on the wire in bf16 too)
     (1, 61, H, 2, D, "bf16", True, "zigzag"),  # padded to 64 (zigzag: a multiple of 2N)
     (1, 70, H, H, D, "fp32", False, "contiguous"),  # padded to 72
 ]
@@ -70,9 +70,11 @@ def test_closed_form_hand_values():
     # Ulysses 4x1: (3/4) (2 d + 2 d) 4 bytes each way, no ring.
     assert forward_bytes(1, 1024, 4, 4, 16, 4, 1, 4) == Volume(tok * 4 * 3 / 4 * 4 * d, 0)
     assert backward_bytes(1, 1024, 4, 4, 16, 4, 1, 4) == Volume(tok * 4 * 3 / 4 * 4 * d, 0)
-    # Ring 1x4: K+V 3 hops forward; backward K+V 3 hops plus fp32 dK+dV 4 hops, whatever the dtype.
+    # Ring 1x4: K+V 3 hops forward; backward K+V 3 hops plus 3 blocks of dK+dV, each sent once to its owner, in
+    # the training dtype: in bf16 3/8 of the bytes of an fp32 accumulator travelling 4 hops with its block.
     assert forward_bytes(1, 1024, 4, 4, 16, 1, 4, 2) == Volume(0, tok * 2 * 2 * 3 * d)
-    assert backward_bytes(1, 1024, 4, 4, 16, 1, 4, 2) == Volume(0, tok * 2 * d * (3 * 2 + 4 * 4))
+    assert backward_bytes(1, 1024, 4, 4, 16, 1, 4, 2) == Volume(0, tok * 2 * d * (3 * 2 + 3 * 2))
+    assert backward_bytes(1, 1024, 4, 4, 16, 1, 4, 4) == Volume(0, tok * 2 * d * (3 * 4 + 3 * 4))
     # GQA with H_kv = 2 < U = 8: the all-to-all carries 8 kv heads, as many as with H_kv = 8.
     assert forward_bytes(1, 4096, 8, 2, 64, 8, 1, 4) == forward_bytes(1, 4096, 8, 8, 64, 8, 1, 4)
     assert forward_bytes(1, 4096, 8, 2, 64, 8, 1, 4).total > forward_bytes(1, 4096, 8, 2, 64, 4, 2, 4).all_to_all

@@ -6,8 +6,8 @@ its queries against (part of) that block, while the next block is already in fli
 (:func:`ds_usp.comm.ring_shift`, double buffered). Which parts, and how many steps at all, is
 decided in one place, :mod:`ds_usp.attention.masks` (causal, documents, windows, padding). The
 partial ``(out, lse)`` pairs are merged exactly in fp32 by ``ops.merge_block_`` (:mod:`ds_usp.ops`).
-The backward walks the same schedule with the merged ``(out, lse)`` and passes the fp32 dK/dV
-accumulator of each block along with it until the last step, then home to its owner. Neither direction is autograd-aware: :mod:`ds_usp.attention.usp` wraps both in one
+The backward walks the same schedule with the merged ``(out, lse)``; the gradients a rank computes for a
+visiting block go straight to the block's owner in the training dtype, which sums them in fp32. Neither direction is autograd-aware: :mod:`ds_usp.attention.usp` wraps both in one
 custom op. Shapes use the legend of docs/architecture.md (here ``s`` is one ring piece, ``U*s_local``).
 """
 from __future__ import annotations
@@ -160,9 +160,10 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     """Gradients of :func:`ring_forward` from its merged ``(out, lse)`` (sinks included: they need nothing more
     here; their own gradient is :func:`sink_grad`).
 
-    The K/V blocks travel the same steps again; each block's fp32 dK/dV accumulator travels with it and,
-    after the last needed step, goes home to its owner in one hop. A rank computes a block's gradients before
-    it waits for the block's accumulator, then adds them: the accumulator's hop overlaps the kernels.
+    The K/V blocks travel the same steps again. A rank's gradients for a visiting block go straight to the
+    block's owner (``t`` ranks back at step ``t``) in the training dtype, where they are summed in fp32: half
+    the bytes of an fp32 accumulator travelling with the block in bf16/fp16, one hop fewer in fp32, and each
+    exchange is waited for only after the next step's kernels.
 
     Args:
         dout: ``(b, s, hq, dv)`` gradient of the output.
@@ -188,14 +189,12 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         return backend.backward(dout, q, k, v, out, lse, schedule[0][0][1][0].causal, scale, softcap)
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = torch.cat([k, v], dim=-1)  # (b, s, hkv, d + dv)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the accumulator of my own block
-    local = None  # this step's block gradients, while the block's accumulator is still on its way
-    wait_dkv = None
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # my own block's gradients, fp32
+    spare = None  # an fp32 buffer for a visiting block's gradients, free again once they left in a cast copy
+    wait_part = None  # the exchange of the previous step's gradients
     for t in range(steps):
         wait_kv = ring_shift(kv, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
-        # step 0 adds into my own accumulator; later steps compute first and add to the arriving accumulator
-        # after, so its hop from the previous rank overlaps this block's kernels
-        target = dkv if wait_dkv is None else (local.zero_() if local is not None else torch.zeros_like(dkv))
+        target = dkv if t == 0 else (spare.zero_() if spare is not None else torch.zeros_like(dkv))
         for rows, parts in schedule[t]:
             for part in parts:
                 pieces = backward_pieces(backend, dout[rows, part.q], q[rows, part.q], kv[..., :dk_][rows, part.k],
@@ -208,16 +207,15 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                     ops.accumulate_(target[..., :dk_][rows, krows], dk_b)
                     ops.accumulate_(target[..., dk_:][rows, krows], dv_b)
                     del dq_b, dk_b, dv_b  # free before the next kernel allocates its own
-        if wait_dkv is not None:
-            dkv, local = wait_dkv(), target  # the block's accumulator, from the previous rank
-            dkv += local
-        # the accumulator moves on with its block; after the last step it goes straight home (R - t hops ahead)
-        hop = 1 if t < steps - 1 else (spec.size - t) % spec.size
-        wait_dkv = ring_shift(dkv, spec.group, spec.ranks, spec.rank, hop) if hop else None
+        if wait_part is not None:  # the previous step's gradients of my block, waited for after this step's kernels
+            ops.accumulate_(dkv, wait_part())
+        if t:  # this block's gradients go straight to its owner, t ranks back, in the training dtype
+            wire = target.to(kv.dtype)
+            spare = target if wire is not target else None  # fp32 training sends the buffer itself
+            wait_part = ring_shift(wire, spec.group, spec.ranks, spec.rank, spec.size - t)
         if wait_kv is not None:
             kv = wait_kv()
-    del local
-    if wait_dkv is not None:
-        dkv = wait_dkv()  # my own block's accumulator, back home
+    if wait_part is not None:
+        ops.accumulate_(dkv, wait_part())
     # dk and dv get storage of their own (a copy only for fp32): the custom op's outputs may not alias each other
     return dq.to(q.dtype), dkv[..., :dk_].to(k.dtype, copy=True), dkv[..., dk_:].to(v.dtype, copy=True)
