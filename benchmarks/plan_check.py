@@ -79,7 +79,7 @@ def main() -> int:
     measured = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     rows = [{"split": f"{c.settings.ulysses}x{c.settings.ring}", "planner_rank": i + 1, "predicted_s": c.time.total,
              "predicted_GiB": c.memory.total / 2 ** 30, "measured_s": measured[s]["step_s"],
-             "measured_MiB": measured[s]["peak_MiB"]} for i, (c, s) in enumerate(zip(priced, systems))]
+             "growth_MiB": measured[s]["peak_MiB"]} for i, (c, s) in enumerate(zip(priced, systems))]
     print(table(rows, fmt={"predicted_s": ".3f", "predicted_GiB": ".3f", "measured_s": ".1f"}))
     fastest = min(r["measured_s"] for r in rows)
     ratio = rows[0]["measured_s"] / fastest
