@@ -5,7 +5,7 @@ tokens per rank, ``e`` bytes per element of q/k/v, ``H``/``H_kv`` query/kv heads
 ``H_kv' = max(H_kv, U)`` the kv heads the all-to-all carries (replicated when ``H_kv < U``)::
 
     forward  = T e [ (U-1)/U (2 H + 2 H_kv') D  +  2 (R-1) H_kv' D ]
-    backward = T [ e (U-1)/U (2 H + 2 H_kv') D  +  e 2 (R-1) H_kv' D  +  e 2 (R-1) H_kv' D ]
+    backward = T e [ (U-1)/U (2 H + 2 H_kv') D  +  4 (R-1) H_kv' D ]            (K/V again, then dK/dV home)
 
 Forward: one all-to-all for q, k, v (``H + 2 H_kv'`` heads per token), one for the output (``H``);
 the ring passes the stacked K/V piece R-1 times. Backward: the output's all-to-all reversed for
