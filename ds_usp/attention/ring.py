@@ -8,7 +8,8 @@ decided in one place, :mod:`ds_usp.attention.masks` (causal, documents, windows,
 partial ``(out, lse)`` pairs are merged exactly in fp32 by ``ops.merge_block_`` (:mod:`ds_usp.ops`).
 The backward walks the same schedule with the merged ``(out, lse)``; the gradients a rank computes for a
 visiting block go straight to the block's owner in the training dtype, which sums them in fp32. Neither
-direction is autograd-aware: :mod:`ds_usp.attention.usp` wraps both in one custom op. Shapes use the legend of docs/architecture.md (here ``s`` is one ring piece, ``U*s_local``).
+direction is autograd-aware: :mod:`ds_usp.attention.usp` wraps both in one custom op. Shapes use the legend
+of docs/architecture.md (here ``s`` is one ring piece, ``U*s_local``).
 """
 from __future__ import annotations
 
