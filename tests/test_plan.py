@@ -171,3 +171,24 @@ def test_model_shapes_from_hf_configs(tmp_path):
     path.write_text(json.dumps(transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100).to_dict()))
     done = _plan("--model", str(path), "--seq", "4096")
     assert done.returncode == 1 and "MambaForCausalLM" in done.stderr and "does not shard" in done.stderr
+
+
+def test_auto_degrees_are_priced_at_the_models_length(monkeypatch):
+    """``ds_usp.initialize``'s "auto" degrees: the paper's rule (Ulysses inside a node) unless the cost model prices
+    another split 10% faster, at 16384 tokens a rank or at the model's max_position_embeddings when shorter. A tiny
+    model of 128 positions on 2 nodes x 2 ranks keeps the rule; the same shape priced at 64K would go ring-only."""
+    import transformers
+
+    from ds_usp.config import load_usp_config
+    from ds_usp.integration.engine import _ask_the_cost_model
+    from ds_usp.integration.models import model_shape
+
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    cfg = load_usp_config({"sequence_parallel": "usp", "sequence_parallel_size": 4}, 4, num_heads=4, num_kv_heads=2)
+    assert (cfg.ulysses_degree, cfg.ring_degree, cfg.degrees_chosen_automatically) == (2, 2, True)
+    shape = model_shape(transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    short = _ask_the_cost_model(cfg, shape, 2, 2, max_positions=128)
+    long = _ask_the_cost_model(cfg, shape, 2, 2, max_positions=None)
+    assert (short.ulysses_degree, short.ring_degree) == (2, 2)
+    assert (long.ulysses_degree, long.ring_degree) == (1, 4)

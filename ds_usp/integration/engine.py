@@ -240,12 +240,18 @@ def _shape_of(model: Any) -> Optional[ModelShape]:
 NOMINAL_TOKENS_PER_RANK = 16384  # the length "auto" degrees are priced at (the length is not known yet)
 
 
-def _ask_the_cost_model(cfg: USPConfig, shape: ModelShape, zero: int, per_node: int) -> USPConfig:
+def _ask_the_cost_model(cfg: USPConfig, shape: ModelShape, zero: int, per_node: int,
+                        max_positions: Optional[int] = None) -> USPConfig:
     """Degrees left out: the paper's rule (Ulysses inside a node) unless the cost model prices another split of the
-    sequence-parallel ranks, whose all-to-alls stay inside a node, at least 10% faster; the choice is logged."""
+    sequence-parallel ranks, whose all-to-alls stay inside a node, at least 10% faster; the choice is logged.
+
+    The length is not known yet: it is priced at :data:`NOMINAL_TOKENS_PER_RANK` per rank, or at the model's
+    ``max_position_embeddings`` when that is shorter (a model is not trained beyond the length it declares)."""
     sp, dp = cfg.sequence_parallel_size, cfg.data_parallel_size
     hw = Hardware(nodes=max(1, cfg.world_size // per_node), gpus_per_node=per_node)
     seq = NOMINAL_TOKENS_PER_RANK * sp
+    if isinstance(max_positions, int) and not isinstance(max_positions, bool) and 2 * sp <= max_positions < seq:
+        seq = max_positions
 
     def priced(u: int) -> float:
         return step_time(shape, StepSettings(u, sp // u, dp, zero), seq, hw).total
@@ -333,7 +339,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     zero = raw.get("zero_optimization", {})
     shape = _shape_of(model) if usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 else None
     if shape is not None and usp_cfg.degrees_chosen_automatically:
-        usp_cfg = _ask_the_cost_model(usp_cfg, shape, zero.get("stage", 0) or 1, ranks_per_node(world))
+        usp_cfg = _ask_the_cost_model(usp_cfg, shape, zero.get("stage", 0) or 1, ranks_per_node(world),
+                                      getattr(model.config, "max_position_embeddings", None))
     zero3_sp = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and zero.get("stage", 0) == 3
     if zero3_sp and zero.get("zero_quantized_gradients", False):
         raise ValueError("zero_optimization.zero_quantized_gradients is not supported with ZeRO-3 and "
