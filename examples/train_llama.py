@@ -181,7 +181,7 @@ def main() -> None:
                           shift_labels=shard["shift_labels"]).loss
             engine.backward(loss)
             engine.step()
-            total += float(loss)
+            total += float(loss.detach())
         value = torch.tensor(total, device=engine.device)  # NCCL reduces CUDA tensors only
         if topo.dp_size > 1:
             dist.all_reduce(value, group=topo.dp_group)
