@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -40,7 +39,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from _common import free_port, result_path, save_results, table
+from _common import free_port, save_results, table
+from long_seq import alst_full, alst_tiled_loss
 
 TAG = "[gpu_train]"
 SHAPES = {
@@ -143,39 +143,21 @@ def usp_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, C
 def alst_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, Callable[[int], Step]]:
     """DeepSpeed's TiledMLP, TiledFusedLogitsLoss and HF checkpointing, as ALST's tutorial wires them."""
     import deepspeed
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
-    from transformers.models.llama import modeling_llama
 
     deepspeed.init_distributed(dist_backend="nccl" if CUDA else "gloo")
     model = build_model(shape, "sdpa")
-
-    def tiled_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        def forward(self: Any, t: torch.Tensor) -> torch.Tensor:
-            return self.down_proj(self.act_fn(self.gate_proj(t)) * self.up_proj(t))
-
-        return TiledMLP.apply(forward, mlp, x, math.ceil(x.shape[1] / x.shape[2]),
-                              [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight])
-
-    modeling_llama.LlamaMLP.forward = tiled_mlp
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    alst_full(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
     module = engine.module
-
-    def fused_logits_loss(model_with_head: Any = None, hidden_states: Any = None, shift_labels: Any = None) -> Any:
-        logits = model_with_head.lm_head(hidden_states)
-        return model_with_head.loss_function(logits=logits, labels=None, vocab_size=shape["vocab"],
-                                             shift_labels=shift_labels) * (shift_labels != -100).sum()
 
     def at(seq: int) -> Step:
         ids = tokens(shape, seq)
         batch = {"input_ids": ids.to(engine.device), "position_ids": torch.arange(seq, device=engine.device)[None]}
         shift = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1).to(engine.device)
-        shards = math.ceil(seq * shape["vocab"] * 4 / (2 ** 30 / 8))
 
         def step() -> float:
             hidden = module.model(**batch, use_cache=False).last_hidden_state
-            loss = TiledFusedLogitsLoss.apply(fused_logits_loss, module, hidden, shift, None, shards,
-                                              [module.lm_head.weight], "sum") / (seq - 1)
+            loss = alst_tiled_loss(module, hidden, shift, shape["vocab"]) / (seq - 1)
             engine.backward(loss)
             engine.step()
             return float(loss)

@@ -164,12 +164,47 @@ def usp_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Cal
     return step, describe
 
 
+def alst_full(model: Any) -> None:
+    """ALST's full recipe on an HF Llama as DeepSpeed's tutorial wires it: DeepSpeed's ``TiledMLP`` on every MLP
+    (``ceil(S / hidden)`` shards, the same number on every rank) and HF gradient checkpointing."""
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    from transformers.models.llama import modeling_llama
+
+    def tiled_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        shards = torch.tensor(math.ceil(x.shape[1] / x.shape[2]), device=x.device)
+        dist.all_reduce(shards, op=dist.ReduceOp.MAX)
+
+        def forward(self: Any, t: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(self.act_fn(self.gate_proj(t)) * self.up_proj(t))
+
+        return TiledMLP.apply(forward, mlp, x, int(shards), [mlp.down_proj.weight, mlp.gate_proj.weight,
+                                                             mlp.up_proj.weight])
+
+    modeling_llama.LlamaMLP.forward = tiled_mlp
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def alst_tiled_loss(module: Any, hidden: torch.Tensor, shift: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The summed token losses through DeepSpeed's ``TiledFusedLogitsLoss``, 1/8 GiB fp32 logits tiles, with
+    ArcticTraining's loss function."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    def fused_logits_loss(model_with_head: Any = None, hidden_states: Any = None, shift_labels: Any = None) -> Any:
+        logits = model_with_head.lm_head(hidden_states)
+        return model_with_head.loss_function(logits=logits, labels=None, vocab_size=vocab,
+                                             shift_labels=shift_labels) * (shift_labels != -100).sum()
+
+    shards = math.ceil(shift.numel() * vocab * 4 / (2 ** 30 / 8))
+    return TiledFusedLogitsLoss.apply(fused_logits_loss, module, hidden, shift, None, shards,
+                                      [module.lm_head.weight], "sum")
+
+
 def alst_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Callable[[], str]]:
     """DeepSpeed's ALST as its tutorial wires it (``ALST full``: with TiledMLP, tiled loss and checkpointing)."""
     import deepspeed
-    import torch.distributed as dist
     import torch.distributed.nn.functional as dist_fn
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from deepspeed.utils import groups
 
     full = name == "ALST full"
@@ -179,20 +214,7 @@ def alst_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Ca
                                                           micro_batch_size=args.batch, seq_length=seq,
                                                           seq_length_is_variable=False)
     if full:
-        from transformers.models.llama import modeling_llama
-
-        def tiled_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
-            shards = torch.tensor(math.ceil(x.shape[1] / x.shape[2]), device=x.device)
-            dist.all_reduce(shards, op=dist.ReduceOp.MAX)  # the same number of shards on every rank
-
-            def forward(self: Any, t: torch.Tensor) -> torch.Tensor:
-                return self.down_proj(self.act_fn(self.gate_proj(t)) * self.up_proj(t))
-
-            return TiledMLP.apply(forward, mlp, x, int(shards), [mlp.down_proj.weight, mlp.gate_proj.weight,
-                                                                 mlp.up_proj.weight])
-
-        modeling_llama.LlamaMLP.forward = tiled_mlp
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        alst_full(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args),
                                       mpu=mpu)
     # at sequence parallel 1 DeepSpeed registers nothing (mpu None): the whole sequence on one rank
@@ -206,18 +228,11 @@ def alst_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Ca
     shift = torch.cat([ids[:, 1:], torch.full((args.batch, 1), -100)], dim=1)[:, part].to(engine.device)
     module = engine.module
 
-    def fused_logits_loss(model_with_head: Any = None, hidden_states: Any = None, shift_labels: Any = None) -> Any:
-        logits = model_with_head.lm_head(hidden_states)  # ArcticTraining's loss function
-        return model_with_head.loss_function(logits=logits, labels=None, vocab_size=args.vocab,
-                                             shift_labels=shift_labels) * (shift_labels != -100).sum()
-
     def step() -> float:
         good = (shift != -100).sum()
         if full:
             hidden = module.model(**batch, use_cache=False).last_hidden_state
-            shards = math.ceil(args.batch * local * args.vocab * 4 / (2 ** 30 / 8))  # 1/8 GiB fp32 logits tiles
-            loss = TiledFusedLogitsLoss.apply(fused_logits_loss, module, hidden, shift, None, shards,
-                                              [module.lm_head.weight], "sum") / max(int(good), 1)
+            loss = alst_tiled_loss(module, hidden, shift, args.vocab) / max(int(good), 1)
         else:
             logits = engine(**batch, use_cache=False).logits
             loss = module.loss_function(logits=logits, labels=None, vocab_size=args.vocab, shift_labels=shift)

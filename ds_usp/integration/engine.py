@@ -253,16 +253,13 @@ def _ask_the_cost_model(cfg: USPConfig, shape: ModelShape, zero: int, per_node: 
     if isinstance(max_positions, int) and not isinstance(max_positions, bool) and 2 * sp <= max_positions < seq:
         seq = max_positions
 
-    def priced(u: int) -> float:
-        return step_time(shape, StepSettings(u, sp // u, dp, zero), seq, hw).total
-
-    options = [u for u in range(1, sp + 1) if sp % u == 0 and per_node % u == 0 and plan_refusal(shape, u, sp // u,
-                                                                                                seq) is None]
+    prices = {u: step_time(shape, StepSettings(u, sp // u, dp, zero), seq, hw).total for u in range(1, sp + 1)
+              if sp % u == 0 and per_node % u == 0 and plan_refusal(shape, u, sp // u, seq) is None}
     rule = cfg.ulysses_degree
-    best = min(options, key=priced, default=rule)
-    pick = best if rule not in options or priced(best) < 0.9 * priced(rule) else rule
+    best = min(prices, key=prices.get, default=rule)
+    pick = best if rule not in prices or prices[best] < 0.9 * prices[rule] else rule
     log_rank0(f"usp degrees: ulysses_degree={pick} x ring_degree={sp // pick} (the cost model at S={seq}: "
-              + ", ".join(f"{u}x{sp // u} {priced(u):.3g} s" for u in options) + "; see python -m ds_usp.plan)")
+              + ", ".join(f"{u}x{sp // u} {t:.3g} s" for u, t in prices.items()) + "; see python -m ds_usp.plan)")
     return replace(cfg, ulysses_degree=pick, ring_degree=sp // pick)
 
 
@@ -337,8 +334,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         raise unreadable
     usp_cfg = load_usp_config(raw, world, num_heads=heads, num_kv_heads=kv_heads)
     zero = raw.get("zero_optimization", {})
-    shape = _shape_of(model) if usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 else None
-    if shape is not None and usp_cfg.degrees_chosen_automatically:
+    auto = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and usp_cfg.degrees_chosen_automatically
+    shape = _shape_of(model) if auto else None  # read only when the degrees are the cost model's to choose
+    if shape is not None:
         usp_cfg = _ask_the_cost_model(usp_cfg, shape, zero.get("stage", 0) or 1, ranks_per_node(world),
                                       getattr(model.config, "max_position_embeddings", None))
     zero3_sp = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and zero.get("stage", 0) == 3

@@ -304,7 +304,6 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
         ValueError: a family ds-usp cannot shard (its attention bypasses the interface, or sequence-mixing layers
             other than attention and Gated DeltaNet), naming it.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     from ds_usp.integration.hf import refuse_non_interface_family
@@ -319,6 +318,7 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     if mixers:
         raise ValueError(f"{type(model).__name__} has sequence-mixing layers ds-usp does not shard ({mixers[0]}); "
                          f"see docs/models.md")
+
     def numel(p: Tensor) -> int:
         return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 partitioned: the full size
 
