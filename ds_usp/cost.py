@@ -512,10 +512,14 @@ class StepTime:
     zero: float
 
     @property
+    def ring_exposed(self) -> float:
+        """The ring's part not hidden behind the attention's compute."""
+        return max(0.0, self.ring - self.ring_hidden)
+
+    @property
     def total(self) -> float:
-        """Compute, the all-to-alls and ZeRO's collectives in sequence; the ring's part not hidden behind the
-        attention's compute."""
-        return self.compute + self.all_to_all + max(0.0, self.ring - self.ring_hidden) + self.zero
+        """Compute, the all-to-alls, the exposed ring and ZeRO's collectives in sequence."""
+        return self.compute + self.all_to_all + self.ring_exposed + self.zero
 
 
 def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_batch: int = 1,

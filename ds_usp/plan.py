@@ -49,7 +49,7 @@ class Candidate:
                 "offload": s.offload_optimizer, "mem_gib": self.memory.total / GIB,
                 **{f"{k}_gib": v / GIB for k, v in asdict(self.memory).items()},
                 "step_s": self.time.total, "compute_s": self.time.compute, "all_to_all_s": self.time.all_to_all,
-                "ring_s": self.time.ring, "ring_exposed_s": max(0.0, self.time.ring - self.time.ring_hidden),
+                "ring_s": self.time.ring, "ring_exposed_s": self.time.ring_exposed,
                 "zero_s": self.time.zero, "tokens_per_s": seq * s.dp / self.time.total if self.time.total else None,
                 "problem": self.problem}
 
@@ -273,7 +273,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _print(shape: ModelShape, hw: Hardware, args: argparse.Namespace, good: list[Candidate], bad: list[Candidate],
            n_good: int, n_all: int) -> None:
-    gib = GIB
     print(f"{shape.name}: {shape.params / 1e9:.2f}B parameters ({shape.active_params / 1e9:.2f}B active), "
           f"{shape.attention_layers} attention + {shape.linear_layers} linear layers; S={args.seq}, "
           f"{hw.nodes} x {hw.gpus_per_node} GPUs, {hw.gpu_mem_gib:g} GiB each; {n_good} of {n_all} plans fit")
@@ -284,11 +283,10 @@ def _print(shape: ModelShape, hw: Hardware, args: argparse.Namespace, good: list
     print("-" * len(head))
     for i, c in enumerate(good, 1):
         s, m, t = c.settings, c.memory, c.time
-        exposed = max(0.0, t.ring - t.ring_hidden)
         print(f"{i:>2} {s.ulysses:>3} {s.ring:>3} {s.dp:>3} {s.zero:>4} {c.preset:>9} {'yes' if s.offload_optimizer else '':>4}"
-              f" | {m.total / gib:>6.1f} = {m.params / gib:>6.1f} {m.grads / gib:>6.1f} {m.optimizer / gib:>6.1f} "
-              f"{m.activations / gib:>6.1f} {m.attention / gib:>6.1f} {m.loss / gib:>6.1f} {m.fixed / gib:>5.1f} | "
-              f"{t.total:>8.2f} = {t.compute:>7.2f} {t.all_to_all:>6.2f} {exposed:>6.2f} {t.zero:>6.2f} | "
+              f" | {m.total / GIB:>6.1f} = {m.params / GIB:>6.1f} {m.grads / GIB:>6.1f} {m.optimizer / GIB:>6.1f} "
+              f"{m.activations / GIB:>6.1f} {m.attention / GIB:>6.1f} {m.loss / GIB:>6.1f} {m.fixed / GIB:>5.1f} | "
+              f"{t.total:>8.2f} = {t.compute:>7.2f} {t.all_to_all:>6.2f} {t.ring_exposed:>6.2f} {t.zero:>6.2f} | "
               f"{args.seq * s.dp / t.total:>9.0f}")
     if bad:
         print("not feasible (first few):")
