@@ -5,6 +5,7 @@ Run (4 CPU ranks over gloo; NCCL when CUDA is available; any world size):
     deepspeed --num_gpus 4 benchmarks/comm_volume.py --seq 2048 --native-op off
     python benchmarks/comm_volume.py --formula-only --world 16 --seq 131072 --heads 32 --kv-heads 8 \
         --head-dim 128 --dtypes bf16
+    deepspeed --num_gpus 4 benchmarks/comm_volume.py --seq 2048 --dtypes bf16 --comm-dtype fp8
 
 For every ``(U, R)`` split and every case of the matrix (dtype x kv heads x mask-layout) each rank runs
 one forward and backward under :func:`meters.measure_attention`, which counts what it hands to
@@ -39,7 +40,7 @@ def closed_form(args: Any, seq: int, kv: int, dtype: str, u: int, r: int, layout
 
     a = (args.batch, padded_length(seq, u, r, layout), args.heads, kv, args.head_dim, u, r,
          torch.empty(0, dtype=DTYPES[dtype]).element_size())
-    f, b = forward_bytes(*a), backward_bytes(*a)
+    f, b = forward_bytes(*a, comm_dtype=args.comm_dtype), backward_bytes(*a, comm_dtype=args.comm_dtype)
     return [f.all_to_all, f.ring, b.all_to_all, b.ring]
 
 
@@ -55,7 +56,7 @@ def formula_table(args: Any) -> str:
                      "bwd ring": v[3], "bwd": total(v[2], v[3]), "fwd+bwd": total(*v),
                      "note": skip and f"not possible: {skip}"})
     return (f"closed form per rank per layer (MiB): N={args.world}, b={args.batch}, L={args.seq}, H={args.heads}, "
-            f"H_kv={kv}, D={args.head_dim}, {dtype}, fp32 ring dK/dV accumulators\n"
+            f"H_kv={kv}, D={args.head_dim}, {dtype}, comm_dtype={args.comm_dtype}\n"
             + table(rows, fmt={c: ".4f" for c in rows[0] if c not in ("UxR", "note")}))
 
 
@@ -67,6 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = parser(__doc__.split("\n")[0], seq=2048, dtype=["fp32", "bf16"], kv_heads_list=True)
     p.add_argument("--masks", type=comma_list(str, MASKS), default=list(MASKS[:3]),
                    help=f"comma-separated, from {', '.join(MASKS)} (default: the first three)")
+    p.add_argument("--comm-dtype", default="input", choices=("input", "fp8"), help="usp.comm_dtype (default input)")
     p.add_argument("--formula-only", action="store_true", help="print the closed form only (no ranks needed)")
     p.add_argument("--world", type=int, default=8, help="with --formula-only: N")
     args = parse(p, argv)
@@ -87,7 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             q, k, v, dout = random_qkv(args.batch, s_local, args.heads, kv, args.head_dim, DTYPES[dtype], device,
                                        args.seed + topo.rank)
             fwd, bwd, _ = measure_attention(topo, q, k, v, dout, causal=causal == "causal", layout=layout,
-                                            seq_len=args.seq, native_op=NATIVE_OP[args.native_op])
+                                            seq_len=args.seq, native_op=NATIVE_OP[args.native_op],
+                                            comm_dtype=args.comm_dtype)
             mine = torch.tensor([fwd.all_to_all, fwd.ring, bwd.all_to_all, bwd.ring, fwd.other + bwd.other],
                                 dtype=torch.float64, device=device)
             parts = [torch.empty_like(mine) for _ in range(world)]
@@ -111,7 +114,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cols = [c for c in rows[0] if c != "per_rank"]
         print(f"bytes sent per rank per USP attention layer (MiB, the largest rank; err: the largest relative error "
               f"over the ranks): N={world}, b={args.batch}, S={args.seq}, H={args.heads}, D={args.head_dim}, "
-              f"native_op={args.native_op}; a2a = Ulysses all-to-alls, ring = the ring's isend\n"
+              f"native_op={args.native_op}, comm_dtype={args.comm_dtype}; a2a = Ulysses all-to-alls, ring = the ring's "
+              f"isend\n"
               + table(rows, cols, {c: ".4f" for c in cols} | {"fwd err": ".1e", "bwd err": ".1e"}), flush=True)
         for s in skipped:
             print(f"  skipped {s}")

@@ -1,6 +1,8 @@
 """The collectives of USP, one function each. Groups are always passed in (or named, for custom ops).
 
 * :func:`all_to_all`: the Ulysses exchange of one packed buffer (packing is :mod:`ds_usp.ops`).
+* :func:`fp8_encode` / :func:`fp8_decode`: ``usp.comm_dtype = "fp8"``, activations on the wire as float8
+  e4m3 with one fp32 scale per row of the last dim, in one ``uint8`` message.
 * :func:`ring_shift`: non-blocking send to the next ring rank and receive from the previous one,
   returning a ``wait`` callable (the ring algorithm computes while it is in flight).
 * :func:`gather_seq`: all-gather of sequence shards, autograd-aware (backward keeps this rank's
@@ -60,23 +62,70 @@ def resolve_group(name: str) -> Any:
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-def all_to_all(send: Tensor, group: Any) -> Tensor:
+FP8 = torch.float8_e4m3fn
+FP8_SCALE_BYTES = 4  # one fp32 scale per row of the last dim travels beside the row's e4m3 values
+
+
+def fp8_encode(x: Tensor) -> Tensor:
+    """``x`` as float8 e4m3 with one fp32 scale per row of its last dim, packed as one ``uint8`` message.
+
+    Each row is divided by ``absmax / 448`` (e4m3's largest finite value), so its largest element is exact up to
+    e4m3's 3 mantissa bits (relative error <= 2**-4) and no row saturates or underflows as a whole.
+
+    Args:
+        x: ``(..., d)`` floating tensor.
+
+    Returns:
+        ``(..., d + 4)`` contiguous ``uint8``: ``d`` e4m3 bytes, then the row's fp32 scale.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).div_(torch.finfo(FP8).max).clamp_min_(torch.finfo(torch.float32).tiny)
+    values = (xf / scale).to(FP8)
+    del xf
+    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], dim=-1)  # (..., d) + (..., 4)
+
+
+def fp8_decode(msg: Tensor, dtype: torch.dtype) -> Tensor:
+    """Inverse of :func:`fp8_encode`.
+
+    Args:
+        msg: ``(..., d + 4)`` ``uint8`` from :func:`fp8_encode`.
+        dtype: the dtype to return.
+
+    Returns:
+        ``(..., d)`` in ``dtype``.
+    """
+    d = msg.shape[-1] - FP8_SCALE_BYTES
+    scale = msg[..., d:].contiguous().view(torch.float32)  # (..., 4) uint8 -> (..., 1) fp32
+    return (msg[..., :d].view(FP8).float() * scale).to(dtype)
+
+
+def all_to_all(send: Tensor, group: Any, fp8: bool = False) -> Tensor:
     """The Ulysses all-to-all: chunk ``i`` of ``send`` (dim 0) goes to group rank ``i``.
 
     Args:
         send: ``(U, ...)`` contiguous, ``U`` the group size.
         group: the Ulysses process group.
+        fp8: send the chunks as :func:`fp8_encode` messages (``usp.comm_dtype = "fp8"``); this rank's own chunk,
+            which never leaves it, is kept exact.
 
     Returns:
-        ``recv`` of ``send``'s shape: chunk ``i`` came from group rank ``i``.
+        ``recv`` of ``send``'s shape and dtype: chunk ``i`` came from group rank ``i``.
 
     Raises:
         USPCommError: the collective failed.
     """
-    recv = torch.empty_like(send)
+    msg = fp8_encode(send) if fp8 else send
+    recv = torch.empty_like(msg)
     with _named("Ulysses all-to-all", group):
-        dist.all_to_all_single(recv, send, group=group)
-    return recv
+        dist.all_to_all_single(recv, msg, group=group)
+    if not fp8:
+        return recv
+    del msg
+    out = fp8_decode(recv, send.dtype)
+    me = dist.get_rank(group)
+    out[me] = send[me]
+    return out
 
 
 @torch.library.custom_op("ds_usp::gather_seq", mutates_args=())

@@ -26,6 +26,7 @@ from ds_usp.log import log_info, log_warning
 SP_MODES = ("usp", "ulysses", "ring")
 LAYOUTS = ("contiguous", "zigzag", "balanced")  # how a sequence is cut over the ranks (ds_usp.sharding)
 BACKEND_CHOICES = ("auto", "torch", "flash_attn", "triton")  # local attention kernels (ds_usp.kernels)
+COMM_DTYPES = ("input", "fp8")  # how activations travel (ds_usp.comm.fp8_encode)
 OLD_KEYS = {"ring_impl": "layout"}  # old name -> key: still accepted
 DEFAULT_TIMEOUT_SECONDS = 600  # a collective that waits longer than this means a peer died or stalled
 
@@ -63,6 +64,11 @@ class _USPBlock(BaseModel):
         "auto", _choices(BACKEND_CHOICES), "local attention kernel")
     native_op: Union[Literal["auto"], StrictBool] = _key(
         "auto", "'auto', true or false", "the JIT-built native op for the merge, packing and accumulation")
+    comm_dtype: Literal[COMM_DTYPES] = _key(  # type: ignore[valid-type]
+        "input", _choices(COMM_DTYPES), "dtype of the activations on the wire: `input` sends them as they are "
+        "(exact); `fp8` sends the attention's forward all-to-alls and the ring's K/V blocks as float8 e4m3 with one "
+        "fp32 scale per token and head (2-5% error on the attention output; gradients stay in the training dtype; "
+        "docs/benchmarks.md has the loss curves)")
     timeout_seconds: Union[StrictInt, StrictFloat] = _key(
         DEFAULT_TIMEOUT_SECONDS, "a positive number of seconds", "timeout of every collective on the USP groups",
         gt=0, allow_inf_nan=False)
@@ -133,6 +139,7 @@ class USPConfig:
         layout: the sequence layout: ``"contiguous"``, ``"zigzag"`` (causal load balance) or ``"balanced"``.
         attn_backend: local attention kernel choice.
         native_op: ``"auto"``, ``True`` or ``False``.
+        comm_dtype: ``"input"`` or ``"fp8"`` (activations on the wire).
         timeout_seconds: timeout of every collective on the USP process groups.
         degrees_chosen_automatically: True when the degrees were not given and were chosen here.
         chunked_loss: ``"auto"``, True or False.
@@ -151,6 +158,7 @@ class USPConfig:
     layout: str = "zigzag"
     attn_backend: str = "auto"
     native_op: Union[str, bool] = "auto"
+    comm_dtype: str = "input"
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     degrees_chosen_automatically: bool = False
     chunked_loss: Union[str, bool] = "auto"
@@ -421,7 +429,7 @@ def load_usp_config(
 
     return USPConfig(mode=mode, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
                      ring_degree=r, data_parallel_size=world_size // sp, layout=block.layout,
-                     attn_backend=block.attn_backend, native_op=block.native_op,
+                     attn_backend=block.attn_backend, native_op=block.native_op, comm_dtype=block.comm_dtype,
                      timeout_seconds=float(block.timeout_seconds), degrees_chosen_automatically=chosen,
                      chunked_loss=block.chunked_loss, tiled_mlp=block.tiled_mlp,
                      activation_checkpointing="selective" if block.activation_checkpointing is True

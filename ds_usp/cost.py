@@ -11,7 +11,9 @@ Forward: one all-to-all for q, k, v (``H + 2 H_kv'`` heads per token), one for t
 the ring passes the stacked K/V piece R-1 times. Backward: the output's all-to-all reversed for
 dout; the ring passes K/V again R-1 times (not kept from the forward) and each rank sends the dK/dV
 of the R-1 blocks that visited it straight to their owners, in the training dtype (the owner sums
-them in fp32); the q/k/v all-to-all reversed for dq, dk, dv. Derived from
+them in fp32); the q/k/v all-to-all reversed for dq, dk, dv. With ``usp.comm_dtype = "fp8"`` the forward's
+all-to-alls and every K/V hop carry 1 byte per element plus a 4-byte scale per row of the message's last dim
+(:func:`ds_usp.comm.fp8_encode`; a row is one head of one token); the gradients keep ``e``. Derived from
 :mod:`ds_usp.attention.usp`; the meter in ``benchmarks/meters.py`` measures it (tests/test_comm_volume.py
 checks every split against it) and docs/choosing.md uses it.
 
@@ -22,9 +24,12 @@ beside the measured peaks).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
+
+from ds_usp.comm import FP8_SCALE_BYTES
 
 ACC_BYTES = 4  # the ring's accumulators (output, dQ, the owner's dK/dV) and the LSE are fp32 whatever the input dtype
 
@@ -70,17 +75,27 @@ def sent_kv_heads(kv_heads: int, ulysses: int) -> int:
 
 
 def _all_to_all_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-                      elem_bytes: int, v_head_dim: Optional[int] = None) -> tuple[Fraction, int, Fraction]:
-    """``(T, H_kv' (D + D_v), bytes of the two all-to-alls of one direction)``: the same forward and backward."""
+                      elem_bytes: int, v_head_dim: Optional[int] = None,
+                      fp8: bool = False) -> tuple[Fraction, int, Fraction, int]:
+    """``(T, H_kv' (D + D_v), bytes of the two all-to-alls of one direction, fp8 bytes of one K/V block's token)``.
+
+    ``fp8``: the all-to-alls as the forward sends them under ``usp.comm_dtype = "fp8"``: 1 byte per element and
+    :data:`~ds_usp.comm.FP8_SCALE_BYTES` per row (q, k, v go in rows of ``gcd(D, D_v)`` columns, the output in
+    rows of ``D_v``)."""
     dv = head_dim if v_head_dim is None else v_head_dim
     tokens = Fraction(batch * seq, ulysses * ring)
     hk = sent_kv_heads(kv_heads, ulysses)
     d_q, d_kv = heads * (head_dim + dv), hk * (head_dim + dv)  # q in and out (D, D_v); k and v
-    return tokens, d_kv, tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (d_q + d_kv)
+    kv_fp8 = d_kv + FP8_SCALE_BYTES * hk  # the ring's message: one row of D + D_v per kv head
+    if not fp8:
+        return tokens, d_kv, tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (d_q + d_kv), kv_fp8
+    unit = math.gcd(head_dim, dv)
+    rows = Fraction(heads * head_dim + d_kv, unit) + heads  # q, k, v in units; the output in heads
+    return tokens, d_kv, tokens * Fraction(ulysses - 1, ulysses) * (d_q + d_kv + FP8_SCALE_BYTES * rows), kv_fp8
 
 
 def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-                  elem_bytes: int, v_head_dim: Optional[int] = None) -> Volume:
+                  elem_bytes: int, v_head_dim: Optional[int] = None, comm_dtype: str = "input") -> Volume:
     """Closed form of the bytes one rank sends in the forward of one USP attention layer.
 
     Args:
@@ -93,30 +108,34 @@ def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int
         ring: R.
         elem_bytes: e (4 fp32, 2 bf16/fp16).
         v_head_dim: the value head dim when it is not ``head_dim`` (MLA).
+        comm_dtype: ``usp.comm_dtype``: ``"input"`` or ``"fp8"``.
 
     Returns:
         The :class:`Volume` (exact; floats only because (U-1)/U need not divide).
     """
-    tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
-                                          v_head_dim)
-    return Volume(float(a2a), float(tokens * elem_bytes * (ring - 1) * d_kv))
+    fp8 = comm_dtype == "fp8"
+    tokens, d_kv, a2a, kv_fp8 = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
+                                                  v_head_dim, fp8)
+    return Volume(float(a2a), float(tokens * (ring - 1) * (kv_fp8 if fp8 else elem_bytes * d_kv)))
 
 
 def backward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-                   elem_bytes: int, v_head_dim: Optional[int] = None) -> Volume:
+                   elem_bytes: int, v_head_dim: Optional[int] = None, comm_dtype: str = "input") -> Volume:
     """Closed form of the bytes one rank sends in the backward of one USP attention layer.
 
     Args:
-        batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes, v_head_dim: as for :func:`forward_bytes`.
+        batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes, v_head_dim, comm_dtype: as for
+            :func:`forward_bytes`.
 
     Returns:
         The :class:`Volume`: all-to-alls for dout and for dq/dk/dv, ring K/V (R-1 hops) and dK/dV (R-1
         blocks of gradients, each sent once to its owner), both in the training dtype (e bytes); no ring
-        traffic when R = 1.
+        traffic when R = 1. Under ``comm_dtype = "fp8"`` the K/V hops carry the forward's fp8 messages.
     """
-    tokens, d_kv, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
-                                          v_head_dim)
-    ring_b = tokens * d_kv * 2 * (ring - 1) * elem_bytes if ring > 1 else 0
+    tokens, d_kv, a2a, kv_fp8 = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
+                                                  v_head_dim)
+    kv_hop = kv_fp8 if comm_dtype == "fp8" else elem_bytes * d_kv
+    ring_b = tokens * (ring - 1) * (kv_hop + elem_bytes * d_kv)
     return Volume(float(a2a), float(ring_b))
 
 

@@ -41,6 +41,8 @@ BAD_CONFIGS = [
      "usp.attn_backend ('xformers') is invalid: must be one of 'auto', 'torch', 'flash_attn', 'triton'"),
     ({"sequence_parallel": "usp", "usp": {"native_op": "yes"}}, 4,
      "usp.native_op ('yes') is invalid: must be 'auto', true or false"),
+    ({"sequence_parallel": "usp", "usp": {"comm_dtype": "bf16"}}, 4,
+     "usp.comm_dtype ('bf16') is invalid: must be one of 'input', 'fp8'"),
     ({"sequence_parallel": "usp", "usp": {"ulysses_degree": 0}}, 4,
      "usp.ulysses_degree (0) is invalid: must be a positive integer"),
     ({"sequence_parallel": "usp", "usp": {"ulysses_degree": 2.0}}, 4,
@@ -122,6 +124,8 @@ def test_modes_and_defaults():
     assert (one.ulysses_degree, one.ring_degree) == (4, 2)
     full = load_usp_config({"sequence_parallel": "usp", "usp": {"attn_backend": "torch", "native_op": False}}, 4, 4)
     assert full.sequence_parallel_size == 4 and full.attn_backend == "torch" and full.native_op is False
+    assert full.comm_dtype == "input"
+    assert load_usp_config({"sequence_parallel": "usp", "usp": {"comm_dtype": "fp8"}}, 4).comm_dtype == "fp8"
 
 
 def test_ranks_per_node_from_either_launcher(monkeypatch):

@@ -200,3 +200,59 @@ def shard_gather_roundtrip():
 
 def test_shard_gather_roundtrip(world4):
     assert all(world4.run(shard_gather_roundtrip))
+
+
+FP8_CASES = [(True, "zigzag", H // 4, 4133, torch.float32), (False, "contiguous", 1, 4096, torch.bfloat16)]
+FP8_OUT_REL, FP8_GRAD_REL = 6e-2, 8e-2  # e4m3: 3 mantissa bits, <= 6.25% per element, ~3.6% RMS; measured 2-5%
+
+
+def fp8_wire_is_close_and_compressed(u: int, r: int) -> list:
+    """``comm_dtype="fp8"`` on one split: output and gradients within the fp8 tolerances of the fp32 reference,
+    and measurably different from the exact wire (the compression is applied); relative errors per case."""
+    import ds_usp
+
+    topo = ds_usp.USPTopology.build(u, r)
+    errors = []
+    for causal, layout, kv, seq, dtype in FP8_CASES:
+        q, k, v, dout = _inputs(seq, kv, dtype)
+        ref = _reference(seq, kv, causal, dtype)
+        got = {}
+        for wire in ("input", "fp8"):
+            ql, kl, vl = (ds_usp.shard_sequence(x, topo, dim=1, layout=layout).requires_grad_() for x in (q, k, v))
+            out = ds_usp.usp_attention(ql, kl, vl, topo, causal=causal, layout=layout, seq_len=seq, comm_dtype=wire)
+            assert out.dtype == dtype
+            out.backward(ds_usp.shard_sequence(dout, topo, dim=1, layout=layout))
+            got[wire] = [ds_usp.gather_sequence(x, topo, dim=1, layout=layout, seq_len=seq)
+                         for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
+        errs = [_rel_err(g, ref_x) for g, ref_x in zip(got["fp8"], ref)]
+        for name, err, tol in zip(("out", "dq", "dk", "dv"), errs, (FP8_OUT_REL,) + (FP8_GRAD_REL,) * 3):
+            assert err <= tol, f"({u},{r}) {layout} {dtype} {name}: fp8 wire relative error {err:.3g} > {tol}"
+        assert _rel_err(got["fp8"][0], got["input"][0]) > 1e-3, f"({u},{r}) {layout}: fp8 wire changed nothing"
+        errors.append(errs)
+    return errors
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2), (1, 4)])
+def test_fp8_wire_within_its_tolerance(world4, u, r):
+    errors = world4.run(fp8_wire_is_close_and_compressed, u, r)
+    assert len(errors[0]) == len(FP8_CASES)
+
+
+def test_fp8_codec_error_bound():
+    """Each element within half an e4m3 step of its row's scale: 2**-4 relative, or 2**-10 of the scale's step in
+    the subnormal range; zero rows stay zero; bf16 in, any dtype out; a sliced message decodes."""
+    from ds_usp.comm import fp8_decode, fp8_encode
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 33, 3, 24, generator=g) * torch.logspace(-20, 20, 33)[None, :, None, None]
+    x[1, 2] = 0.0
+    msg = fp8_encode(x)
+    assert msg.dtype == torch.uint8 and msg.shape == (4, 33, 3, 28)
+    y = fp8_decode(msg, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 448
+    bound = torch.maximum(x.abs() * 2.0 ** -4, step * 2.0 ** -10) * (1 + 1e-6)
+    assert bool(((y - x).abs() <= bound).all())
+    assert bool((y[1, 2] == 0).all())
+    torch.testing.assert_close(fp8_decode(msg[:, 5:9], torch.float32), y[:, 5:9], rtol=0, atol=0)
+    yb = fp8_decode(fp8_encode(x[:, :8].bfloat16()), torch.bfloat16)
+    assert yb.dtype == torch.bfloat16 and _rel_err(yb, x[:, :8]) < 4e-2

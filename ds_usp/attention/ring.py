@@ -7,7 +7,10 @@ its queries against (part of) that block, while the next block is already in fli
 decided in one place, :mod:`ds_usp.attention.masks` (causal, documents, windows, padding). The
 partial ``(out, lse)`` pairs are merged exactly in fp32 by ``ops.merge_block_`` (:mod:`ds_usp.ops`).
 The backward walks the same schedule with the merged ``(out, lse)``; the gradients a rank computes for a
-visiting block go straight to the block's owner in the training dtype, which sums them in fp32. Neither
+visiting block go straight to the block's owner in the training dtype, which sums them in fp32. With
+``usp.comm_dtype = "fp8"`` the K/V blocks travel as float8 e4m3 messages (:func:`ds_usp.comm.fp8_encode`), encoded
+once by their owner and passed on unchanged, so every rank, forward and backward, sees the same values; a rank's
+own block is used exact. Gradients always travel in the training dtype. Neither
 direction is autograd-aware: :mod:`ds_usp.attention.usp` wraps both in one custom op. Shapes use the legend
 of docs/architecture.md (here ``s`` is one ring piece, ``U*s_local``).
 """
@@ -20,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ds_usp.attention.masks import MaskSpec, block_parts, needed_steps
-from ds_usp.comm import ring_shift
+from ds_usp.comm import fp8_decode, fp8_encode, ring_shift
 from ds_usp.kernels import AttnBackend, backward_pieces, forward_pieces
 from ds_usp.ops import TorchOps
 from ds_usp.sharding import Runs, piece_runs
@@ -76,7 +79,7 @@ def _whole(work: list, s: int) -> bool:
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, mask: MaskSpec, scale: float,
                  backend: AttnBackend, ops: TorchOps, softcap: float = 0.0,
-                 sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                 sinks: Optional[Tensor] = None, fp8: bool = False) -> tuple[Tensor, Tensor]:
     """Attention of this rank's ring piece of queries against the whole sequence held by the ring.
 
     Args:
@@ -91,6 +94,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, mask: MaskSpec
         softcap: attention logit soft-cap (0: none), applied by the kernels to every block.
         sinks: ``(hq,)`` one sink logit per head (GPT-OSS): one more term of each row's log-sum-exp, merged
             once after the ring, whatever the number of steps; None: none.
+        fp8: the K/V blocks travel as float8 e4m3 messages (``usp.comm_dtype = "fp8"``).
 
     Returns:
         ``out (b, s, hq, dv)`` in ``q.dtype`` and ``lse (b, hq, s)`` fp32 (the sinks included); rows that see no
@@ -105,10 +109,12 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, mask: MaskSpec
         return (out, lse) if sinks is None else _merge_sinks(out.float(), lse, sinks, q.dtype)
     out = torch.zeros(b, s, h, dv, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = torch.cat([k, v], dim=-1)  # (b, s, hkv, d) + (b, s, hkv, dv) -> (b, s, hkv, d + dv): one message per step
+    own = torch.cat([k, v], dim=-1)  # (b, s, hkv, d) + (b, s, hkv, dv) -> (b, s, hkv, d + dv): one message per step
+    msg = fp8_encode(own) if fp8 and steps > 1 else own
     fused = backend.band_forward_merge_ is not None and dk == dv
     for t in range(steps):
-        wait = ring_shift(kv, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
+        wait = ring_shift(msg, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
+        kv = _block(own, msg, t, fp8)
         kb, vb = kv[..., :dk], kv[..., dk:]
         for rows, parts in schedule[t]:
             for part in parts:
@@ -121,11 +127,17 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, mask: MaskSpec
                     at = slice(part.q.start + qs.start, part.q.start + qs.stop)
                     ops.merge_block_(out[rows, at], lse[rows, :, at], block_out, block_lse)
                     del block_out, block_lse  # free before the next kernel allocates its own
+        del kv, kb, vb
         if wait is not None:
-            kv = wait()
+            msg = wait()
     if sinks is not None:
         return _merge_sinks(out, lse, sinks, q.dtype)
     return out.to(q.dtype), lse
+
+
+def _block(own: Tensor, msg: Tensor, t: int, fp8: bool) -> Tensor:
+    """The K/V block of ring step ``t``: this rank's own (exact) at step 0, else the message that arrived."""
+    return own if t == 0 else (fp8_decode(msg, own.dtype) if fp8 else msg)
 
 
 def _merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -157,7 +169,7 @@ def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: RingSpec,
                   mask: MaskSpec, scale: float, backend: AttnBackend, ops: TorchOps,
-                  softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                  softcap: float = 0.0, fp8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`ring_forward` from its merged ``(out, lse)`` (sinks included: they need nothing more
     here; their own gradient is :func:`sink_grad`).
 
@@ -179,6 +191,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         backend: the local attention kernel.
         ops: the native op or its PyTorch twins (the fp32 accumulation).
         softcap: attention logit soft-cap (0: none).
+        fp8: the K/V blocks travel as float8 e4m3 messages, as in the forward (the same values).
 
     Returns:
         ``dq, dk, dv`` in the inputs' dtypes; rows that see no key get zero gradient.
@@ -189,12 +202,14 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     if steps == 1 and _whole(schedule[0], s):  # one block, gradients straight from the kernel
         return backend.backward(dout, q, k, v, out, lse, schedule[0][0][1][0].causal, scale, softcap)
     dq = torch.zeros_like(q, dtype=torch.float32)
-    kv = torch.cat([k, v], dim=-1)  # (b, s, hkv, d + dv)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # my own block's gradients, fp32
+    own = torch.cat([k, v], dim=-1)  # (b, s, hkv, d + dv)
+    msg = fp8_encode(own) if fp8 and steps > 1 else own
+    dkv = torch.zeros(own.shape, dtype=torch.float32, device=q.device)  # my own block's gradients, fp32
     spare = None  # an fp32 buffer for a visiting block's gradients, free again once they left in a cast copy
     wait_part = None  # the exchange of the previous step's gradients
     for t in range(steps):
-        wait_kv = ring_shift(kv, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
+        wait_kv = ring_shift(msg, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
+        kv = _block(own, msg, t, fp8)
         target = dkv if t == 0 else (spare.zero_() if spare is not None else torch.zeros_like(dkv))
         for rows, parts in schedule[t]:
             for part in parts:
@@ -210,12 +225,13 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                     del dq_b, dk_b, dv_b  # free before the next kernel allocates its own
         if wait_part is not None:  # the previous step's gradients of my block, waited for after this step's kernels
             ops.accumulate_(dkv, wait_part())
+        del kv
         if t:  # this block's gradients go straight to its owner, t ranks back, in the training dtype
-            wire = target.to(kv.dtype)
+            wire = target.to(own.dtype)
             spare = target if wire is not target else None  # fp32 training sends the buffer itself
             wait_part = ring_shift(wire, spec.group, spec.ranks, spec.rank, spec.size - t)
         if wait_kv is not None:
-            kv = wait_kv()
+            msg = wait_kv()
     if wait_part is not None:
         ops.accumulate_(dkv, wait_part())
     # dk and dv get storage of their own (a copy only for fp32): the custom op's outputs may not alias each other

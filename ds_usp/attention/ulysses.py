@@ -65,7 +65,8 @@ def head_split(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> list[i
     return [num_heads // ulysses_degree, hk, hk]
 
 
-def seq_to_head(xs: Sequence[Tensor], reps: Sequence[int], group: Any, world: int, ops: TorchOps) -> Tensor:
+def seq_to_head(xs: Sequence[Tensor], reps: Sequence[int], group: Any, world: int, ops: TorchOps,
+                fp8: bool = False) -> Tensor:
     """Sequence shards -> head shards of the Ulysses group's sequence, several tensors in one all-to-all.
 
     Args:
@@ -74,19 +75,20 @@ def seq_to_head(xs: Sequence[Tensor], reps: Sequence[int], group: Any, world: in
         group: the Ulysses group.
         world: its size U.
         ops: the packing (native or twins).
+        fp8: through the wire as float8 e4m3 messages (:func:`ds_usp.comm.all_to_all`).
 
     Returns:
         ``(b, U*s, Hp, d)``, ``Hp = sum_i h_i * reps_i / U``; split the tensors off with
         ``.split([...], dim=2)`` (see :func:`head_split`).
     """
     send = ops.pack_seq_to_head(xs, reps, world)  # n x (b, s, h_i, d) -> (U, b, s, Hp, d)
-    recv = all_to_all(send, group)
+    recv = all_to_all(send, group, fp8)
     del send  # freed before unpacking: one buffer fewer at the peak
     return ops.unpack_seq_to_head(recv)  # -> (b, U*s, Hp, d)
 
 
 def head_to_seq(xs: Sequence[Tensor], heads: Sequence[int], reps: Sequence[int], group: Any, world: int,
-                ops: TorchOps) -> list[Tensor]:
+                ops: TorchOps, fp8: bool = False) -> list[Tensor]:
     """Head shards -> sequence shards (inverse of :func:`seq_to_head`; replicated heads are summed).
 
     Args:
@@ -96,11 +98,12 @@ def head_to_seq(xs: Sequence[Tensor], heads: Sequence[int], reps: Sequence[int],
         group: the Ulysses group.
         world: its size U.
         ops: the packing (native or twins).
+        fp8: through the wire as float8 e4m3 messages.
 
     Returns:
         ``[(b, s, U * h_i / reps_i, d)]``.
     """
     send = ops.pack_head_to_seq(xs, world)  # n x (b, U*s, h_i, d) -> (U, b, s, sum h_i, d)
-    recv = all_to_all(send, group)
+    recv = all_to_all(send, group, fp8)
     del send
     return ops.unpack_head_to_seq(recv, heads, reps)  # -> n x (b, s, U*h_i/rep_i, d)

@@ -40,6 +40,7 @@ from ds_usp.attention.masks import MaskSpec
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
 from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, seq_to_head
 from ds_usp.comm import resolve_group
+from ds_usp.config import COMM_DTYPES
 from ds_usp.kernels import BACKEND_CHOICES, get_backend
 from ds_usp.ops import TorchOps, check_native_op, resolve_native_op
 from ds_usp.sharding import check_layout, normalize_docs, resolve_seq_len, segment_bounds
@@ -60,45 +61,48 @@ def _world(group: str) -> int:
 
 
 @torch.library.custom_op("ds_usp::seq_to_head", mutates_args=())
-def _seq_to_head(xs: list[Tensor], reps: list[int], group: str, native_op: str) -> Tensor:
-    """``n x (b, s, h_i, d)`` -> ``(b, U*s, Hp, d)`` through one all-to-all (see :func:`ulysses.seq_to_head`)."""
+def _seq_to_head(xs: list[Tensor], reps: list[int], group: str, native_op: str, comm_dtype: str) -> Tensor:
+    """``n x (b, s, h_i, d)`` -> ``(b, U*s, Hp, d)`` through one all-to-all (see :func:`ulysses.seq_to_head`);
+    ``comm_dtype``: ``usp.comm_dtype`` of this exchange (its derivative always sends the training dtype)."""
     g = resolve_group(group)
-    return seq_to_head(xs, reps, g, dist.get_world_size(g), _ops(native_op, xs[0]))
+    return seq_to_head(xs, reps, g, dist.get_world_size(g), _ops(native_op, xs[0]), comm_dtype == "fp8")
 
 
 @_seq_to_head.register_fake
-def _(xs: list[Tensor], reps: list[int], group: str, native_op: str) -> Tensor:
+def _(xs: list[Tensor], reps: list[int], group: str, native_op: str, comm_dtype: str) -> Tensor:
     world = _world(group)
     b, s, _, d = xs[0].shape
     return xs[0].new_empty(b, world * s, sum(x.shape[2] * r for x, r in zip(xs, reps)) // world, d)
 
 
 @torch.library.custom_op("ds_usp::head_to_seq", mutates_args=())
-def _head_to_seq(x: Tensor, heads: list[int], reps: list[int], group: str, native_op: str) -> list[Tensor]:
+def _head_to_seq(x: Tensor, heads: list[int], reps: list[int], group: str, native_op: str,
+                 comm_dtype: str) -> list[Tensor]:
     """``(b, U*s, sum heads, d)`` -> ``[(b, s, U*h_i/rep_i, d)]`` (see :func:`ulysses.head_to_seq`)."""
     g = resolve_group(group)
-    return head_to_seq([x], heads, reps, g, dist.get_world_size(g), _ops(native_op, x))
+    return head_to_seq([x], heads, reps, g, dist.get_world_size(g), _ops(native_op, x), comm_dtype == "fp8")
 
 
 @_head_to_seq.register_fake
-def _(x: Tensor, heads: list[int], reps: list[int], group: str, native_op: str) -> list[Tensor]:
+def _(x: Tensor, heads: list[int], reps: list[int], group: str, native_op: str,
+      comm_dtype: str) -> list[Tensor]:
     world = _world(group)
     b, big_s, _, d = x.shape
     return [x.new_empty(b, big_s // world, world * h // r, d) for h, r in zip(heads, reps)]
 
 
 def _seq_to_head_setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
-    xs, reps, group, native_op = inputs
+    xs, reps, group, native_op, _ = inputs
     world = _world(group)
     ctx.args = ([x.shape[2] * r // world for x, r in zip(xs, reps)], list(reps), group, native_op)
 
 
-def _seq_to_head_backward(ctx: Any, grad: Tensor) -> tuple:
-    return list(_head_to_seq(grad.contiguous(), *ctx.args)), None, None, None
+def _seq_to_head_backward(ctx: Any, grad: Tensor) -> tuple:  # gradients travel in the training dtype
+    return list(_head_to_seq(grad.contiguous(), *ctx.args, "input")), None, None, None, None
 
 
 def _head_to_seq_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
-    x, heads, reps, group, native_op = inputs
+    x, heads, reps, group, native_op, _ = inputs
     ctx.args = (list(reps), group, native_op)
     ctx.shapes = [(o.shape, o.dtype, o.device) for o in output]
 
@@ -106,7 +110,7 @@ def _head_to_seq_setup(ctx: Any, inputs: tuple, output: list[Tensor]) -> None:
 def _head_to_seq_backward(ctx: Any, grads: list[Optional[Tensor]]) -> tuple:
     grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
              for g, (shape, dtype, device) in zip(grads, ctx.shapes)]
-    return _seq_to_head(grads, *ctx.args), None, None, None, None
+    return _seq_to_head(grads, *ctx.args, "input"), None, None, None, None, None
 
 
 torch.library.register_autograd("ds_usp::seq_to_head", _seq_to_head_backward, setup_context=_seq_to_head_setup)
@@ -157,24 +161,26 @@ def as_units(x: Tensor, unit: int) -> Tensor:
 def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str,
                     causal: bool, layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor],
                     attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
-                    window_right: int) -> tuple[Tensor, Tensor]:
+                    window_right: int, comm_dtype: str) -> tuple[Tensor, Tensor]:
     """``(out (b, U*s, hq', dv), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
 
     ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``/``dims``.
     ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``window_left`` < 0: no window;
-    ``softcap`` 0: none; ``sinks``: ``(hq',)`` this rank's heads' sink logits or None.
+    ``softcap`` 0: none; ``sinks``: ``(hq',)`` this rank's heads' sink logits or None; ``comm_dtype``:
+    ``usp.comm_dtype`` of the K/V blocks.
     """
     q, k, v = _split(qkv, heads, dims)
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
                                 window_right)
     return ring_forward(q, k, v, ring, mask, scale, get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q),
-                        softcap, sinks)
+                        softcap, sinks, comm_dtype == "fp8")
 
 
 @_ring_attention.register_fake
 def _(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str, causal: bool,
       layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor], attn_backend: str,
-      native_op: str, docs: Optional[Tensor], window_left: int, window_right: int) -> tuple[Tensor, Tensor]:
+      native_op: str, docs: Optional[Tensor], window_left: int, window_right: int,
+      comm_dtype: str) -> tuple[Tensor, Tensor]:
     b, s = qkv[0].shape[:2]
     return qkv[0].new_empty(b, s, heads[0], dims[2]), qkv[0].new_empty(b, heads[0], s, dtype=torch.float32)
 
@@ -183,13 +189,15 @@ def _(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int,
 def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
                         ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float,
                         softcap: float, sinks: Optional[Tensor], attn_backend: str, native_op: str,
-                        docs: Optional[Tensor], window_left: int, window_right: int) -> list[Tensor]:
+                        docs: Optional[Tensor], window_left: int, window_right: int,
+                        comm_dtype: str) -> list[Tensor]:
     """Gradients for ``qkv`` as it was given (``[dq, dk, dv]`` or ``[d qkv_heads]``), then ``d sinks`` if any."""
     q, k, v = _split(qkv, heads, dims)
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
                                 window_right)
     grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ring, mask, scale,
-                          get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap)
+                          get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap,
+                          comm_dtype == "fp8")
     if len(qkv) == 1:  # (b, U*s, Hp, g) like qkv_heads
         unit = qkv[0].shape[-1]
         grads = [torch.cat([as_units(g, unit) for g in grads], dim=2)]
@@ -200,7 +208,7 @@ def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tenso
 def _(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
       ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, softcap: float,
       sinks: Optional[Tensor], attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
-      window_right: int) -> list[Tensor]:
+      window_right: int, comm_dtype: str) -> list[Tensor]:
     return [torch.empty_like(x) for x in qkv] + ([] if sinks is None else [torch.empty_like(sinks)])
 
 
@@ -216,7 +224,7 @@ def _ring_backward(ctx: Any, dout: Tensor, _dlse: Any) -> tuple:
     *qkv, out, lse = ctx.saved_tensors
     grads = _ring_attention_bwd(dout, qkv, out, lse, *ctx.args)
     dsinks = grads.pop() if ctx.has_sinks else None
-    return (grads,) + (None,) * 9 + (dsinks,) + (None,) * 5
+    return (grads,) + (None,) * 9 + (dsinks,) + (None,) * 6
 
 
 torch.library.register_autograd("ds_usp::ring_attention", _ring_backward, setup_context=_ring_setup)
@@ -230,7 +238,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
                   attn_backend: str = "auto", native_op: Union[bool, str] = "auto",
                   doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None,
                   window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None,
-                  sinks: Optional[Tensor] = None) -> Tensor:
+                  sinks: Optional[Tensor] = None, comm_dtype: str = "input") -> Tensor:
     """Exact attention over a sequence sharded across ``topo``'s sequence-parallel group.
 
     Args:
@@ -257,6 +265,11 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
             softmax scale applied first. None or 0: none.
         sinks: ``(hq,)`` one learned sink logit per query head (GPT-OSS ``s_aux``): it joins every query's
             softmax denominator once, with no value; differentiable. None: none.
+        comm_dtype: ``usp.comm_dtype``: ``"input"`` sends everything in the inputs' dtype (exact); ``"fp8"``
+            sends the forward's activations (q, k, v and the output through the all-to-alls, the ring's K/V
+            blocks, forward and backward) as float8 e4m3 with one fp32 scale per token and head
+            (:func:`ds_usp.comm.fp8_encode`): no longer exact (at most 6.25%, about 3.6% RMS, per element; 2-5%
+            on the output), the gradients pass straight through and travel in the inputs' dtype.
 
     Returns:
         ``(b, s_local, hq, dv)`` in the input dtype: this rank's shard of the output.
@@ -264,7 +277,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
     Raises:
         ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``causal``,
             ``softmax_scale``, ``seq_len``, ``attn_backend``, ``native_op``, ``doc_lens``, ``window``, ``softcap`` or
-            ``sinks``, raised
+            ``sinks`` or ``comm_dtype``, raised
             before any communication; or ranks of the SP group that pass different shapes or arguments (checked
             once per signature with one small all-gather, the same error on every rank; skipped under
             ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
@@ -281,6 +294,8 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
     check_sinks(sinks, q.shape[2], q.device)
     real_len, _ = resolve_seq_len(seq_len, q.shape[1], u, topo.ring_degree, layout)
     check_native_op(native_op)
+    if comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"usp.comm_dtype={comm_dtype!r} is not valid: choose from {', '.join(map(repr, COMM_DTYPES))}")
     docs = normalize_docs(doc_lens, q.shape[0], real_len)
     left, right = check_window(window, causal)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -289,13 +304,13 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
     if not torch.compiler.is_compiling():  # (compiled code has checked these while tracing)
         get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
         check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
-                                (docs or (), left, right, cap, sinks is not None))
+                                (docs or (), left, right, cap, sinks is not None, COMM_DTYPES.index(comm_dtype)))
     native = str(native_op).lower()
     docs_t = None if docs is None else _doc_tensor(docs, real_len)
     ulysses, ring, _ = topo.group_names
     hq, hkv, dk, dv = q.shape[2], k.shape[2], k.shape[3], v.shape[3]
     common = (layout, real_len, scale, cap)
-    mask_args = (attn_backend, native, docs_t, left, right)
+    mask_args = (attn_backend, native, docs_t, left, right, comm_dtype)
     if u == 1:
         out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], [dk, dk, dv], 1, ring, causal, *common, sinks,
                                  *mask_args)
@@ -306,10 +321,11 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         k, v, hkv, rep = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2), hkv * rep, 1
     if sinks is not None:  # this rank's query heads after the all-to-all: the u-th block of hq / U
         sinks = sinks.narrow(0, topo.ulysses_rank * (hq // u), hq // u)
-    qkv = _seq_to_head([as_units(x, unit) for x in (q, k, v)], [1, rep, rep], ulysses, native)  # (b, U*s, Hp, unit)
+    qkv = _seq_to_head([as_units(x, unit) for x in (q, k, v)], [1, rep, rep], ulysses, native,
+                       comm_dtype)  # (b, U*s, Hp, unit)
     out_heads, _ = _ring_attention([qkv], head_split(hq, hkv, u), [dk, dk, dv], u, ring, causal, *common, sinks,
                                    *mask_args)
-    return _head_to_seq(out_heads, [hq // u], [1], ulysses, native)[0]  # (b, s, hq, dv)
+    return _head_to_seq(out_heads, [hq // u], [1], ulysses, native, comm_dtype)[0]  # (b, s, hq, dv)
 
 
 def _doc_tensor(docs: tuple[tuple[int, ...], ...], seq_len: int) -> Tensor:

@@ -358,7 +358,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
             resolve_native_op(usp_cfg.native_op, group_device(topo.sp_group))
         if model is not None:
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
-                                     native_op=usp_cfg.native_op))
+                                     native_op=usp_cfg.native_op, comm_dtype=usp_cfg.comm_dtype))
             wrap_linear_layers(model)
             memory = apply_memory_features(model, MemorySettings(
                 chunked_loss=usp_cfg.chunked_loss, tiled_mlp=usp_cfg.tiled_mlp,

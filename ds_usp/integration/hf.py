@@ -61,6 +61,7 @@ class USPContext:
         layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (how batches are sharded).
         attn_backend: local kernel choice (``usp.attn_backend``).
         native_op: ``usp.native_op``: ``"auto"``, ``True`` or ``False``.
+        comm_dtype: ``usp.comm_dtype``: ``"input"`` or ``"fp8"``.
         model_name: the model's class (named in errors).
         cu_seq_lens: the documents of the batch the model was last called with (``cu_seq_lens_q`` of
             :func:`ds_usp.shard_batch`), set by the model's wrapped forward: the attention uses it when a family's
@@ -71,6 +72,7 @@ class USPContext:
     layout: str
     attn_backend: str = "auto"
     native_op: Union[bool, str] = "auto"
+    comm_dtype: str = "input"
     model_name: str = "the model"
     cu_seq_lens: Optional[Tensor] = field(default=None, repr=False)
 
@@ -164,7 +166,7 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     out = usp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
                         causal=causal, layout=ctx.layout, softmax_scale=scaling, seq_len=seq_len,
                         attn_backend=ctx.attn_backend, native_op=ctx.native_op, doc_lens=docs, window=window,
-                        softcap=softcap, sinks=s_aux)
+                        softcap=softcap, sinks=s_aux, comm_dtype=ctx.comm_dtype)
     return out, None
 
 

@@ -128,12 +128,12 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
         unit = math.gcd(dk, dv)
         if rep > 1 and unit != dk:  # units of one head would be replicated apart: replicate whole heads first
             q, k, rep = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2), 1
-        qkv = seq_to_head_op([as_units(x, unit) for x in (q, k, v)], [rep, rep, 1], ulysses, native)
+        qkv = seq_to_head_op([as_units(x, unit) for x in (q, k, v)], [rep, rep, 1], ulysses, native, "input")
         big = qkv.shape[1]
         q, k, v = (part.reshape(q.shape[0], big, -1, d) for part, d in
                    zip(qkv.split([hk * dk // unit, hk * dk // unit, nv * dv // u // unit], dim=2), (dk, dk, dv)))
         wide = torch.promote_types(g.dtype, beta.dtype)  # one all-to-all for both, neither rounded
-        gb = seq_to_head_op([torch.stack([g.to(wide), beta.to(wide)], dim=-1)], [1], ulysses, native)
+        gb = seq_to_head_op([torch.stack([g.to(wide), beta.to(wide)], dim=-1)], [1], ulysses, native, "input")
         g, beta = gb[..., 0].to(g.dtype), gb[..., 1].to(beta.dtype)  # (b, U*s, nv/U)
     channels = _channels(nk, dk, nv, dv, topo.ulysses_rank, u, conv_weight.device)
     weight = conv_weight.reshape(conv_weight.shape[0], -1).index_select(0, channels)  # (C_local, K)
@@ -149,7 +149,7 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
             for rows, starts in groups]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # (b, T, nv/U, dv); row groups are rows in order
     if u > 1:  # head shards -> this rank's sequence shard
-        out = head_to_seq_op(out, [nv // u], [1], ulysses, native)[0]
+        out = head_to_seq_op(out, [nv // u], [1], ulysses, native, "input")[0]
     return out
 
 
