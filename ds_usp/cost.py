@@ -24,6 +24,7 @@ beside the measured peaks).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -76,8 +77,8 @@ def sent_kv_heads(kv_heads: int, ulysses: int) -> int:
 
 def _all_to_all_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
                       elem_bytes: int, v_head_dim: Optional[int] = None,
-                      fp8: bool = False) -> tuple[Fraction, int, Fraction, int]:
-    """``(T, H_kv' (D + D_v), bytes of the two all-to-alls of one direction, fp8 bytes of one K/V block's token)``.
+                      fp8: bool = False) -> tuple[Fraction, Fraction]:
+    """``(T, bytes of the two all-to-alls of one direction)``.
 
     ``fp8``: the all-to-alls as the forward sends them under ``usp.comm_dtype = "fp8"``: 1 byte per element and
     :data:`~ds_usp.comm.FP8_SCALE_BYTES` per row (q, k, v go in rows of ``gcd(D, D_v)`` columns, the output in
@@ -86,12 +87,19 @@ def _all_to_all_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim:
     tokens = Fraction(batch * seq, ulysses * ring)
     hk = sent_kv_heads(kv_heads, ulysses)
     d_q, d_kv = heads * (head_dim + dv), hk * (head_dim + dv)  # q in and out (D, D_v); k and v
-    kv_fp8 = d_kv + FP8_SCALE_BYTES * hk  # the ring's message: one row of D + D_v per kv head
     if not fp8:
-        return tokens, d_kv, tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (d_q + d_kv), kv_fp8
-    unit = math.gcd(head_dim, dv)
-    rows = Fraction(heads * head_dim + d_kv, unit) + heads  # q, k, v in units; the output in heads
-    return tokens, d_kv, tokens * Fraction(ulysses - 1, ulysses) * (d_q + d_kv + FP8_SCALE_BYTES * rows), kv_fp8
+        return tokens, tokens * elem_bytes * Fraction(ulysses - 1, ulysses) * (d_q + d_kv)
+    rows = Fraction(heads * head_dim + d_kv, math.gcd(head_dim, dv)) + heads  # q, k, v in units; the output in heads
+    return tokens, tokens * Fraction(ulysses - 1, ulysses) * (d_q + d_kv + FP8_SCALE_BYTES * rows)
+
+
+def _kv_hop_bytes(kv_heads: int, head_dim: int, ulysses: int, elem_bytes: int, v_head_dim: Optional[int],
+                  fp8: bool) -> int:
+    """Bytes of one token of a ring message: K and V of the ``H_kv'`` heads (``fp8``: 1 byte each plus a scale per
+    head, the row being ``D + D_v``)."""
+    hk = sent_kv_heads(kv_heads, ulysses)
+    d_kv = hk * (head_dim + (head_dim if v_head_dim is None else v_head_dim))
+    return d_kv + FP8_SCALE_BYTES * hk if fp8 else elem_bytes * d_kv
 
 
 def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
@@ -114,9 +122,9 @@ def forward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int
         The :class:`Volume` (exact; floats only because (U-1)/U need not divide).
     """
     fp8 = comm_dtype == "fp8"
-    tokens, d_kv, a2a, kv_fp8 = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
-                                                  v_head_dim, fp8)
-    return Volume(float(a2a), float(tokens * (ring - 1) * (kv_fp8 if fp8 else elem_bytes * d_kv)))
+    tokens, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes, v_head_dim, fp8)
+    return Volume(float(a2a), float(tokens * (ring - 1) * _kv_hop_bytes(kv_heads, head_dim, ulysses, elem_bytes,
+                                                                        v_head_dim, fp8)))
 
 
 def backward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
@@ -132,10 +140,9 @@ def backward_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: in
         blocks of gradients, each sent once to its owner), both in the training dtype (e bytes); no ring
         traffic when R = 1. Under ``comm_dtype = "fp8"`` the K/V hops carry the forward's fp8 messages.
     """
-    tokens, d_kv, a2a, kv_fp8 = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes,
-                                                  v_head_dim)
-    kv_hop = kv_fp8 if comm_dtype == "fp8" else elem_bytes * d_kv
-    ring_b = tokens * (ring - 1) * (kv_hop + elem_bytes * d_kv)
+    tokens, a2a = _all_to_all_bytes(batch, seq, heads, kv_heads, head_dim, ulysses, ring, elem_bytes, v_head_dim)
+    hop = functools.partial(_kv_hop_bytes, kv_heads, head_dim, ulysses, elem_bytes, v_head_dim)
+    ring_b = tokens * (ring - 1) * (hop(comm_dtype == "fp8") + hop(False))  # K/V as the forward sent them; dK/dV
     return Volume(float(a2a), float(ring_b))
 
 
