@@ -256,3 +256,36 @@ def test_fp8_codec_error_bound():
     torch.testing.assert_close(fp8_decode(msg[:, 5:9], torch.float32), y[:, 5:9], rtol=0, atol=0)
     yb = fp8_decode(fp8_encode(x[:, :8].bfloat16()), torch.bfloat16)
     assert yb.dtype == torch.bfloat16 and _rel_err(yb, x[:, :8]) < 4e-2
+
+
+def fp8_wire_mla(u: int, r: int) -> float:
+    """MLA head dims (q/k 24, v 16: the all-to-all sends rows of gcd = 8 columns, each with its scale) and GQA under
+    the fp8 wire: output and gradients within the fp8 tolerances of SDPA over the whole sequence."""
+    import ds_usp
+
+    topo = ds_usp.USPTopology.build(u, r)
+    seq, hkv = 96, 2
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(B, seq, n, d, generator=g) for n, d in ((H, 24), (hkv, 24), (hkv, 16), (H, 16)))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    rep = H // hkv
+    want = F.scaled_dot_product_attention(leaves[0].transpose(1, 2), leaves[1].repeat_interleave(rep, 2).transpose(1, 2),
+                                          leaves[2].repeat_interleave(rep, 2).transpose(1, 2),
+                                          is_causal=True).transpose(1, 2)
+    want.backward(dout)
+    shards = [ds_usp.shard_sequence(x, topo, 1, "zigzag").requires_grad_() for x in (q, k, v)]
+    out = ds_usp.usp_attention(*shards, topo, causal=True, layout="zigzag", comm_dtype="fp8")
+    out.backward(ds_usp.shard_sequence(dout, topo, 1, "zigzag"))
+    got = [ds_usp.gather_sequence(x, topo, 1, "zigzag") for x in (out.detach(), *(s.grad for s in shards))]
+    worst = 0.0
+    for name, x, ref, tol in zip(("out", "dq", "dk", "dv"), got, (want.detach(), *(x.grad for x in leaves)),
+                                 (FP8_OUT_REL,) + (FP8_GRAD_REL,) * 3):
+        err = _rel_err(x, ref)
+        assert 0 < err <= tol, f"({u},{r}) MLA fp8 {name}: relative error {err:.3g} (tolerance {tol})"
+        worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.parametrize("u,r", [(4, 1), (2, 2)])
+def test_fp8_wire_mla_heads(world4, u, r):
+    assert max(world4.run(fp8_wire_mla, u, r)) <= FP8_GRAD_REL
