@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import MIB, log, save_results, table  # noqa: E402
 
 DEMO_CONFIG = ROOT / "ds_configs" / "cpu_demo.json"
-SHAPE = dict(seq=1024, heads=4, kv_heads=2, head_dim=32, ulysses=2, ring=2, elem_bytes=4)  # the demo's defaults
+SHAPE = {"seq-len": 1024, "hidden": 128, "heads": 4, "kv-heads": 2}  # passed to the demo: the bytes below are its
 
 
 def run_demo(wire: str, seed: int, steps: int, out: Path, port: int) -> list[dict]:
@@ -42,7 +42,7 @@ def run_demo(wire: str, seed: int, steps: int, out: Path, port: int) -> list[dic
     (out / "log.jsonl").unlink(missing_ok=True)
     cmd = ["deepspeed", "--num_gpus", "4", "--master_port", str(port), str(ROOT / "examples" / "train_llama.py"),
            "--deepspeed_config", str(path), "--steps", str(steps), "--seed", str(seed), "--save-every", "0",
-           "--out", str(out)]
+           "--out", str(out)] + [x for key, value in SHAPE.items() for x in (f"--{key}", str(value))]
     log(f"{wire} seed {seed}: {' '.join(cmd)}")
     subprocess.run(cmd, check=True, cwd=ROOT)
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
@@ -52,11 +52,13 @@ def run_demo(wire: str, seed: int, steps: int, out: Path, port: int) -> list[dic
 
 
 def wire_bytes(wire: str) -> float:
-    """Bytes one rank sends per attention layer, forward + backward, at the demo's shape."""
+    """Bytes one rank sends per attention layer, forward + backward, at the demo's shape, degrees and dtype."""
     from ds_usp.cost import backward_bytes, forward_bytes
 
-    a = (1, SHAPE["seq"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"], SHAPE["ulysses"], SHAPE["ring"],
-         SHAPE["elem_bytes"])
+    config = json.loads(DEMO_CONFIG.read_text())
+    half = any(config.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
+    a = (1, SHAPE["seq-len"], SHAPE["heads"], SHAPE["kv-heads"], SHAPE["hidden"] // SHAPE["heads"],
+         config["usp"]["ulysses_degree"], config["usp"]["ring_degree"], 2 if half else 4)
     return forward_bytes(*a, comm_dtype=wire).total + backward_bytes(*a, comm_dtype=wire).total
 
 

@@ -85,7 +85,6 @@ def test_predicted_peak_within_20_percent(world4, row):
     measured, plan = max(peak for peak, _ in results), results[0][1]
     predicted = _predicted(seq, u, r, zero, plan)
     ratio = predicted / measured
-    print("PLANROW", row[:4], predicted / 2 ** 20, measured / 2 ** 20, [p / 2 ** 20 for p, _ in results])
     assert abs(ratio - 1) <= TOLERANCE, (f"{row} ({plan}): predicted {predicted / 2 ** 20:.0f} MiB, measured "
                                          f"{measured / 2 ** 20:.0f} MiB (ratio {ratio:.2f})")
 
