@@ -13,6 +13,7 @@ layers, 8 heads), random weights, ZeRO (``--zero``, default 3) with AdamW, seque
 * ``ds-usp off``: the same with ``chunked_loss``, ``tiled_mlp``, ``activation_checkpointing`` and
   ``offload_activations`` false (only the USP attention);
 * ``ds-usp UxR`` (any split of the ranks, e.g. ``ds-usp 2x2``): the degrees given;
+* ``ds-usp fp8``: the user default with ``"comm_dtype": "fp8"`` (activations on the wire as float8 e4m3);
 * ``ALST plain``: DeepSpeed's ``UlyssesSPAttentionHF`` (core attention sdpa) and its ``mpu``,
   contiguous shards, HF's loss on each shard's logits, the differentiable weighted average of the
   per-rank losses, as DeepSpeed's ALST tutorial wires it;
@@ -26,7 +27,8 @@ allocation before the step. Reported: the largest over the ranks, of the last st
 allocates the optimizer state). Time: wall and process CPU time of a step, the largest over the
 ranks, median over the steps after the first. The first step's loss (same weights, same tokens)
 must agree between the systems to 1e-4 relative (later steps differ by design: ALST's tiled loss
-does not scale the ``lm_head`` gradient by the incoming gradient).
+does not scale the ``lm_head`` gradient by the incoming gradient); ``ds-usp fp8`` is not exact by design, its
+distance is printed instead.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from _common import (MIB, NATIVE_OP, close_distributed, free_port, parse, parser
 
 DEFAULT_SYSTEMS = ("ds-usp off", "ds-usp", "ds-usp 2x2", "ALST plain", "ALST full")
 LOSS_RTOL = 1e-4
+LOSSY = ("ds-usp fp8",)  # systems that are not exact by design: their first loss is reported, not held to LOSS_RTOL
 TARGET_PEAK_VS_ALST_FULL = 0.5  # issue 26's targets: peak, steady step and first step against ALST full
 TARGET_TIME_VS_ALST_FULL = 0.9
 TARGET_FIRST_VS_ALST_FULL = 1.0
@@ -95,6 +98,8 @@ def usp_keys(name: str, ranks: int) -> Optional[dict]:
     """The ``usp`` config keys of a ds-usp system, or None when ``name`` is not one."""
     if name == "ds-usp":
         return {}
+    if name == "ds-usp fp8":
+        return {"comm_dtype": "fp8"}
     if name == "ds-usp off":
         return {"chunked_loss": False, "tiled_mlp": False, "activation_checkpointing": False,
                 "offload_activations": False}
@@ -106,7 +111,7 @@ def system_refusal(name: str, ranks: int) -> Optional[str]:
     """Why ``name`` is not a system for ``ranks`` ranks (None: it is)."""
     keys = usp_keys(name, ranks)
     if keys is None and name not in ("ALST plain", "ALST full"):
-        return f"unknown system {name!r}: ds-usp, ds-usp off, ds-usp UxR, ALST plain, ALST full"
+        return f"unknown system {name!r}: ds-usp, ds-usp off, ds-usp fp8, ds-usp UxR, ALST plain, ALST full"
     if keys and "ring_degree" in keys and keys["ulysses_degree"] * keys["ring_degree"] != ranks:
         return f"{name!r}: U x R must equal --ranks ({ranks})"
     return None
@@ -365,11 +370,15 @@ def compare(rows: list[dict]) -> tuple[str, bool]:
                 parts.append(f"{what} {ratio:.2f} x ALST full ({'met' if ratio <= target else 'missed'});")
         if usp.get("step_s") and plain.get("step_s"):
             parts.append(f"step {usp['step_s'] / plain['step_s']:.2f} x ALST plain;")
-        losses = [r["first_loss"] for r in rows if r["S"] == seq and r["first_loss"] is not None]
+        at_seq = [r for r in rows if r["S"] == seq and r["first_loss"] is not None]
+        losses = [r["first_loss"] for r in at_seq if r["system"] not in LOSSY]
         if len(losses) > 1:
             spread = (max(losses) - min(losses)) / abs(min(losses))
             agree &= spread <= LOSS_RTOL
             parts.append(f"first losses agree to {spread:.1e} ({'ok' if spread <= LOSS_RTOL else 'FAIL'})")
+        for r in (r for r in at_seq if r["system"] in LOSSY and losses):
+            parts.append(f"{r['system']} first loss {abs(r['first_loss'] - losses[0]) / abs(losses[0]):.1e} from "
+                         f"the exact systems';")
         if len(parts) > 1:
             lines.append(" ".join(parts))
     return "\n".join(lines), agree
