@@ -378,7 +378,7 @@ def compare(rows: list[dict]) -> tuple[str, bool]:
             parts.append(f"first losses agree to {spread:.1e} ({'ok' if spread <= LOSS_RTOL else 'FAIL'})")
         for r in (r for r in at_seq if r["system"] in LOSSY and losses):
             parts.append(f"{r['system']} first loss {abs(r['first_loss'] - losses[0]) / abs(losses[0]):.1e} from "
-                         f"the exact systems';")
+                         f"the exact systems;")
         if len(parts) > 1:
             lines.append(" ".join(parts))
     return "\n".join(lines), agree
