@@ -70,11 +70,17 @@ FAMILIES = {
                                          "topk_group": 1, "rope_scaling": None},
                     "MLA (value head dim 8, query/key 24), MoE"),
     "gpt_neox": ("GPTNeoXConfig", {}, "partial rotary, parallel residual"),
+    "llama4_text": ("Llama4TextConfig", {"head_dim": 16, "intermediate_size_mlp": 128, "num_local_experts": 4,
+                                         "attention_chunk_size": 16, "no_rope_layers": [1, 0], "floor_scale": 8,
+                                         "attn_temperature_tuning": True},
+                    "chunked attention (the mask's chunks, from each document's start), NoPE layers with "
+                    "attention temperature tuning by the global row, MoE"),
 }
 FEATURES = {  # regime "features": what makes each family's special arguments matter
     "granite": {"logits_scaling": 4.0}, "cohere": {"logit_scale": 0.0625},
 }
-SPECIAL = ("gemma2", "gpt_oss", "deepseek_v3")  # softcap, sinks, MLA: also packed and on a 1 x 4 ring
+SPECIAL = ("gemma2", "gpt_oss", "deepseek_v3", "llama4_text")  # softcap, sinks, MLA, chunks: also packed and 1x4
+ROW_REFERENCE = ("llama4_text",)  # packed rows: the reference is HF on the whole row (see _reference_token_losses)
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 REFUSED = {"falcon": "computes attention in its own code"}
 DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -123,11 +129,21 @@ def _doc_lens(batch: dict) -> list[int]:
     return [b - a for a, b in zip(starts, starts[1:] + [SEQ])]
 
 
-def _reference_token_losses(model, batch: dict, **kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """Per-token losses ``(S,)`` (0 where ignored) and the mean loss of the whole batch, one document at a time."""
+def _reference_token_losses(model, batch: dict, whole_row: bool = False,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Per-token losses ``(S,)`` (0 where ignored) and the mean loss of the whole batch, one document at a time;
+    ``whole_row``: the packed row in one call with its position ids, as HF computes it (Llama 4 scales its NoPE
+    queries by the row index, not the document's position, so a packed row differs from its documents alone)."""
     import torch.nn.functional as F
 
     losses, outs, start = [], [], 0
+    if whole_row and "position_ids" in batch:
+        ids = batch["input_ids"]
+        out = model(input_ids=ids, position_ids=batch["position_ids"], use_cache=False, **kwargs)
+        tokens = F.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:], reduction="none")
+        ends = torch.tensor(_doc_lens(batch)).cumsum(0) - 1  # the last token of a document predicts nothing
+        tokens = torch.cat([tokens, torch.zeros(1)]).index_fill(0, ends, 0.0)
+        return tokens, tokens.sum() / (SEQ - len(ends)), [out]
     for n in _doc_lens(batch):
         ids = batch["input_ids"][:, start:start + n]
         out = model(input_ids=ids, **kwargs)
@@ -190,7 +206,7 @@ def train_family(family: str, regime: str, u: int = 2, r: int = 2, packed: bool 
     report = {"token": [], "loss": [], "grad": {}, "aux": []}
     for step in range(1 if regime == "features" else STEPS):
         batch = _batch(step, packed)
-        want_tokens, want_loss, outs = _reference_token_losses(ref, batch, **kwargs)
+        want_tokens, want_loss, outs = _reference_token_losses(ref, batch, family in ROW_REFERENCE, **kwargs)
         shard = ds_usp.shard_batch(batch, engine.usp.topo, layout=engine.usp.layout)
         got_tokens = _sp_token_losses(engine, shard)
         report["token"].append(float((got_tokens - want_tokens.detach()).abs().max()))
@@ -266,12 +282,13 @@ def test_logits_tail_is_found_in_every_training_dtype(dtype):
     not refused for a tail it does not have, and the tails that exist are found."""
     from transformers import AutoModelForCausalLM
 
+    from ds_usp.integration.memory import decoder_of
     from ds_usp.integration.models import find_logits_tail
 
     for family in FAMILIES:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(_config(family, "features"), dtype=dtype)
-        tail = find_logits_tail(model, model.forward, model.get_decoder(), model.get_output_embeddings())
+        tail = find_logits_tail(model, model.forward, decoder_of(model), model.get_output_embeddings())
         assert tail is not None, f"{family} in {dtype}: no tail found"
         assert (tail.scale, tail.softcap) == EXPECTED_TAIL.get(family, (1.0, 0.0)), (family, dtype, tail)
 
@@ -337,3 +354,49 @@ def test_models_doc_lists_the_tested_families():
     for family in REFUSED:
         assert "refused" in rows[family]
     assert json.dumps(sorted(FAMILIES))  # the table is checked against this module's list
+
+
+def test_masks_are_read_from_transformers_mask_functions():
+    """The "usp" mask interface reads what each transformers mask creator asks for (no (s x s) tensor), and the
+    attention refuses a mask part it does not implement, an is_causal or sliding_window that disagrees with the
+    mask, instead of computing a plain causal mask."""
+    import transformers
+    from torch import nn
+    from transformers import masking_utils as mu
+
+    import ds_usp
+    from ds_usp.integration.hf import USPContext, _mask_of
+    from ds_usp.integration.hf_masks import HFMask
+
+    ds_usp.hf.register_usp_attention()
+    cfg = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, sliding_window=16,
+                                        attention_chunk_size=8)
+    cfg._attn_implementation = "usp"
+    x = torch.zeros(1, 12, 64)
+    packed = torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0)
+    args = dict(config=cfg, inputs_embeds=x, attention_mask=None, past_key_values=None)
+    assert mu.create_causal_mask(**args) == HFMask(causal=True)
+    assert mu.create_causal_mask(**args, position_ids=packed) == HFMask(causal=True)  # documents come as cu_seq_lens
+    end_padding = torch.tensor([[1] * 10 + [0] * 2])
+    assert mu.create_causal_mask(**{**args, "attention_mask": end_padding}) == HFMask(causal=True)
+    assert mu.create_sliding_window_causal_mask(**args) == HFMask(causal=True, window=16)
+    assert mu.create_chunked_causal_mask(**args, position_ids=packed) == HFMask(causal=True, chunk=8)
+    assert mu.create_bidirectional_mask(config=cfg, inputs_embeds=x, attention_mask=None) == HFMask(causal=False)
+    image_blocks = mu.create_causal_mask(**args, or_mask_function=mu.blockwise_overlay(torch.zeros(1, 12).long()))
+    assert image_blocks.unsupported and "or_masks(" in image_blocks.unsupported[0], image_blocks
+    custom = mu.create_causal_mask(**args, and_mask_function=lambda b, h, q, k: k > q - 3)
+    assert custom.unsupported and "test_models" in custom.unsupported[0], custom
+    both = mu.create_bidirectional_sliding_window_mask(config=cfg, inputs_embeds=x, attention_mask=None)
+    assert both == HFMask(causal=False, both_sides=16), both
+
+    layer, ctx = nn.Linear(1, 1), USPContext(topo=None, layout="zigzag", model_name="SomeForCausalLM")
+    assert _mask_of(layer, ctx, HFMask(causal=True, window=16), None, 16) == (True, (15, 0), None)
+    assert _mask_of(layer, ctx, HFMask(causal=True, chunk=8), True, None) == (True, None, 8)
+    assert _mask_of(layer, ctx, HFMask(causal=False, both_sides=4), None, None) == (False, (4, 4), None)
+    assert _mask_of(layer, ctx, None, None, 16) == (True, (15, 0), None)  # no mask built: the arguments alone
+    with pytest.raises(ValueError, match=r"SomeForCausalLM \(Linear\) passes attention_mask=.*or_masks"):
+        _mask_of(layer, ctx, image_blocks, None, None)
+    with pytest.raises(ValueError, match="passes sliding_window=16 .*its mask has no window"):
+        _mask_of(layer, ctx, HFMask(causal=True), None, 16)
+    with pytest.raises(ValueError, match="passes is_causal=True .*its mask is bidirectional"):
+        _mask_of(layer, ctx, HFMask(causal=False), True, None)

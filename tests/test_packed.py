@@ -34,13 +34,18 @@ from dist_harness import get_topo
 WORLD_TIMEOUT = 300
 
 
-def reference_mask(seq: int, docs: list[list[int]], causal: bool, window) -> torch.Tensor:
-    """``(b, 1, S, S)`` bool: the explicit mask the single-process reference uses."""
+def reference_mask(seq: int, docs: list[list[int]], causal: bool, window, chunk=None) -> torch.Tensor:
+    """``(b, 1, S, S)`` bool: the explicit mask the single-process reference uses (``chunk``: chunks of that many
+    tokens counted from each document's start, as HF's chunked mask with packed position ids)."""
     rows = []
     pos = torch.arange(seq)
     for lens in docs:
         doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
         keep = doc.unsqueeze(1) == doc.unsqueeze(0)
+        if chunk is not None:
+            start = torch.repeat_interleave(torch.tensor([0] + lens[:-1]).cumsum(0), torch.tensor(lens))
+            piece = (pos - start) // chunk
+            keep &= piece.unsqueeze(1) == piece.unsqueeze(0)
         if causal:
             keep &= pos.unsqueeze(1) >= pos.unsqueeze(0)
         if window is not None:
@@ -51,7 +56,8 @@ def reference_mask(seq: int, docs: list[list[int]], causal: bool, window) -> tor
 
 
 def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal: bool, window, hq: int, hkv: int,
-            dtype_name: str = "float32", seed: int = 0, per_row_docs: bool = True, attn_backend: str = "auto") -> int:
+            dtype_name: str = "float32", seed: int = 0, per_row_docs: bool = True, attn_backend: str = "auto",
+            chunk=None) -> int:
     """On every rank: one case against the reference; returns the number of kernel forward calls of this rank."""
     import ds_usp
     from ds_usp.kernels import band, torch_sdpa
@@ -77,13 +83,13 @@ def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal
     torch_sdpa.attention_forward, band.masked_forward = (counting(fn) for fn in originals)
     try:  # count the forward's kernel calls: fused ones and masked band edges
         out = ds_usp.usp_attention(ql, kl, vl, topo, causal=causal, layout=layout, seq_len=seq, doc_lens=doc_lens,
-                                   window=window, attn_backend=attn_backend)
+                                   window=window, attn_backend=attn_backend, chunk=chunk)
     finally:
         torch_sdpa.attention_forward, band.masked_forward = originals
     out.backward(shard(dout, 1.0))  # a gradient on padding too: it must not leak anywhere
     got = [ds_usp.gather_sequence(x.detach(), topo, layout=layout, seq_len=seq, doc_lens=doc_lens)
            for x in (out, ql.grad, kl.grad, vl.grad)]
-    keep = reference_mask(seq, docs, causal, window)
+    keep = reference_mask(seq, docs, causal, window, chunk)
     qr, kr, vr = (x.float().clone().requires_grad_() for x in (q, k, v))
     rep = hq // hkv
     # (b, s, h, d) -> (b, h, s, d) for SDPA, and back
@@ -96,7 +102,7 @@ def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal
         scale = want.abs().max().clamp_min(1.0)
         torch.testing.assert_close(g_.float() / scale, want / scale, **tol,
                                    msg=lambda m: f"{name} {u}x{r} {layout} S={seq} docs={docs} causal={causal} "
-                                                 f"window={window}: {m}")
+                                                 f"window={window} chunk={chunk}: {m}")
     return calls[0]
 
 
@@ -118,6 +124,12 @@ FIXED = [  # (u, r, layout, seq, docs, causal, window, hq, hkv)
     (4, 1, "zigzag", 128, [[128]], True, (256, 0), 4, 4),  # window longer than the sequence
     (2, 2, "contiguous", 120, [[7] * 15 + [15]], True, (17, 0), 4, 2),
     (1, 4, "zigzag", 96, [[10, 1, 40, 30, 15]], True, None, 4, 2, "bfloat16"),
+    # chunked attention (Llama 4): chunks from each document's start; the balanced layout keeps placing the
+    # batch's documents, not the chunks
+    (2, 2, "zigzag", 101, [[101]], True, None, 4, 2, "float32", 0, True, "auto", 16),
+    (1, 4, "balanced", 100, [[50, 50], [1, 98, 1]], True, None, 4, 2, "float32", 0, True, "auto", 7),
+    (4, 1, "contiguous", 96, [[10, 1, 40, 30, 15]], False, None, 4, 4, "float32", 0, True, "auto", 12),
+    (1, 4, "zigzag", 128, [[128]], True, (9, 0), 4, 2, "float32", 0, True, "auto", 32),  # window and chunks
 ]
 
 
@@ -137,7 +149,8 @@ def run_fixed_triton() -> int:
     reason = triton_attn.unavailable_reason(torch.device("cpu"))
     assert reason is None, reason  # conftest runs the kernels in Triton's interpreter
     for case in FIXED:
-        assert compare(*case, attn_backend="triton") == 0  # no torch kernel ran: every block went through triton
+        rest = dict(zip(("dtype_name", "seed", "per_row_docs", "attn_backend", "chunk"), case[9:]))
+        assert compare(*case[:9], **{**rest, "attn_backend": "triton"}) == 0  # no torch kernel ran: every block went through triton
     return len(FIXED)
 
 
@@ -159,7 +172,8 @@ def run_many(u: int, r: int, seed: int) -> int:
             causal = window is None or window[1] == 0 if rng.random() < 0.8 else False
             if not causal and window is not None and window[1] == 0:
                 window = (window[0], 2)
-            compare(u, r, layout, seq, docs, causal, window, 4, rng.choice([1, 2, 4]), seed=rng.randrange(1 << 16))
+            compare(u, r, layout, seq, docs, causal, window, 4, rng.choice([1, 2, 4]), seed=rng.randrange(1 << 16),
+                    chunk=rng.choice([None, None, None, 5, 33]))
             n += 1
     return n
 

@@ -57,6 +57,26 @@ class MaskSpec:
         return left, (0 if self.causal else right)
 
 
+def chunk_docs(docs: Optional[Docs], batch: int, seq_len: int, chunk: int) -> Optional[Docs]:
+    """Documents cut into chunks of ``chunk`` tokens counted from each document's start (chunked attention,
+    Llama 4: a query sees only keys of its own chunk), as document starts per row.
+
+    Args:
+        docs: per row, the first position of every document (``None``: one document per row).
+        batch: rows of the batch.
+        seq_len: real tokens per row.
+        chunk: tokens per chunk; 0: no chunking (``docs`` is returned as is).
+
+    Returns:
+        The starts of every chunk of every document, per row.
+    """
+    if chunk <= 0:
+        return docs
+    rows = docs if docs is not None else ((0,),) * batch
+    return tuple(tuple(p for start, end in zip(row, row[1:] + (seq_len,)) for p in range(start, end, chunk))
+                 for row in rows)
+
+
 @dataclass(frozen=True)
 class Part:
     """A rectangle of one block: query rows ``q`` of this rank's piece, key rows ``k`` of the source piece.

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ds_usp.attention.checks import (check_device, check_qkv, check_same_across_ranks, check_scale, check_sinks,
                                     check_softcap)
-from ds_usp.attention.masks import MaskSpec
+from ds_usp.attention.masks import MaskSpec, chunk_docs
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
 from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, seq_to_head
 from ds_usp.comm import resolve_group
@@ -122,13 +122,18 @@ seq_to_head_op, head_to_seq_op = _seq_to_head, _head_to_seq  # the differentiabl
 
 
 def _ring_and_mask(x: Tensor, world: int, ring_group: str, causal: bool, layout: str, seq_len: int,
-                   docs: Optional[Tensor], window_left: int, window_right: int) -> tuple[RingSpec, MaskSpec]:
-    """The ring of ``ring_group`` for the Ulysses group's piece ``x`` (``(b, U*s, ...)``) and the mask."""
+                   docs: Optional[Tensor], window_left: int, window_right: int,
+                   chunk: int) -> tuple[RingSpec, MaskSpec]:
+    """The ring of ``ring_group`` for the Ulysses group's piece ``x`` (``(b, U*s, ...)``) and the mask.
+
+    The ring's pieces follow the batch's documents (the ``"balanced"`` layout places them); the mask's documents
+    are those cut into chunks of ``chunk`` tokens (0: none).
+    """
     rg = resolve_group(ring_group)
     r = dist.get_world_size(rg)
     _, padded = resolve_seq_len(seq_len, x.shape[1] // world, world, r, layout)
     doc_starts = normalize_docs(docs, x.shape[0], seq_len) if docs is not None else None
-    mask = MaskSpec(causal=causal, seq_len=seq_len, docs=doc_starts,
+    mask = MaskSpec(causal=causal, seq_len=seq_len, docs=chunk_docs(doc_starts, x.shape[0], seq_len, chunk),
                     window=None if window_left < 0 else (window_left, window_right))
     ring = RingSpec(group=rg, ranks=tuple(dist.get_process_group_ranks(rg)), rank=dist.get_rank(rg), layout=layout,
                     padded_len=padded, bounds=segment_bounds(doc_starts, seq_len, padded))
@@ -161,17 +166,18 @@ def as_units(x: Tensor, unit: int) -> Tensor:
 def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str,
                     causal: bool, layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor],
                     attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
-                    window_right: int, comm_dtype: str) -> tuple[Tensor, Tensor]:
+                    window_right: int, chunk: int, comm_dtype: str) -> tuple[Tensor, Tensor]:
     """``(out (b, U*s, hq', dv), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
 
     ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``/``dims``.
     ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``window_left`` < 0: no window;
+    ``chunk`` 0: no chunked attention;
     ``softcap`` 0: none; ``sinks``: ``(hq',)`` this rank's heads' sink logits or None; ``comm_dtype``:
     ``usp.comm_dtype`` of the K/V blocks.
     """
     q, k, v = _split(qkv, heads, dims)
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
-                                window_right)
+                                window_right, chunk)
     return ring_forward(q, k, v, ring, mask, scale, get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q),
                         softcap, sinks, comm_dtype == "fp8")
 
@@ -179,7 +185,7 @@ def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysse
 @_ring_attention.register_fake
 def _(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str, causal: bool,
       layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor], attn_backend: str,
-      native_op: str, docs: Optional[Tensor], window_left: int, window_right: int,
+      native_op: str, docs: Optional[Tensor], window_left: int, window_right: int, chunk: int,
       comm_dtype: str) -> tuple[Tensor, Tensor]:
     b, s = qkv[0].shape[:2]
     return qkv[0].new_empty(b, s, heads[0], dims[2]), qkv[0].new_empty(b, heads[0], s, dtype=torch.float32)
@@ -189,12 +195,12 @@ def _(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int,
 def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
                         ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float,
                         softcap: float, sinks: Optional[Tensor], attn_backend: str, native_op: str,
-                        docs: Optional[Tensor], window_left: int, window_right: int,
+                        docs: Optional[Tensor], window_left: int, window_right: int, chunk: int,
                         comm_dtype: str) -> list[Tensor]:
     """Gradients for ``qkv`` as it was given (``[dq, dk, dv]`` or ``[d qkv_heads]``), then ``d sinks`` if any."""
     q, k, v = _split(qkv, heads, dims)
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
-                                window_right)
+                                window_right, chunk)
     grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ring, mask, scale,
                           get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap,
                           comm_dtype == "fp8")
@@ -208,7 +214,7 @@ def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tenso
 def _(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
       ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, softcap: float,
       sinks: Optional[Tensor], attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
-      window_right: int, comm_dtype: str) -> list[Tensor]:
+      window_right: int, chunk: int, comm_dtype: str) -> list[Tensor]:
     return [torch.empty_like(x) for x in qkv] + ([] if sinks is None else [torch.empty_like(sinks)])
 
 
@@ -224,7 +230,7 @@ def _ring_backward(ctx: Any, dout: Tensor, _dlse: Any) -> tuple:
     *qkv, out, lse = ctx.saved_tensors
     grads = _ring_attention_bwd(dout, qkv, out, lse, *ctx.args)
     dsinks = grads.pop() if ctx.has_sinks else None
-    return (grads,) + (None,) * 9 + (dsinks,) + (None,) * 6
+    return (grads,) + (None,) * 9 + (dsinks,) + (None,) * 7
 
 
 torch.library.register_autograd("ds_usp::ring_attention", _ring_backward, setup_context=_ring_setup)
@@ -238,7 +244,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
                   attn_backend: str = "auto", native_op: Union[bool, str] = "auto",
                   doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None,
                   window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None,
-                  sinks: Optional[Tensor] = None, comm_dtype: str = "input") -> Tensor:
+                  sinks: Optional[Tensor] = None, comm_dtype: str = "input", chunk: Optional[int] = None) -> Tensor:
     """Exact attention over a sequence sharded across ``topo``'s sequence-parallel group.
 
     Args:
@@ -270,14 +276,16 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
             blocks, forward and backward) as float8 e4m3 with one fp32 scale per token and head
             (:func:`ds_usp.comm.fp8_encode`): no longer exact (at most 6.25%, about 3.6% RMS, per element; 2-5%
             on the output), the gradients pass straight through and travel in the inputs' dtype.
+        chunk: chunked attention (Llama 4's ``attention_chunk_size``): a token sees only tokens of its own chunk
+            of ``chunk`` tokens, chunks counted from the start of its document. None: unchunked.
 
     Returns:
         ``(b, s_local, hq, dv)`` in the input dtype: this rank's shard of the output.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``causal``,
-            ``softmax_scale``, ``seq_len``, ``attn_backend``, ``native_op``, ``doc_lens``, ``window``, ``softcap`` or
-            ``sinks`` or ``comm_dtype``, raised
+            ``softmax_scale``, ``seq_len``, ``attn_backend``, ``native_op``, ``doc_lens``, ``window``, ``softcap``,
+            ``sinks``, ``comm_dtype`` or ``chunk``, raised
             before any communication; or ranks of the SP group that pass different shapes or arguments (checked
             once per signature with one small all-gather, the same error on every rank; skipped under
             ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
@@ -298,19 +306,22 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         raise ValueError(f"usp.comm_dtype={comm_dtype!r} is not valid: choose from {', '.join(map(repr, COMM_DTYPES))}")
     docs = normalize_docs(doc_lens, q.shape[0], real_len)
     left, right = check_window(window, causal)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk ({chunk!r}) must be a positive number of tokens or None")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if attn_backend not in BACKEND_CHOICES:
         get_backend(attn_backend, q.device)  # raises the message that lists what is usable here
     if not torch.compiler.is_compiling():  # (compiled code has checked these while tracing)
         get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
         check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
-                                (docs or (), left, right, cap, sinks is not None, COMM_DTYPES.index(comm_dtype)))
+                                (docs or (), left, right, cap, sinks is not None, COMM_DTYPES.index(comm_dtype),
+                                 chunk or 0))
     native = str(native_op).lower()
     docs_t = None if docs is None else _doc_tensor(docs, real_len)
     ulysses, ring, _ = topo.group_names
     hq, hkv, dk, dv = q.shape[2], k.shape[2], k.shape[3], v.shape[3]
     common = (layout, real_len, scale, cap)
-    mask_args = (attn_backend, native, docs_t, left, right, comm_dtype)
+    mask_args = (attn_backend, native, docs_t, left, right, chunk or 0, comm_dtype)
     if u == 1:
         out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], [dk, dk, dv], 1, ring, causal, *common, sinks,
                                  *mask_args)

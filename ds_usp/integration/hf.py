@@ -9,7 +9,8 @@ the sequence. The model itself is unchanged; the topology is attached to its mod
 :func:`attach` (``ds_usp.initialize`` calls it), so nothing is kept in module globals of ds-usp.
 
 **Nothing transformers passes is dropped.** Every keyword an attention module hands to the attention interface
-is either honoured (:data:`HONOURED`: the softmax scale, causality, the layer's own sliding window, the logit
+is either honoured (:data:`HONOURED`: the softmax scale, causality, the layer's own sliding window (checked against
+the mask transformers asked for, :mod:`ds_usp.integration.hf_masks`, which also brings Llama 4's chunks), the logit
 soft-cap of Gemma 2, the attention sinks of GPT-OSS, packed documents), or known to change nothing here
 (:data:`NEUTRAL`: positions are already in q/k through RoPE, cache and logging flags), or refused with a
 ``ValueError`` naming the keyword, the layer and what to do, when its value would change the result
@@ -22,10 +23,13 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import torch
 from torch import Tensor, nn
 
 from ds_usp.attention import usp_attention
 from ds_usp.integration.data import docs_from_cu_seq_lens
+from ds_usp.sharding import layout_bounds, shard_positions
+from ds_usp.integration.hf_masks import HFMask, usp_mask
 from ds_usp.topology import USPTopology
 
 ATTN_NAME = "usp"
@@ -116,7 +120,8 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         query: ``(b, hq, s_local, d)`` as transformers passes it.
         key: ``(b, hkv, s_local, d)``.
         value: ``(b, hkv, s_local, dv)`` (``dv`` may differ from ``d``: MLA).
-        attention_mask: must be ``None`` (the ``"usp"`` mask interface makes HF pass none; documents and
+        attention_mask: the :class:`~ds_usp.integration.hf_masks.HFMask` the ``"usp"`` mask interface made for
+            this layer type (causal or not, window, chunks), or None; a mask tensor is refused (documents and
             padding come as ``cu_seq_lens_q``).
         dropout: must be 0.
         scaling: softmax scale.
@@ -135,13 +140,14 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
 
     Raises:
         RuntimeError: the model was not attached to a topology.
-        ValueError: an attention mask, dropout, or a keyword ds-usp does not implement (see the module doc).
+        ValueError: a mask tensor or a mask part ds-usp does not implement, dropout, or a keyword ds-usp does not
+            implement (see the module doc).
     """
     ctx = getattr(module, _CONTEXT_ATTR, None)
     if ctx is None:
         raise RuntimeError('this model uses attn_implementation="usp" but has no USP topology: wrap it with '
                            "ds_usp.initialize(...) or call ds_usp.hf.attach(model, context) first")
-    if attention_mask is not None:
+    if attention_mask is not None and not isinstance(attention_mask, HFMask):
         raise ValueError(f"{ctx.model_name} ({type(module).__name__}) passes its own attention mask, which usp "
                          f"attention does not take: pack sequences instead of padding them; ds_usp.shard_batch passes "
                          f"the documents and the real length as cu_seq_lens_q")
@@ -154,32 +160,87 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
                                                                                           cu_seq_lens_q).all()):
         _refuse(module, ctx, "cu_seq_lens_k", cu_seq_lens_k, "keys with other documents than the queries "
                 "(cross-attention) are not supported; ds-usp shards self-attention")
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal, window, chunk = _mask_of(module, ctx, attention_mask, is_causal, sliding_window)
     seq_len, docs = None, None
     if cu_seq_lens_q is not None:
         seq_len, docs = docs_from_cu_seq_lens(cu_seq_lens_q, query.shape[0])
         docs = None if all(len(row) == 1 for row in docs) else docs
-    window = None
-    if sliding_window is not None:
-        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    query = _global_query_temperature(module, ctx, query, seq_len, docs)
     # (b, h, s, d) -> (b, s, h, d): ds-usp's layout
     out = usp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
                         causal=causal, layout=ctx.layout, softmax_scale=scaling, seq_len=seq_len,
                         attn_backend=ctx.attn_backend, native_op=ctx.native_op, doc_lens=docs, window=window,
-                        softcap=softcap, sinks=s_aux, comm_dtype=ctx.comm_dtype)
+                        softcap=softcap, sinks=s_aux, comm_dtype=ctx.comm_dtype, chunk=chunk)
     return out, None
 
 
-def no_mask(*args: Any, **kwargs: Any) -> None:
-    """The ``"usp"`` mask interface: HF builds no mask (the attention takes documents and windows itself)."""
-    return None
+def _global_query_temperature(module: nn.Module, ctx: USPContext, query: Tensor, seq_len: Optional[int],
+                              docs: Optional[list[list[int]]]) -> Tensor:
+    """Llama 4's attention temperature tuning, by the global row index instead of the shard's.
+
+    Llama 4's NoPE layers (``attn_temperature_tuning``, ``use_rope`` False) scale each query by
+    ``1 + attn_scale * log1p(floor((i + 1) / floor_scale))`` where ``i`` is the token's row index, which the layer
+    takes as ``arange`` over the tokens it holds: on a shard that is the shard's index, not the sequence's. This
+    rescales the queries to the factor of their global rows (a no-op while the sequence is shorter than
+    ``floor_scale``), so the result equals one process's over the whole sequence.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    topo, s_local = ctx.topo, query.shape[2]
+    padded = s_local * topo.sp_size
+    real = padded if seq_len is None else seq_len
+    bounds = layout_bounds(docs, real, padded) if ctx.layout == "balanced" else None
+    rows = shard_positions(padded, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, ctx.layout, bounds)
+
+    def factor(i: Tensor) -> Tensor:
+        return torch.log1p(torch.floor((i.double() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    ratio = factor(rows) / factor(torch.arange(s_local))
+    # (s,) -> (1, 1, s, 1) over (b, h, s, d)
+    return (query * ratio.to(query.device, query.dtype).view(1, 1, -1, 1)).to(query.dtype)
+
+
+def _mask_of(module: nn.Module, ctx: USPContext, mask: Optional[HFMask], is_causal: Optional[bool],
+             sliding_window: Optional[int]) -> tuple[bool, Optional[tuple[int, int]], Optional[int]]:
+    """``(causal, window (left, right) or None, chunk or None)`` of a layer: what its mask (:class:`HFMask`, from
+    the ``"usp"`` mask interface) asks for, checked against the layer's own ``is_causal`` and ``sliding_window``
+    arguments; without a mask (a model that builds none), those arguments alone."""
+    if mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        return causal, _window(sliding_window, causal), None
+    if mask.unsupported:
+        _refuse(module, ctx, "attention_mask", mask, f"its mask has parts ds-usp does not implement "
+                f"({'; '.join(mask.unsupported)}), so ds-usp refuses rather than compute another mask")
+    if is_causal is not None and bool(is_causal) != mask.causal:
+        _refuse(module, ctx, "is_causal", is_causal, f"its mask is {'causal' if mask.causal else 'bidirectional'}; "
+                f"ds-usp does not guess which one the model means")
+    if sliding_window is not None and sliding_window != mask.window:
+        _refuse(module, ctx, "sliding_window", sliding_window, f"its mask has {'no window' if mask.window is None else f'a window of {mask.window} tokens'}; "
+                f"ds-usp does not guess which one the model means")
+    if mask.window is not None and not mask.causal:
+        _refuse(module, ctx, "attention_mask", mask, "a one-sided window on a bidirectional mask is not implemented")
+    window = _window(mask.window, mask.causal)
+    if mask.both_sides is not None:
+        if window is not None or mask.causal:
+            _refuse(module, ctx, "attention_mask", mask, "a two-sided window combined with another window or with "
+                    "causality is not implemented")
+        window = (mask.both_sides, mask.both_sides)
+    return mask.causal, window, mask.chunk
+
+
+def _window(sliding_window: Optional[int], causal: bool) -> Optional[tuple[int, int]]:
+    """HF's ``sliding_window`` (a query sees itself and the ``sliding_window - 1`` keys before it) as ds-usp's
+    ``(left, right)``."""
+    if sliding_window is None:
+        return None
+    return sliding_window - 1, 0 if causal else sliding_window - 1
 
 
 def register_usp_attention() -> str:
     """Register :func:`usp_hf_attention` with transformers as ``attn_implementation="usp"`` (idempotent).
 
-    Also registers a mask function for ``"usp"`` that builds nothing, so that packed rows (position ids
-    restarting at 0) do not make HF materialize a ``(s x s)`` mask; and makes building a model whose family does
+    Also registers the ``"usp"`` mask interface (:func:`ds_usp.integration.hf_masks.usp_mask`), which builds no
+    ``(s x s)`` mask but says what each layer type's mask means; and makes building a model whose family does
     not route its attention through transformers' attention interface (Falcon, GPT-J, Bloom...) with
     ``attn_implementation="usp"`` fail with an error that names the family, instead of a ``KeyError: 'usp'`` deep
     inside it or, for some families, silently running their own attention.
@@ -194,7 +255,7 @@ def register_usp_attention() -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, usp_hf_attention)
-    AttentionMaskInterface.register(ATTN_NAME, no_mask)
+    AttentionMaskInterface.register(ATTN_NAME, usp_mask)
     check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
     if check is not None and not getattr(check, "_ds_usp", False):
         @functools.wraps(check)

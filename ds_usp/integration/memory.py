@@ -54,6 +54,17 @@ class ModelTail:
     router_problem: Optional[str] = None
 
 
+def decoder_of(model: nn.Module) -> Optional[nn.Module]:
+    """The module that holds the decoder layers (``.layers``): ``get_decoder()``, else the base model or ``.model``
+    (Llama 4's ``get_decoder()`` returns the whole causal LM). None when there is none."""
+    get_decoder = getattr(model, "get_decoder", None)
+    for candidate in (get_decoder() if callable(get_decoder) else None, getattr(model, "base_model", None),
+                      getattr(model, "model", None)):
+        if isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
+    return None
+
+
 def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout: str,
           zero3: bool) -> Optional[MemoryContext]:
     """Wrap an HF causal LM with the SP loss and the memory features, from outside.
@@ -75,8 +86,8 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
         ValueError: a feature set to ``true`` cannot be applied to this model (the message says why).
     """
     cfg = getattr(model, "config", None)
-    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
-    decoder = get_decoder() if callable(get_decoder) else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    decoder = decoder_of(model)
     head = get_head() if callable(get_head) else None
     layers = getattr(decoder, "layers", None)
     if cfg is None or decoder is None or head is None or layers is None or not hasattr(head, "weight"):

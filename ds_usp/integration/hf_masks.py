@@ -1,0 +1,124 @@
+"""What mask a transformers model asks for, read from the mask function it hands the ``"usp"`` mask interface.
+
+transformers builds each layer type's mask (``create_causal_mask``, ``create_sliding_window_causal_mask``,
+``create_chunked_causal_mask``, ``create_bidirectional_mask``...) by composing small index functions
+(``causal_mask_function``, ``sliding_window_overlay(w)``, ``chunked_overlay(c, left_padding)``, padding and
+packed-sequence functions, a model's own overlays) and handing the composition to the attention implementation's
+mask interface. The ``"usp"`` interface builds no ``(s x s)`` tensor: :func:`usp_mask` walks the composition and
+returns an :class:`HFMask` that says what it means (causal or not, a window, chunks), which the model then passes
+to every layer of that type as its ``attention_mask``. The attention honours it (:mod:`ds_usp.integration.hf`).
+
+A part ds-usp does not know (a model's own overlay such as bidirectional image blocks, any function that is not
+one of transformers' mask primitives) is kept by name in :attr:`HFMask.unsupported`, and the attention refuses it,
+so a mask ds-usp cannot compute is never replaced by a plain causal one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+_HF_MASKS = "transformers.masking_utils"
+
+
+@dataclass(frozen=True)
+class HFMask:
+    """The mask a transformers mask creator asked for, over global positions.
+
+    Attributes:
+        causal: a query sees no later key (``causal_mask_function``); False: bidirectional.
+        window: a query at ``q`` sees keys ``k > q - window`` (``sliding_window_overlay``: HF's ``sliding_window``).
+        both_sides: a query sees keys with ``|q - k| <= both_sides`` (``sliding_window_bidirectional_overlay``).
+        chunk: a query sees keys of its own chunk of ``chunk`` tokens (``chunked_overlay``, Llama 4).
+        unsupported: the parts ds-usp does not implement, by name (the attention refuses them).
+    """
+
+    causal: bool = True
+    window: Optional[int] = None
+    both_sides: Optional[int] = None
+    chunk: Optional[int] = None
+    unsupported: tuple[str, ...] = ()
+
+    def __getitem__(self, index: Any) -> "HFMask":
+        """Some attention modules slice their mask to the key length (``mask[:, :, :, :k]``): the same mask."""
+        return self
+
+
+def _cells(fn: Callable) -> dict[str, Any]:
+    """The closure variables of ``fn`` by name."""
+    closure = getattr(fn, "__closure__", None) or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
+
+
+def _is_zero(x: Any) -> bool:
+    return not bool((x != 0).any()) if hasattr(x, "any") else x == 0
+
+
+def _read(fn: Callable, found: dict[str, Any]) -> None:
+    """Add what mask function ``fn`` (an intersection of constraints, for the ``and`` at the top) requires."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if getattr(fn, "__module__", None) != _HF_MASKS or not hasattr(fn, "__code__"):
+        found["unsupported"].append(f"{getattr(fn, '__module__', '?')}.{name}")
+        return
+    cells = _cells(fn)
+    head = name.split(".")[0]
+    if head == "and_masks":
+        for part in cells["mask_functions"]:
+            _read(part, found)
+    elif head == "causal_mask_function":
+        found["causal"] = True
+    elif head == "bidirectional_mask_function":
+        found["bidirectional"] = True
+    elif head == "sliding_window_overlay":
+        found["window"] = cells["sliding_window"]
+    elif head == "sliding_window_bidirectional_overlay":
+        found["both_sides"] = cells["sliding_window"]
+    elif head == "chunked_overlay":
+        found["chunk"] = cells["chunk_size"]
+        if not _is_zero(cells["left_padding"]):
+            found["unsupported"].append("chunked_overlay with left padding")
+    elif head in ("padding_mask_function", "packed_sequence_mask_function"):
+        pass  # the end padding and the documents reach the attention as cu_seq_lens_q (ds_usp.shard_batch)
+    elif head == "remap_positions_for_packed_sequence":
+        _read(cells["mask_function"], found)  # positions counted from each document's start: as ds-usp does
+    elif head == "add_offsets_to_mask_function":
+        if not (_is_zero(cells["q_offset"]) and _is_zero(cells["kv_offset"])):
+            found["unsupported"].append("a mask with cache offsets (generation with a cache)")
+        _read(cells["mask_function"], found)
+    elif head == "or_masks":  # a model's overlay widening the mask (bidirectional image blocks...)
+        parts = ", ".join(getattr(f, "__qualname__", "?").split(".")[0] for f in cells["mask_functions"])
+        found["unsupported"].append(f"or_masks({parts})")
+    else:  # blockwise_overlay, and whatever comes next
+        found["unsupported"].append(name.replace(".<locals>", ""))
+
+
+def read_mask_function(mask_function: Callable) -> HFMask:
+    """What a transformers mask function means.
+
+    Args:
+        mask_function: ``(batch_idx, head_idx, q_idx, kv_idx) -> bool`` as the mask creators compose it.
+
+    Returns:
+        The :class:`HFMask` (its ``unsupported`` names the parts ds-usp cannot compute).
+    """
+    found: dict[str, Any] = {"causal": False, "bidirectional": False, "window": None, "both_sides": None,
+                             "chunk": None, "unsupported": []}
+    _read(mask_function, found)
+    if found["causal"] == found["bidirectional"]:
+        found["unsupported"].append("a mask that is neither causal nor bidirectional")
+    return HFMask(causal=found["causal"], window=found["window"], both_sides=found["both_sides"],
+                  chunk=found["chunk"], unsupported=tuple(found["unsupported"]))
+
+
+def usp_mask(*args: Any, mask_function: Optional[Callable] = None, **kwargs: Any) -> Optional[HFMask]:
+    """The ``"usp"`` mask interface: what the mask means, not an ``(s x s)`` tensor (see the module doc).
+
+    Args:
+        *args: what transformers passes positionally (nothing today).
+        mask_function: the composed mask function.
+        **kwargs: the sizes, the 2D padding mask, dtype, device, config (unused: the attention takes the real
+            length and the documents from ``cu_seq_lens_q``).
+
+    Returns:
+        The :class:`HFMask`, or None when no mask function is given.
+    """
+    return None if mask_function is None else read_mask_function(mask_function)
