@@ -214,7 +214,6 @@ def test_property_packed_matches_reference(world4, case):
 
 def skipped_work() -> list:
     """Documents aligned with the ring pieces (contiguous 1x4): each rank needs only its own block."""
-    import ds_usp
     from meters import measure_attention
 
     topo = get_topo(1, 4)

@@ -42,6 +42,15 @@ class HFMask:
         """Some attention modules slice their mask to the key length (``mask[:, :, :, :k]``): the same mask."""
         return self
 
+    def __getattr__(self, name: str) -> Any:
+        """A model that reads its mask as a tensor (``mask.dtype``, ``mask.shape``...) outside the attention
+        interface (a sparse-attention indexer) gets an error that says why, not a bare ``AttributeError``."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"the model reads its attention mask as a tensor (mask.{name}) outside transformers' "
+                             f"attention interface; with attn_implementation='usp' there is no mask tensor (the "
+                             f"layers get an HFMask description), and ds-usp cannot shard such a model's attention")
+
 
 def _cells(fn: Callable) -> dict[str, Any]:
     """The closure variables of ``fn`` by name."""
