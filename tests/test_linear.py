@@ -168,10 +168,11 @@ def test_distributed_state_passing_is_exact(world4):
         assert max(errors) < 1e-12, f"{case}: out, dq, dk, dv, dg, dbeta, dw errors {errors}"
 
 
-# -------------------------------------------------------------- HF layers and models (qwen3_5, qwen3_next)
+# ------------------------------------------------- HF layers and models (qwen3_5, qwen3_next, olmo_hybrid)
 
 FAMILIES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
-            "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next"}
+            "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+            "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid"}
 SEQ = 67
 
 
@@ -184,6 +185,9 @@ def _config(family: str):
                 eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                 linear_value_head_dim=16, linear_conv_kernel_dim=K,
                 layer_types=["linear_attention"] * 3 + ["full_attention"])
+    if family == "olmo_hybrid":  # separate q/k/v/g/b/a projections, o_norm / o_proj, beta in [0, 2]
+        return transformers.OlmoHybridConfig(**{k: v for k, v in base.items() if k != "head_dim"},
+                                             linear_allow_neg_eigval=True)
     if family == "qwen3_next":
         return transformers.Qwen3NextConfig(**base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                             decoder_sparse_step=1)
@@ -365,7 +369,6 @@ def test_hybrid_models_train_exactly(world4, family):
     ("RecurrentGemmaConfig", dict(block_types=["recurrent", "attention"], lru_width=64, head_dim=16)),
     ("NemotronHConfig", dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
                              n_groups=1, chunk_size=16)),
-    ("OlmoHybridConfig", {}),
 ])
 def test_other_recurrent_families_are_refused_by_name(family, config):
     import transformers

@@ -215,8 +215,9 @@ def _mask_of(module: nn.Module, ctx: USPContext, mask: Optional[HFMask], is_caus
         _refuse(module, ctx, "is_causal", is_causal, f"its mask is {'causal' if mask.causal else 'bidirectional'}; "
                 f"ds-usp does not guess which one the model means")
     if sliding_window is not None and sliding_window != mask.window:
-        _refuse(module, ctx, "sliding_window", sliding_window, f"its mask has {'no window' if mask.window is None else f'a window of {mask.window} tokens'}; "
-                f"ds-usp does not guess which one the model means")
+        has = "no window" if mask.window is None else f"a window of {mask.window} tokens"
+        _refuse(module, ctx, "sliding_window", sliding_window, f"its mask has {has}; ds-usp does not guess which one "
+                f"the model means")
     if mask.window is not None and not mask.causal:
         _refuse(module, ctx, "attention_mask", mask, "a one-sided window on a bidirectional mask is not implemented")
     window = _window(mask.window, mask.causal)

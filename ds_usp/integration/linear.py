@@ -1,4 +1,5 @@
-"""Hybrid linear-attention models: their Gated DeltaNet layers wrapped from outside (Qwen3-Next, Qwen3.5).
+"""Hybrid linear-attention models: their Gated DeltaNet layers wrapped from outside (Qwen3-Next, Qwen3.5, OLMo
+Hybrid).
 
 ``ds_usp.initialize`` calls :func:`wrap_linear_layers`, as it applies the memory stack: every Gated DeltaNet
 layer of the model keeps its parameters and its own kernels, and its forward becomes
@@ -10,8 +11,10 @@ layer of the model keeps its parameters and its own kernels, and its forward bec
 The softmax layers of the same model use ``attn_implementation="usp"`` with their output gate (it is applied by
 the model, after the attention). The family's own delta-rule function is called: transformers' torch chunked
 rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is recognized by what it holds (the
-fused ``in_proj_qkvz`` / ``in_proj_ba`` of Qwen3-Next, or the separate ``in_proj_qkv`` / ``in_proj_z`` /
-``in_proj_b`` / ``in_proj_a`` of Qwen3.5, with ``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj``); other
+fused ``in_proj_qkvz`` / ``in_proj_ba`` of Qwen3-Next, the separate ``in_proj_qkv`` / ``in_proj_z`` /
+``in_proj_b`` / ``in_proj_a`` of Qwen3.5, or OLMo Hybrid's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` /
+``b_proj`` / ``a_proj`` (and its ``allow_neg_eigval``: beta in [0, 2]), with ``conv1d`` over ``[q | k | v]``,
+``A_log``, ``dt_bias``, and ``norm`` / ``out_proj`` or ``o_norm`` / ``o_proj``); other
 linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
 """
 from __future__ import annotations
@@ -27,15 +30,20 @@ from ds_usp.integration.data import docs_from_cu_seq_lens
 from ds_usp.integration.hf import USPContext, context_of
 from ds_usp.linear import check_linear_heads, gated_delta_attention
 
-_COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
-_FUSED = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next: per key head [q | k | v... | z...], [b... | a...]
-_SEPARATE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # Qwen3.5
+_COMMON = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+_INPUTS = (("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next: per key head [q | k | v... | z...], [b... | a...]
+           ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # Qwen3.5
+           ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj"))  # OLMo Hybrid
+_OUTPUTS = (("norm", "out_proj"), ("o_norm", "o_proj"))  # the gated norm and the output projection
+
+
+def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
+    return all(hasattr(module, a) for a in names)
 
 
 def is_gated_deltanet(module: nn.Module) -> bool:
     """Whether ``module`` is a Gated DeltaNet layer ds-usp wraps (see the module doc)."""
-    return all(hasattr(module, a) for a in _COMMON) and (all(hasattr(module, a) for a in _FUSED) or
-                                                         all(hasattr(module, a) for a in _SEPARATE))
+    return _has(module, _COMMON) and any(_has(module, x) for x in _INPUTS) and any(_has(module, x) for x in _OUTPUTS)
 
 
 def _projections(module: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
@@ -46,9 +54,14 @@ def _projections(module: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
         return q, k, v.reshape(bsz, s, nv, dv), z.reshape(bsz, s, nv, dv), b.reshape(bsz, s, nv), \
             a.reshape(bsz, s, nv)
-    q, k, v = module.in_proj_qkv(x).split([nk * dk, nk * dk, nv * dv], dim=-1)
+    if hasattr(module, "in_proj_qkv"):
+        q, k, v = module.in_proj_qkv(x).split([nk * dk, nk * dk, nv * dv], dim=-1)
+        z, b, a = module.in_proj_z(x), module.in_proj_b(x), module.in_proj_a(x)
+    else:
+        q, k, v, z, b, a = (proj(x) for proj in (module.q_proj, module.k_proj, module.v_proj, module.g_proj,
+                                                 module.b_proj, module.a_proj))
     return (q.reshape(bsz, s, nk, dk), k.reshape(bsz, s, nk, dk), v.reshape(bsz, s, nv, dv),
-            module.in_proj_z(x).reshape(bsz, s, nv, dv), module.in_proj_b(x), module.in_proj_a(x))
+            z.reshape(bsz, s, nv, dv), b, a)
 
 
 def _rule(module: nn.Module) -> Callable:
@@ -86,7 +99,7 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
         seq_len, docs = docs_from_cu_seq_lens(cu, hidden_states.shape[0]) if cu is not None else (None, None)
         docs = None if docs is None or all(len(row) == 1 for row in docs) else docs
         q, k, v, z, b, a = _projections(module, hidden_states)
-        beta = b.sigmoid()
+        beta = b.sigmoid() * (2.0 if getattr(module, "allow_neg_eigval", False) else 1.0)  # OLMo: beta in [0, 2]
         g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
         conv = module.conv1d
         core = gated_delta_attention(q, k, v, g, beta, conv.weight, conv.bias, ctx.topo, rule, activation,
@@ -94,8 +107,9 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
         bsz, s = hidden_states.shape[:2]
         dv = module.head_v_dim
         # (b, s, nv, dv) -> (b*s*nv, dv): the gated norm per token and head, as the layer does
-        out = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(bsz, s, -1)
-        return module.out_proj(out)
+        norm, proj = (getattr(module, name) for name in next(x for x in _OUTPUTS if _has(module, x)))
+        out = norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(bsz, s, -1)
+        return proj(out)
 
     return forward
 

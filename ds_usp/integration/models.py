@@ -76,6 +76,8 @@ def sequence_mixers(model: nn.Module, handled: Callable[[nn.Module], bool]) -> l
             skip.update(id(m) for m in module.modules())
             continue
         if isinstance(module, nn.Conv1d) or _MIXER_NAMES.search(type(module).__name__):
+            if any(handled(m) for m in module.modules()):
+                continue  # a container named after what it holds (OLMo Hybrid's LinearAttentionDecoderLayer)
             found.append(f"{name} ({type(module).__name__})")
             skip.update(id(m) for m in module.modules())
     return found
