@@ -87,6 +87,7 @@ def _bad_attention_calls():
         ("usp_attention", "unknown native_op", _attn(2, 2, native_op="sometimes"), "native_op='sometimes' is invalid"),
         ("usp_attention", "unknown attn_backend", _attn(2, 2, attn_backend="cudnn"), "not a known attention backend"),
         ("usp_attention", "unknown comm_dtype", _attn(2, 2, comm_dtype="int4"), "usp.comm_dtype='int4' is not valid"),
+        ("usp_attention", "zero chunk", _attn(2, 2, chunk=0), "chunk (0) must be a positive number"),
         ("ulysses_attention", "a topology with a ring", lambda: ds_usp.ulysses_attention(q, k, v, get_topo(2, 2)),
          "ulysses_attention needs ring_degree 1"),
         ("ring_attention", "a topology with Ulysses", lambda: ds_usp.ring_attention(q, k, v, get_topo(2, 2)),
