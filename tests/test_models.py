@@ -411,50 +411,16 @@ def test_masks_are_read_from_transformers_mask_functions():
 MORE = ("cohere2", "ernie4_5_moe", "exaone4", "flint", "gemma3n_text", "gemma4_text", "glm4_moe", "gpt2", "granitemoe",
         "helium", "hunyuan_v1_moe", "hy_v3", "laguna", "mimo_v2_flash", "minimax_m2", "ministral3", "olmo3", "olmoe",
         "phimoe", "qwen2_moe", "seed_oss", "vaultgemma")
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, global_head_dim=16, max_position_embeddings=256, sliding_window=16,
-             pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0, initializer_range=0.1,
-             moe_intermediate_size=32, n_routed_experts=4, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
-             n_shared_experts=1, shared_expert_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
-             hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, n_embd=64, n_layer=4, n_head=4,
-             n_positions=256, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, moe_topk=2)
-SPECIFIC = {"gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
-                                 intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
-                                 laurel_rank=8)}
 
 
 def forward_more_families() -> dict:
-    """On every rank: each family of MORE (tiny: the keys of SMALL its config has), one forward of the usp model at
-    2 x 2 zigzag, S = 67, against the same weights with eager attention over the whole sequence; the largest
-    logit error relative to the largest logit, per family."""
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """On every rank: each family of MORE, tiny (benchmarks/family_sweep.py's config: 4 layers, a 16-token window
+    where it has one), one forward of the usp model at 2 x 2 zigzag, S = 67, against the same weights with eager
+    attention over the whole sequence; the largest logit error relative to the largest logit, per family."""
+    from family_sweep import forward_error, reference_logits
 
-    import ds_usp
-    from ds_usp.integration.hf import USPContext, attach
-
-    ds_usp.hf.register_usp_attention()
     topo = get_topo(2, 2)
-    errors = {}
-    for family in MORE:
-        defaults = AutoConfig.for_model(family).to_dict()
-        kwargs = {**{k: v for k, v in SMALL.items() if k in defaults}, **SPECIFIC.get(family, {})}
-        torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kwargs), attn_implementation="eager")
-        sp = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kwargs), attn_implementation="usp")
-        sp.load_state_dict(ref.state_dict())
-        attach(sp, USPContext(topo=topo, layout="zigzag"))
-        batch = _batch(0, False)
-        shard = ds_usp.shard_batch(batch, topo)
-        with torch.no_grad():
-            want = ds_usp.shard_sequence(ref.eval()(input_ids=batch["input_ids"]).logits, topo)
-            got = sp.eval()(**{k: shard[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q",
-                                                    "cu_seq_lens_k")}).logits
-        real = shard["attention_mask"][0].bool()  # the shard's end padding is not compared
-        err = torch.tensor([float((got - want)[:, real].abs().max() / want.abs().max())])
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        errors[family] = float(err)
-    return errors
+    return {family: forward_error(family, topo, reference_logits(family)) for family in MORE}
 
 
 def test_more_families_forward_exact_2x2(world4):

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from ds_usp.attention import usp_attention
 from ds_usp.integration.data import docs_from_cu_seq_lens
-from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.integration.hf_masks import HFMask, usp_mask
+from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.topology import USPTopology
 
 ATTN_NAME = "usp"

@@ -1,0 +1,155 @@
+"""Which transformers causal-LM families ds-usp runs exactly, which it refuses by name, and which fail otherwise.
+
+    python benchmarks/family_sweep.py                          # every causal-LM family of the installed transformers
+    python benchmarks/family_sweep.py --families llama4_text,olmo3 --json family_sweep.json
+
+Each family runs in its own 2-process gloo world (a 1 x 2 ring, zigzag, S = 67): a tiny config (the keys of
+:data:`SMALL` the family's config has, a 16-token window and chunk where it has them, 4 layers), the same weights
+with eager attention over the whole sequence in each process and with ``attn_implementation="usp"`` on the shards;
+one forward, the largest logit error relative to the largest logit. Verdicts: ``exact`` (< 1e-4), ``MISMATCH``,
+``refused`` (a ``ValueError``, or an error naming ds-usp, that says what ds-usp does not support), ``config`` (the tiny config does not build
+or run even with eager attention: not checked), ``error`` (anything else, a defect to look at) and ``timeout``.
+A correctness sweep, not a timing: it needs no idle machine. ``tests/test_models.py`` runs :func:`forward_error`
+on a fixed list of families at 2 x 2 in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+
+from _common import free_port, save_results, table
+
+SEQ, VOCAB = 67, 128
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, global_head_dim=16, max_position_embeddings=256, sliding_window=16,
+             attention_chunk_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0,
+             initializer_range=0.1, moe_intermediate_size=32, n_routed_experts=4, num_experts=4, num_local_experts=4,
+             num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32, first_k_dense_replace=1,
+             n_group=1, topk_group=1, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, n_embd=64,
+             n_layer=4, n_head=4, n_positions=256, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, moe_topk=2, intermediate_size_mlp=128,
+             floor_scale=8)
+SPECIFIC = {"gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                                 intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+                                 laurel_rank=8)}
+
+
+def tiny_config(family: str) -> Any:
+    """A tiny config of ``family`` (a transformers model type): the keys of :data:`SMALL` its config has."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(family).to_dict()
+    return AutoConfig.for_model(family, **{**{k: v for k, v in SMALL.items() if k in defaults},
+                                           **SPECIFIC.get(family, {})})
+
+
+def reference_logits(family: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``(eager model, input ids (1, SEQ), its logits)`` of the tiny ``family`` (seed 0 weights)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager").eval()
+    ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return ref, ids, ref(input_ids=ids).logits
+
+
+def forward_error(family: str, topo: Any, reference: tuple[Any, torch.Tensor, torch.Tensor]) -> float:
+    """On every rank of ``topo``'s world: the ``"usp"`` model's logits on this rank's shard against the reference's
+    (:func:`reference_logits`), the largest error relative to the largest logit, the maximum over the ranks."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import ds_usp
+    from ds_usp.integration.hf import USPContext, attach
+    from ds_usp.integration.linear import is_gated_deltanet, wrap_linear_layers
+    from ds_usp.integration.models import check_model
+
+    ds_usp.hf.register_usp_attention()
+    ref, ids, want = reference
+    sp = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="usp").eval()
+    sp.load_state_dict(ref.state_dict())
+    check_model(sp, handled=is_gated_deltanet)  # what ds_usp.initialize refuses, and the layers it wraps
+    attach(sp, USPContext(topo=topo, layout="zigzag"))
+    wrap_linear_layers(sp)
+    shard = ds_usp.shard_batch({"input_ids": ids}, topo)
+    with torch.no_grad():
+        got = sp(**{k: shard[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")}).logits
+    real = shard["attention_mask"][0].bool()  # the shard's end padding is not compared
+    err = (got - ds_usp.shard_sequence(want, topo))[:, real].abs().max() if real.any() else torch.zeros(())
+    err = torch.stack([err / want.abs().max()]).float()
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    return float(err)
+
+
+def _worker(rank: int, family: str, port: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    from ds_usp.topology import USPTopology
+
+    topo = USPTopology.build(1, 2)
+    try:
+        reference = reference_logits(family)
+    except Exception as e:  # noqa: BLE001 - the family's own eager model fails on this tiny config
+        verdict = ("config", f"{type(e).__name__}: {e}")
+    else:
+        try:
+            err = forward_error(family, topo, reference)
+            verdict = ("exact" if err < 1e-4 else "MISMATCH", f"{err:.2e}")
+        except Exception as e:  # noqa: BLE001 - a refusal names ds-usp; anything else is a defect to look at
+            named = isinstance(e, ValueError) or "ds-usp" in str(e)
+            verdict = ("refused", str(e)) if named else \
+                ("error", f"{type(e).__name__}: {e} | {traceback.format_exc(limit=-2)}")
+    if rank == 0:
+        out.put(verdict)
+    dist.destroy_process_group()
+
+
+def sweep_one(family: str, timeout: float) -> tuple[str, str]:
+    """The verdict of one family, from a fresh 2-process world (killed after ``timeout`` seconds)."""
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, family, port, out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=timeout)
+    except Exception:  # noqa: BLE001 - queue.Empty: no verdict in time (or a crash before one)
+        return ("timeout", f"no verdict within {timeout:.0f} s")
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def main() -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--families", default="", help="comma-separated model types (default: every causal-LM family)")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds per family")
+    p.add_argument("--json", default=None, help="result file (benchmarks/results/ when a bare name)")
+    args = p.parse_args()
+    families = [f for f in args.families.split(",") if f] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    rows = []
+    for family in families:
+        verdict, detail = sweep_one(family, args.timeout)
+        rows.append({"family": family, "verdict": verdict, "detail": detail[:300]})
+        print(f"{family:28s} {verdict:8s} {detail[:150]}", flush=True)
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in sorted({r["verdict"] for r in rows})}
+    print(table([{"verdict": v, "families": n} for v, n in counts.items()]))
+    save_results(args.json, vars(args), rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
