@@ -310,6 +310,11 @@ def test_non_interface_families_are_refused_by_name():
 
     with pytest.raises(ValueError, match="LlamaForCausalLM was built with attn_implementation='sdpa'"):
         check_model(built_with_sdpa)
+    bart = transformers.AutoModelForCausalLM.from_config(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=64, decoder_layers=1, encoder_layers=1, decoder_attention_heads=4,
+        encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64), attn_implementation="usp")
+    with pytest.raises(ValueError, match="BartForCausalLM.forward takes no position_ids"):
+        check_model(bart)  # its decoder numbers the tokens it gets from 0: each rank would restart at 0
 
 
 def test_every_interface_keyword_is_classified():

@@ -2,8 +2,9 @@
 
 * :func:`check_model`: refuse, by name and before any collective of a step, a model that sequence parallelism
   would train silently wrong: a family whose attention does not go through transformers' attention interface,
-  a model built with another attention implementation than ``"usp"``, or one with sequence-mixing layers
-  ds-usp does not shard (recurrent / state-space / convolution layers it has no path for).
+  a model built with another attention implementation than ``"usp"``, one with sequence-mixing layers
+  ds-usp does not shard (recurrent / state-space / convolution layers it has no path for), or one whose forward
+  takes no ``position_ids`` (it would number each rank's shard from 0).
 * :func:`find_logits_tail`: what the model applies to ``lm_head``'s output before its loss (Granite divides by
   ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2/3 soft-cap with ``final_logit_softcapping``),
   *measured* on the model's own forward with a stand-in decoder: the first candidate from the config that
@@ -112,6 +113,12 @@ def check_model(model: nn.Module, handled: Callable[[nn.Module], bool] = lambda 
                          f"{' ...' if len(mixers) > 3 else ''}, which ds-usp does not shard: each rank would run it "
                          f"on its own shard, restarted at zero. docs/models.md lists the hybrid families ds-usp "
                          f"shards (Gated DeltaNet); train this one without sequence parallelism")
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    forward = getattr(getattr(inner, "_orig_mod", inner), "forward", None)  # torch.compile's wrapper
+    if callable(forward) and "position_ids" not in inspect.signature(forward).parameters:
+        raise ValueError(f"{name}.forward takes no position_ids: the model numbers the tokens it is given from 0 "
+                         f"(BART-style decoders), so under sequence parallelism every rank would restart the positions "
+                         f"on its shard. Train it without sequence parallelism")
 
 
 def feed_forward_blocks(layer: nn.Module) -> list[nn.Module]:
