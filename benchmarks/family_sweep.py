@@ -83,7 +83,7 @@ def forward_error(family: str, topo: Any, reference: tuple[Any, torch.Tensor, to
         got = sp(**{k: shard[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")}).logits
     real = shard["attention_mask"][0].bool()  # the shard's end padding is not compared
     err = (got - ds_usp.shard_sequence(want, topo))[:, real].abs().max() if real.any() else torch.zeros(())
-    err = torch.stack([err / want.abs().max()]).float()
+    err = (err / want.abs().max()).reshape(1).float()
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     return float(err)
 

@@ -85,6 +85,8 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
     from transformers.activations import ACT2FN
 
     rule, activation = _rule(module), ACT2FN[getattr(module, "activation", "silu")]
+    norm, proj = (getattr(module, name) for name in next(x for x in _OUTPUTS if _has(module, x)))
+    beta_scale = 2.0 if getattr(module, "allow_neg_eigval", False) else 1.0  # OLMo Hybrid: beta in [0, 2]
 
     @functools.wraps(module.forward)
     def forward(hidden_states: Tensor, cache_params: Any = None, attention_mask: Optional[Tensor] = None,
@@ -99,7 +101,7 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
         seq_len, docs = docs_from_cu_seq_lens(cu, hidden_states.shape[0]) if cu is not None else (None, None)
         docs = None if docs is None or all(len(row) == 1 for row in docs) else docs
         q, k, v, z, b, a = _projections(module, hidden_states)
-        beta = b.sigmoid() * (2.0 if getattr(module, "allow_neg_eigval", False) else 1.0)  # OLMo: beta in [0, 2]
+        beta = b.sigmoid() * beta_scale
         g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
         conv = module.conv1d
         core = gated_delta_attention(q, k, v, g, beta, conv.weight, conv.bias, ctx.topo, rule, activation,
@@ -107,7 +109,6 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
         bsz, s = hidden_states.shape[:2]
         dv = module.head_v_dim
         # (b, s, nv, dv) -> (b*s*nv, dv): the gated norm per token and head, as the layer does
-        norm, proj = (getattr(module, name) for name in next(x for x in _OUTPUTS if _has(module, x)))
         out = norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(bsz, s, -1)
         return proj(out)
 

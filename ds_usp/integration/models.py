@@ -186,7 +186,8 @@ def find_logits_tail(model: nn.Module, forward: Callable, decoder: nn.Module, he
     Args:
         model: the causal LM.
         forward: its original ``forward`` (before ds-usp wraps it).
-        decoder: the module holding the decoder layers, which ``forward`` calls (:func:`ds_usp.integration.memory.decoder_of`).
+        decoder: the module holding the decoder layers, which ``forward`` calls
+            (:func:`ds_usp.integration.memory.decoder_of`).
         head: ``model.get_output_embeddings()``.
 
     Returns:
