@@ -4,11 +4,13 @@
     python benchmarks/family_sweep.py --families llama4_text,olmo3 --json family_sweep.json
 
 Each family runs in its own 2-process gloo world (a 1 x 2 ring, zigzag, S = 67): a tiny config (the keys of
-:data:`SMALL` the family's config has, a 16-token window and chunk where it has them, 4 layers), the same weights
-with eager attention over the whole sequence in each process and with ``attn_implementation="usp"`` on the shards;
-one forward, the largest logit error relative to the largest logit. Verdicts: ``exact`` (< 1e-4), ``MISMATCH``,
-``refused`` (a ``ValueError``, or an error naming ds-usp, that says what ds-usp does not support), ``config`` (the tiny config does not build
-or run even with eager attention: not checked), ``error`` (anything else, a defect to look at) and ``timeout``.
+:data:`SMALL` the family's config has, :data:`MLA`'s for latent-attention families, per-layer type lists cut to
+4 layers with each kind once, a 16-token window and chunk where it has them), the same weights with eager
+attention over the whole sequence in each process and with ``attn_implementation="usp"`` on the shards; one
+forward, the largest logit error relative to the largest logit. Verdicts: ``exact`` (< 1e-4), ``MISMATCH``,
+``refused`` (a ``ValueError``, or an error naming ds-usp, that says what ds-usp does not support; or transformers
+cannot build the model with the ``"usp"`` attention at all), ``config`` (the tiny config does not build or run even
+with eager attention: not checked), ``error`` (anything else, a defect to look at) and ``timeout``.
 A correctness sweep, not a timing: it needs no idle machine. ``tests/test_models.py`` runs :func:`forward_error`
 on a fixed list of families at 2 x 2 in CI.
 """
@@ -25,7 +27,7 @@ import torch
 
 from _common import free_port, save_results, table
 
-SEQ, VOCAB = 67, 128
+SEQ, VOCAB, ATTN = 67, 128, "usp"
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, global_head_dim=16, max_position_embeddings=256, sliding_window=16,
              attention_chunk_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0,
@@ -34,10 +36,19 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              n_group=1, topk_group=1, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, n_embd=64,
              n_layer=4, n_head=4, n_positions=256, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, moe_topk=2, intermediate_size_mlp=128,
-             floor_scale=8)
+             floor_scale=8, rotary_dim=8, linear_num_heads=4, linear_head_dim=16, num_experts_per_token=2)
+MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16,
+           head_dim=8, num_key_value_heads=4, index_topk=16, index_head_dim=16, index_n_heads=2)  # latent attention
+PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types", "layers_block_type")  # lists of one entry per layer
 SPECIFIC = {"gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
                                  intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
-                                 laurel_rank=8)}
+                                 laurel_rank=8),
+            "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2),
+            "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 10000.0}}),
+            "dbrx": dict(d_model=64, n_heads=4, n_layers=4, max_seq_len=256,
+                         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                         ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2})}
 
 
 def tiny_config(family: str) -> Any:
@@ -45,8 +56,13 @@ def tiny_config(family: str) -> Any:
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(family).to_dict()
-    return AutoConfig.for_model(family, **{**{k: v for k, v in SMALL.items() if k in defaults},
-                                           **SPECIFIC.get(family, {})})
+    mla = {k: v for k, v in MLA.items() if defaults.get(k) is not None} if defaults.get("kv_lora_rank") else {}
+    kwargs = {k: v for k, v in {**SMALL, **mla}.items() if k in defaults}
+    layers = kwargs.get("num_hidden_layers", 4)
+    for key in PER_LAYER:  # a default list for the full-size model: each kind of layer once, then its own order
+        if isinstance(kinds := defaults.get(key), list) and len(kinds) > layers:
+            kwargs[key] = (list(dict.fromkeys(kinds)) + kinds)[:layers]
+    return AutoConfig.for_model(family, **{**kwargs, **SPECIFIC.get(family, {})})
 
 
 def reference_logits(family: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -68,14 +84,14 @@ def forward_error(family: str, topo: Any, reference: tuple[Any, torch.Tensor, to
 
     import ds_usp
     from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.linear import is_gated_deltanet, wrap_linear_layers
+    from ds_usp.integration.linear import is_linear_attention, wrap_linear_layers
     from ds_usp.integration.models import check_model
 
     ds_usp.hf.register_usp_attention()
     ref, ids, want = reference
     sp = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="usp").eval()
     sp.load_state_dict(ref.state_dict())
-    check_model(sp, handled=is_gated_deltanet)  # what ds_usp.initialize refuses, and the layers it wraps
+    check_model(sp, handled=is_linear_attention)  # what ds_usp.initialize refuses, and the layers it wraps
     attach(sp, USPContext(topo=topo, layout="zigzag"))
     wrap_linear_layers(sp)
     shard = ds_usp.shard_batch({"input_ids": ids}, topo)
@@ -105,6 +121,9 @@ def _worker(rank: int, family: str, port: int, out: Any) -> None:
         try:
             err = forward_error(family, topo, reference)
             verdict = ("exact" if err < 1e-4 else "MISMATCH", f"{err:.2e}")
+        except KeyError as e:  # transformers' own table of attention classes has no "usp" (GIT): it cannot be built
+            verdict = ("refused", f"transformers cannot build it with attn_implementation='usp': KeyError {e}") \
+                if str(e) == repr(ATTN) else ("error", f"KeyError: {e} | {traceback.format_exc(limit=-2)}")
         except Exception as e:  # noqa: BLE001 - a refusal names ds-usp; anything else is a defect to look at
             named = isinstance(e, ValueError) or "ds-usp" in str(e)
             verdict = ("refused", str(e)) if named else \

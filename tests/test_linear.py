@@ -38,7 +38,8 @@ K = 4  # convolution kernel
 
 def recurrent_rule(q, k, v, g, beta, state):
     """The gated delta rule token by token, in the inputs' dtype (fp64 here): l2-normed q/k, q scaled by dk^-0.5,
-    key heads repeated over their value heads, as transformers' kernels do."""
+    key heads repeated over their value heads, as transformers' kernels do; ``g`` one log decay per head (Gated
+    DeltaNet) or per key channel (``(b, t, nv, dk)``: KDA)."""
     b, t, nk, dk = q.shape
     nv, dv = v.shape[2], v.shape[3]
     q, k = q.repeat_interleave(nv // nk, 2), k.repeat_interleave(nv // nk, 2)
@@ -47,7 +48,8 @@ def recurrent_rule(q, k, v, g, beta, state):
     s = torch.zeros(b, nv, dk, dv, dtype=q.dtype) if state is None else state.to(q.dtype)
     outs = []
     for i in range(t):
-        s = s * g[:, i].exp()[..., None, None]
+        decay = g[:, i].exp()
+        s = s * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
         delta = (v[:, i] - (s * k[:, i][..., None]).sum(-2)) * beta[:, i][..., None]
         s = s + k[:, i][..., None] * delta[..., None, :]
         outs.append((s * q[:, i][..., None]).sum(-2))
@@ -168,12 +170,21 @@ def test_distributed_state_passing_is_exact(world4):
         assert max(errors) < 1e-12, f"{case}: out, dq, dk, dv, dg, dbeta, dw errors {errors}"
 
 
-# ------------------------------------------------- HF layers and models (qwen3_5, qwen3_next, olmo_hybrid)
+# ------------------------------------ HF layers and models (qwen3_5, qwen3_next, olmo_hybrid; KDA: kimi_linear)
 
 FAMILIES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
             "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
-            "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid"}
+            "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+            "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear"}
 SEQ = 67
+
+
+FP32_INSIDE = {"kimi_linear": ("forget_gate.", "o_norm.")}  # parameters whose gradient the layer computes in fp32
+
+
+def _rule_name(family: str) -> str:
+    """The family's chunked rule, a function of its modeling module."""
+    return "chunk_kimi_delta_attention" if family == "kimi_linear" else "torch_chunk_gated_delta_rule"
 
 
 
@@ -185,6 +196,15 @@ def _config(family: str):
                 eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                 linear_value_head_dim=16, linear_conv_kernel_dim=K,
                 layer_types=["linear_attention"] * 3 + ["full_attention"])
+    if family == "kimi_linear":  # KDA (per-channel decays, output gate g_a/g_b), MLA without RoPE, MoE
+        return transformers.KimiLinearConfig(
+            **{k: base[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "max_position_embeddings", "pad_token_id", "bos_token_id",
+                                    "eos_token_id", "layer_types")},
+            num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+            mlp_layer_types=["dense"] + ["sparse"] * 3, linear_num_heads=4, linear_head_dim=16,
+            linear_conv_kernel_dim=K)
     if family == "olmo_hybrid":  # separate q/k/v/g/b/a projections, o_norm / o_proj, beta in [0, 2]
         return transformers.OlmoHybridConfig(**{k: v for k, v in base.items() if k != "head_dim"},
                                              linear_allow_neg_eigval=True)
@@ -204,22 +224,23 @@ def _fp64_rule(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final
 
 
 def layer_case(family: str, u: int, r: int, layout: str, docs, detail: bool = False) -> float:
-    """On every rank: one GDN layer in fp64, wrapped vs its own forward on the whole sequence; max difference."""
+    """On every rank: one GDN / KDA layer in fp64, wrapped vs its own forward on the whole sequence; max
+    difference."""
     import ds_usp
     from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.linear import is_gated_deltanet, wrap_linear_layers
+    from ds_usp.integration.linear import is_linear_attention, wrap_linear_layers
 
     module = importlib.import_module(FAMILIES[family])
-    saved = module.torch_chunk_gated_delta_rule
-    module.torch_chunk_gated_delta_rule = _fp64_rule
+    saved = getattr(module, _rule_name(family))
+    setattr(module, _rule_name(family), _fp64_rule)
     try:
         torch.manual_seed(0)
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
-        layer = next(m for m in model.modules() if is_gated_deltanet(m)).double()
+        layer = next(m for m in model.modules() if is_linear_attention(m)).double()
         twin = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
-        mine = next(m for m in twin.modules() if is_gated_deltanet(m)).double()
+        mine = next(m for m in twin.modules() if is_linear_attention(m)).double()
         mine.load_state_dict(layer.state_dict())
         topo = get_topo(u, r)
         attach(mine, USPContext(topo=topo, layout=layout, native_op=False))
@@ -244,12 +265,13 @@ def layer_case(family: str, u: int, r: int, layout: str, docs, detail: bool = Fa
         for (name, p), (_, q) in zip(layer.named_parameters(), mine.named_parameters()):
             grad = q.grad.clone()
             torch.distributed.all_reduce(grad, group=topo.sp_group)
-            # A_log's gradient is fp32 in the layer itself (it computes -A_log.float().exp()): fp32 rounding
-            scale = 1e-4 if name == "A_log" else 1.0
+            # gradients the layer itself computes in fp32: A_log's (-A_log.float().exp()), KDA's forget gate (its
+            # log decays in fp32) and gated norm (fp32 inside): fp32 rounding
+            scale = 1e-4 if name == "A_log" or name.startswith(FP32_INSIDE.get(family, ("A_log",))) else 1.0
             errors.append(scale * float((grad - p.grad).abs().max() / p.grad.abs().max()))
         return errors if detail else max(errors)
     finally:
-        module.torch_chunk_gated_delta_rule = saved
+        setattr(module, _rule_name(family), saved)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -265,10 +287,10 @@ def _drift(family: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     module = importlib.import_module(FAMILIES[family])
-    saved = module.torch_chunk_gated_delta_rule
+    saved = getattr(module, _rule_name(family))
     grads = []
     for chunk in (64, 16):
-        module.torch_chunk_gated_delta_rule = functools.partial(saved, chunk_size=chunk)
+        setattr(module, _rule_name(family), functools.partial(saved, chunk_size=chunk))
         try:
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
@@ -276,7 +298,7 @@ def _drift(family: str) -> dict:
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         finally:
-            module.torch_chunk_gated_delta_rule = saved
+            setattr(module, _rule_name(family), saved)
     return {n: float((grads[0][n] - grads[1][n]).norm() / grads[0][n].norm().clamp_min(1e-30)) for n in grads[0]}
 
 
@@ -358,9 +380,6 @@ def test_hybrid_models_train_exactly(world4, family):
 
 
 @pytest.mark.parametrize("family,config", [
-    ("KimiLinearConfig", dict(num_key_value_heads=4, linear_attn_config={"kda_layers": [1], "full_attn_layers": [2],
-                                                                          "num_heads": 4, "head_dim": 16,
-                                                                          "short_conv_kernel_size": 4})),
     ("MiniMaxConfig", dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4,
                            num_experts_per_tok=2)),
     ("JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
@@ -374,7 +393,7 @@ def test_other_recurrent_families_are_refused_by_name(family, config):
     import transformers
 
     import ds_usp
-    from ds_usp.integration.linear import is_gated_deltanet
+    from ds_usp.integration.linear import is_linear_attention
     from ds_usp.integration.models import check_model
 
     ds_usp.hf.register_usp_attention()
@@ -383,7 +402,7 @@ def test_other_recurrent_families_are_refused_by_name(family, config):
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, family)(**{**base, **config}),
                                                           attn_implementation="usp")
     with pytest.raises(ValueError, match=rf"{type(model).__name__} mixes tokens along the sequence outside attention"):
-        check_model(model, handled=is_gated_deltanet)
+        check_model(model, handled=is_linear_attention)
 
 
 def test_linear_heads_the_degree_cannot_split_are_refused():

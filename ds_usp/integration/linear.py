@@ -1,8 +1,8 @@
-"""Hybrid linear-attention models: their Gated DeltaNet layers wrapped from outside (Qwen3-Next, Qwen3.5, OLMo
-Hybrid).
+"""Hybrid linear-attention models: their delta-rule layers wrapped from outside — Gated DeltaNet (Qwen3-Next,
+Qwen3.5, OLMo Hybrid) and Kimi Delta Attention (KDA: Kimi Linear, GLM-5 Next).
 
-``ds_usp.initialize`` calls :func:`wrap_linear_layers`, as it applies the memory stack: every Gated DeltaNet
-layer of the model keeps its parameters and its own kernels, and its forward becomes
+``ds_usp.initialize`` calls :func:`wrap_linear_layers`, as it applies the memory stack: every such layer of the
+model keeps its parameters and its own kernels, and its forward becomes
 
     input projections (this rank's tokens, all heads) -> gates -> ds_usp.linear.gated_delta_attention
     (Ulysses all-to-all for heads, the short convolution with its halo, the delta rule with the state passed
@@ -10,12 +10,18 @@ layer of the model keeps its parameters and its own kernels, and its forward bec
 
 The softmax layers of the same model use ``attn_implementation="usp"`` with their output gate (it is applied by
 the model, after the attention). The family's own delta-rule function is called: transformers' torch chunked
-rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is recognized by what it holds (the
-fused ``in_proj_qkvz`` / ``in_proj_ba`` of Qwen3-Next, the separate ``in_proj_qkv`` / ``in_proj_z`` /
-``in_proj_b`` / ``in_proj_a`` of Qwen3.5, or OLMo Hybrid's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` /
-``b_proj`` / ``a_proj`` (and its ``allow_neg_eigval``: beta in [0, 2]), with ``conv1d`` over ``[q | k | v]``,
-``A_log``, ``dt_bias``, and ``norm`` / ``out_proj`` or ``o_norm`` / ``o_proj``); other
-linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
+rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is recognized by what it holds:
+
+- Gated DeltaNet: the fused ``in_proj_qkvz`` / ``in_proj_ba`` of Qwen3-Next, the separate ``in_proj_qkv`` /
+  ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` of Qwen3.5, or OLMo Hybrid's ``q_proj`` / ``k_proj`` / ``v_proj``
+  / ``g_proj`` / ``b_proj`` / ``a_proj`` (and its ``allow_neg_eigval``: beta in [0, 2]), with ``conv1d`` over
+  ``[q | k | v]``, ``A_log``, ``dt_bias``, and ``norm`` / ``out_proj`` or ``o_norm`` / ``o_proj``; one log decay
+  per token and head;
+- KDA: ``q_proj`` / ``k_proj`` / ``v_proj``, ``conv1d``, the layer's ``forget_gate`` module (its per-channel log
+  decays, computed by the family's own code), ``b_proj``, the output gate ``g_a_proj`` / ``g_b_proj``, ``o_norm`` /
+  ``o_proj``, and its module's ``chunk_kimi_delta_attention``.
+
+Other linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
 """
 from __future__ import annotations
 
@@ -35,15 +41,39 @@ _INPUTS = (("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next: per key head [q | k | 
            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # Qwen3.5
            ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj"))  # OLMo Hybrid
 _OUTPUTS = (("norm", "out_proj"), ("o_norm", "o_proj"))  # the gated norm and the output projection
+_KDA = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj",
+        "num_heads", "head_dim")
 
 
 def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
     return all(hasattr(module, a) for a in names)
 
 
+def _family(module: nn.Module, name: str) -> Any:
+    """A function of the module that defines ``module``'s class (None: it has none)."""
+    return getattr(sys.modules[type(module).__module__], name, None)
+
+
 def is_gated_deltanet(module: nn.Module) -> bool:
     """Whether ``module`` is a Gated DeltaNet layer ds-usp wraps (see the module doc)."""
     return _has(module, _COMMON) and any(_has(module, x) for x in _INPUTS) and any(_has(module, x) for x in _OUTPUTS)
+
+
+def is_kimi_delta(module: nn.Module) -> bool:
+    """Whether ``module`` is a Kimi Delta Attention layer ds-usp wraps (see the module doc)."""
+    return _has(module, _KDA) and callable(_family(module, "chunk_kimi_delta_attention"))
+
+
+def is_linear_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear-attention layer ds-usp wraps: Gated DeltaNet or KDA."""
+    return is_gated_deltanet(module) or is_kimi_delta(module)
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int, int, int]:
+    """``(key heads, value heads, key head dim, value head dim)`` of a layer :func:`is_linear_attention` accepts."""
+    if is_kimi_delta(module):
+        return module.num_heads, module.num_heads, module.head_dim, module.head_dim
+    return module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
 
 
 def _projections(module: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
@@ -64,9 +94,21 @@ def _projections(module: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
             z.reshape(bsz, s, nv, dv), b, a)
 
 
+def _inputs(module: nn.Module, x: Tensor, beta_scale: float) -> tuple[Tensor, ...]:
+    """``q, k (b, s, nk, dk), v, z (b, s, nv, dv), g, beta`` of this rank's tokens, all heads: the output gate
+    ``z``, fp32 log decays ``g`` (``(b, s, nv)``, KDA: ``(b, s, nv, dk)``) and ``beta`` ``(b, s, nv)``."""
+    if is_kimi_delta(module):
+        heads = (module.num_heads, module.head_dim)
+        q, k, v = (proj(x).unflatten(-1, heads) for proj in (module.q_proj, module.k_proj, module.v_proj))
+        z = module.g_b_proj(module.g_a_proj(x)).unflatten(-1, heads)
+        return q, k, v, z, module.forget_gate(x), module.b_proj(x).sigmoid()
+    q, k, v, z, b, a = _projections(module, x)
+    return q, k, v, z, -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias), b.sigmoid() * beta_scale
+
+
 def _rule(module: nn.Module) -> Callable:
-    """The family's chunked gated delta rule as :data:`ds_usp.linear.delta.Rule` (l2-norm of q/k inside)."""
-    fn = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule")
+    """The family's chunked delta rule as :data:`ds_usp.linear.delta.Rule` (l2-norm of q/k inside)."""
+    fn = _family(module, "chunk_kimi_delta_attention" if is_kimi_delta(module) else "torch_chunk_gated_delta_rule")
 
     def rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Optional[Tensor]) -> tuple:
         return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
@@ -86,6 +128,7 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
 
     rule, activation = _rule(module), ACT2FN[getattr(module, "activation", "silu")]
     norm, proj = (getattr(module, name) for name in next(x for x in _OUTPUTS if _has(module, x)))
+    dv = linear_dims(module)[3]
     beta_scale = 2.0 if getattr(module, "allow_neg_eigval", False) else 1.0  # OLMo Hybrid: beta in [0, 2]
 
     @functools.wraps(module.forward)
@@ -100,14 +143,11 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
         cu = ctx.cu_seq_lens if cu is None else cu
         seq_len, docs = docs_from_cu_seq_lens(cu, hidden_states.shape[0]) if cu is not None else (None, None)
         docs = None if docs is None or all(len(row) == 1 for row in docs) else docs
-        q, k, v, z, b, a = _projections(module, hidden_states)
-        beta = b.sigmoid() * beta_scale
-        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+        q, k, v, z, g, beta = _inputs(module, hidden_states, beta_scale)
         conv = module.conv1d
         core = gated_delta_attention(q, k, v, g, beta, conv.weight, conv.bias, ctx.topo, rule, activation,
                                      layout=ctx.layout, seq_len=seq_len, doc_lens=docs, native_op=ctx.native_op)
         bsz, s = hidden_states.shape[:2]
-        dv = module.head_v_dim
         # (b, s, nv, dv) -> (b*s*nv, dv): the gated norm per token and head, as the layer does
         out = norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(bsz, s, -1)
         return proj(out)
@@ -116,8 +156,8 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
 
 
 def wrap_linear_layers(model: nn.Module) -> int:
-    """Make every Gated DeltaNet layer of ``model`` run under the USP topology :func:`ds_usp.hf.attach` gave it
-    (:func:`check_hybrid` first: the heads against the Ulysses degree).
+    """Make every linear-attention layer (:func:`is_linear_attention`) of ``model`` run under the USP topology
+    :func:`ds_usp.hf.attach` gave it (:func:`check_hybrid` first: the heads against the Ulysses degree).
 
     Args:
         model: the model (already attached).
@@ -128,7 +168,7 @@ def wrap_linear_layers(model: nn.Module) -> int:
     ctx = context_of(model)
     wrapped = 0
     for module in model.modules():
-        if is_gated_deltanet(module) and not getattr(module, "_usp_wrapped", False):
+        if is_linear_attention(module) and not getattr(module, "_usp_wrapped", False):
             module.forward = _forward(module, ctx)
             module._usp_wrapped = True
             wrapped += 1
@@ -142,6 +182,7 @@ def check_hybrid(model: nn.Module, ulysses_degree: int) -> None:
         ValueError: naming the layer's heads and the degree.
     """
     for module in model.modules():
-        if is_gated_deltanet(module):
-            check_linear_heads(module.num_k_heads, module.num_v_heads, ulysses_degree)
+        if is_linear_attention(module):
+            nk, nv, _, _ = linear_dims(module)
+            check_linear_heads(nk, nv, ulysses_degree)
 

@@ -76,7 +76,9 @@ def sequence_mixers(model: nn.Module, handled: Callable[[nn.Module], bool]) -> l
         if handled(module):
             skip.update(id(m) for m in module.modules())
             continue
-        if isinstance(module, nn.Conv1d) or _MIXER_NAMES.search(type(module).__name__):
+        softmax = hasattr(module, "is_causal") and hasattr(module, "scaling")  # transformers' attention modules:
+        # named like a mixer at times (Kimi Linear's MLA layer is KimiLinearAttention), they reach the interface
+        if isinstance(module, nn.Conv1d) or (_MIXER_NAMES.search(type(module).__name__) and not softmax):
             if any(handled(m) for m in module.modules()):
                 continue  # a container named after what it holds (OLMo Hybrid's LinearAttentionDecoderLayer)
             found.append(f"{name} ({type(module).__name__})")
@@ -112,7 +114,7 @@ def check_model(model: nn.Module, handled: Callable[[nn.Module], bool] = lambda 
         raise ValueError(f"{name} mixes tokens along the sequence outside attention in {', '.join(mixers[:3])}"
                          f"{' ...' if len(mixers) > 3 else ''}, which ds-usp does not shard: each rank would run it "
                          f"on its own shard, restarted at zero. docs/models.md lists the hybrid families ds-usp "
-                         f"shards (Gated DeltaNet); train this one without sequence parallelism")
+                         f"shards (Gated DeltaNet, Kimi Delta Attention); train this one without sequence parallelism")
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     forward = getattr(getattr(inner, "_orig_mod", inner), "forward", None)  # torch.compile's wrapper
     if callable(forward) and "position_ids" not in inspect.signature(forward).parameters:
@@ -312,19 +314,19 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
 
     Raises:
         ValueError: a family ds-usp cannot shard (its attention bypasses the interface, or sequence-mixing layers
-            other than attention and Gated DeltaNet), naming it.
+            other than attention, Gated DeltaNet and KDA), naming it.
     """
     from transformers import AutoModelForCausalLM
 
     from ds_usp.integration.hf import refuse_non_interface_family
-    from ds_usp.integration.linear import is_gated_deltanet
+    from ds_usp.integration.linear import is_linear_attention, linear_dims
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if model is None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     refuse_non_interface_family(type(model))
-    mixers = sequence_mixers(model, is_gated_deltanet)
+    mixers = sequence_mixers(model, is_linear_attention)
     if mixers:
         raise ValueError(f"{type(model).__name__} has sequence-mixing layers ds-usp does not shard ({mixers[0]}); "
                          f"see docs/models.md")
@@ -339,7 +341,7 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
         getattr(text, "n_routed_experts", None) or 0
     top_k = getattr(text, "num_experts_per_tok", 0) or 0
     active = total - embed - (experts * (1 - top_k / n_experts) if n_experts and experts else 0)
-    gdn = [m for m in model.modules() if is_gated_deltanet(m)]
+    gdn = [m for m in model.modules() if is_linear_attention(m)]
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if getattr(text, "qk_nope_head_dim", None):  # MLA
@@ -349,15 +351,14 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     shared = (getattr(text, "shared_expert_intermediate_size", 0) or 0) + \
         (getattr(text, "n_shared_experts", 0) or 0) * (getattr(text, "moe_intermediate_size", 0) or 0)
     layers = text.num_hidden_layers
-    g = gdn[0] if gdn else None
+    nk, nv, dk, dv = linear_dims(gdn[0]) if gdn else (0, 0, 0, 0)
     return ModelShape(
         name=type(model).__name__, hidden=text.hidden_size, attention_layers=layers - len(gdn), heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, v_head_dim=v_dim,
         vocab=text.vocab_size, mlp_width=(moe_width + shared) if moe_width else text.intermediate_size,
         params=total, active_params=int(active), linear_layers=len(gdn),
-        linear_k_heads=g.num_k_heads if g else 0, linear_v_heads=g.num_v_heads if g else 0,
-        linear_k_dim=g.head_k_dim if g else 0, linear_v_dim=g.head_v_dim if g else 0,
-        conv_kernel=g.conv_kernel_size if g else 4)
+        linear_k_heads=nk, linear_v_heads=nv, linear_k_dim=dk, linear_v_dim=dv,
+        conv_kernel=gdn[0].conv1d.kernel_size[0] if gdn else 4)
 
 
 def plan_refusal(shape: ModelShape, u: int, r: int, seq: int) -> Optional[str]:

@@ -108,7 +108,7 @@ def run_segment(rule: Rule, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         q: ``(b, t, nk, dk)`` after the convolution.
         k: ``(b, t, nk, dk)``.
         v: ``(b, t, nv, dv)``.
-        g: ``(b, t, nv)`` fp32 log decays.
+        g: ``(b, t, nv)`` fp32 log decays (KDA: ``(b, t, nv, dk)``).
         beta: ``(b, t, nv)``.
         affine: also compute ``response`` and ``transition`` (one call, with the identity carried along ``v``).
 
