@@ -1,5 +1,5 @@
 """Hybrid linear-attention models: their delta-rule layers wrapped from outside — Gated DeltaNet (Qwen3-Next,
-Qwen3.5, OLMo Hybrid) and Kimi Delta Attention (KDA: Kimi Linear, GLM-5 Next).
+Qwen3.5, OLMo Hybrid) and Kimi Delta Attention (KDA: Kimi Linear).
 
 ``ds_usp.initialize`` calls :func:`wrap_linear_layers`, as it applies the memory stack: every such layer of the
 model keeps its parameters and its own kernels, and its forward becomes

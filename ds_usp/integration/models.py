@@ -341,7 +341,7 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
         getattr(text, "n_routed_experts", None) or 0
     top_k = getattr(text, "num_experts_per_tok", 0) or 0
     active = total - embed - (experts * (1 - top_k / n_experts) if n_experts and experts else 0)
-    gdn = [m for m in model.modules() if is_linear_attention(m)]
+    linear = [m for m in model.modules() if is_linear_attention(m)]
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if getattr(text, "qk_nope_head_dim", None):  # MLA
@@ -351,14 +351,14 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     shared = (getattr(text, "shared_expert_intermediate_size", 0) or 0) + \
         (getattr(text, "n_shared_experts", 0) or 0) * (getattr(text, "moe_intermediate_size", 0) or 0)
     layers = text.num_hidden_layers
-    nk, nv, dk, dv = linear_dims(gdn[0]) if gdn else (0, 0, 0, 0)
+    nk, nv, dk, dv = linear_dims(linear[0]) if linear else (0, 0, 0, 0)
     return ModelShape(
-        name=type(model).__name__, hidden=text.hidden_size, attention_layers=layers - len(gdn), heads=heads,
+        name=type(model).__name__, hidden=text.hidden_size, attention_layers=layers - len(linear), heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, v_head_dim=v_dim,
         vocab=text.vocab_size, mlp_width=(moe_width + shared) if moe_width else text.intermediate_size,
-        params=total, active_params=int(active), linear_layers=len(gdn),
+        params=total, active_params=int(active), linear_layers=len(linear),
         linear_k_heads=nk, linear_v_heads=nv, linear_k_dim=dk, linear_v_dim=dv,
-        conv_kernel=gdn[0].conv1d.kernel_size[0] if gdn else 4)
+        conv_kernel=linear[0].conv1d.kernel_size[0] if linear else 4)
 
 
 def plan_refusal(shape: ModelShape, u: int, r: int, seq: int) -> Optional[str]:
