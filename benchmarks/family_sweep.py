@@ -44,6 +44,7 @@ SPECIFIC = {"gemma3n_text": dict(layer_types=["sliding_attention", "full_attenti
                                  intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
                                  laurel_rank=8),
             "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2),
+            "longcat_flash": dict(ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2),
             "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default",
                                                                             "rope_theta": 10000.0}}),
             "dbrx": dict(d_model=64, n_heads=4, n_layers=4, max_seq_len=256,
