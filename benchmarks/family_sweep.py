@@ -44,6 +44,7 @@ SPECIFIC = {"gemma3n_text": dict(layer_types=["sliding_attention", "full_attenti
                                  intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
                                  laurel_rank=8),
             "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2),
+            "mamba2": dict(num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=16, chunk_size=16),
             "longcat_flash": dict(ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2),
             "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default",
                                                                             "rope_theta": 10000.0}}),
@@ -97,7 +98,8 @@ def forward_error(family: str, topo: Any, reference: tuple[Any, torch.Tensor, to
     wrap_linear_layers(sp)
     shard = ds_usp.shard_batch({"input_ids": ids}, topo)
     with torch.no_grad():
-        got = sp(**{k: shard[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")}).logits
+        got = sp(**{k: shard[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")},
+                 use_cache=False).logits
     real = shard["attention_mask"][0].bool()  # the shard's end padding is not compared
     err = (got - ds_usp.shard_sequence(want, topo))[:, real].abs().max() if real.any() else torch.zeros(())
     err = (err / want.abs().max()).reshape(1).float()

@@ -170,21 +170,24 @@ def test_distributed_state_passing_is_exact(world4):
         assert max(errors) < 1e-12, f"{case}: out, dq, dk, dv, dg, dbeta, dw errors {errors}"
 
 
-# ------------------------------------ HF layers and models (qwen3_5, qwen3_next, olmo_hybrid; KDA: kimi_linear)
+# ------------ HF layers and models (qwen3_5, qwen3_next, olmo_hybrid; KDA: kimi_linear; Mamba-2: nemotron_h)
 
 FAMILIES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
             "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
             "olmo_hybrid": "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
-            "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear"}
+            "kimi_linear": "transformers.models.kimi_linear.modeling_kimi_linear",
+            "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h"}
 SEQ = 67
 
 
-FP32_INSIDE = {"kimi_linear": ("forget_gate.", "o_norm.")}  # parameters whose gradient the layer computes in fp32
+FP32_INSIDE = {"kimi_linear": ("forget_gate.", "o_norm."),  # parameters whose gradient the layer computes in fp32
+               "nemotron_h": ("A_log",)}
+RULES = {"kimi_linear": "chunk_kimi_delta_attention", "nemotron_h": "mamba2_chunk_scan"}
 
 
 def _rule_name(family: str) -> str:
     """The family's chunked rule, a function of its modeling module."""
-    return "chunk_kimi_delta_attention" if family == "kimi_linear" else "torch_chunk_gated_delta_rule"
+    return RULES.get(family, "torch_chunk_gated_delta_rule")
 
 
 
@@ -196,6 +199,13 @@ def _config(family: str):
                 eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                 linear_value_head_dim=16, linear_conv_kernel_dim=K,
                 layer_types=["linear_attention"] * 3 + ["full_attention"])
+    if family == "nemotron_h":  # Mamba-2 mixers (8 heads in 2 groups, 16-token scan chunks), attention, MLP
+        return transformers.NemotronHConfig(
+            **{k: base[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                    "num_key_value_heads", "head_dim", "max_position_embeddings", "pad_token_id",
+                                    "bos_token_id", "eos_token_id")},
+            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"], mamba_num_heads=8,
+            mamba_head_dim=16, ssm_state_size=16, n_groups=2, expand=2, chunk_size=16, conv_kernel=K)
     if family == "kimi_linear":  # KDA (per-channel decays, output gate g_a/g_b), MLA without RoPE, MoE
         return transformers.KimiLinearConfig(
             **{k: base[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -223,6 +233,31 @@ def _fp64_rule(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final
     return out, final if output_final_state else None
 
 
+def _fp64_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+               dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    """mamba2_chunk_scan's signature over the SSD recurrence token by token, in the inputs' dtype (fp64 here)."""
+    dt = dt if dt_bias is None else dt + dt_bias
+    dt = (F.softplus(dt) if dt_softplus else dt).clamp(*dt_limit)
+    b, t, h, p = hidden_states.shape
+    B, C = (x.repeat_interleave(h // x.shape[2], 2) for x in (B, C))
+    s = torch.zeros(b, h, p, B.shape[-1], dtype=hidden_states.dtype) if initial_states is None else initial_states
+    outs = []
+    for i in range(t):
+        a = A[:, i] if A.dim() == 3 else A  # per token (ds-usp) or per head (the layer)
+        s = s * (a * dt[:, i]).exp()[..., None, None] + (dt[:, i, :, None] * hidden_states[:, i])[..., None] * \
+            B[:, i, :, None, :]
+        outs.append((s * C[:, i, :, None, :]).sum(-1))
+    out = torch.stack(outs, 1) + (0 if D is None else D[..., None] * hidden_states)
+    return (out, s) if return_final_states else out
+
+
+def _fp64_gated_norm(self, hidden_states, gate=None):
+    """The Mamba-2 gated group norm without its fp32 round trip (fp32 rounding would hide what the test checks)."""
+    x = hidden_states if gate is None else hidden_states * F.silu(gate)
+    x = x.unflatten(-1, (-1, self.group_size))
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).flatten(-2)
+
+
 def layer_case(family: str, u: int, r: int, layout: str, docs, detail: bool = False) -> float:
     """On every rank: one GDN / KDA layer in fp64, wrapped vs its own forward on the whole sequence; max
     difference."""
@@ -232,7 +267,11 @@ def layer_case(family: str, u: int, r: int, layout: str, docs, detail: bool = Fa
 
     module = importlib.import_module(FAMILIES[family])
     saved = getattr(module, _rule_name(family))
-    setattr(module, _rule_name(family), _fp64_rule)
+    setattr(module, _rule_name(family), _fp64_scan if family == "nemotron_h" else _fp64_rule)
+    norm = getattr(module, "NemotronHRMSNormGated", None)
+    saved_norm = norm.forward if norm else None
+    if norm:
+        norm.forward = _fp64_gated_norm
     try:
         torch.manual_seed(0)
         from transformers import AutoModelForCausalLM
@@ -272,6 +311,8 @@ def layer_case(family: str, u: int, r: int, layout: str, docs, detail: bool = Fa
         return errors if detail else max(errors)
     finally:
         setattr(module, _rule_name(family), saved)
+        if norm:
+            norm.forward = saved_norm
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -386,8 +427,8 @@ def test_hybrid_models_train_exactly(world4, family):
                          num_experts=4, num_experts_per_tok=2, mamba_d_state=8)),
     ("Lfm2Config", dict(layer_types=["conv", "full_attention"])),
     ("RecurrentGemmaConfig", dict(block_types=["recurrent", "attention"], lru_width=64, head_dim=16)),
-    ("NemotronHConfig", dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
-                             n_groups=1, chunk_size=16)),
+    ("FalconH1Config", dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=1,
+                            mamba_chunk_size=16)),  # Mamba-2 with input multipliers
 ])
 def test_other_recurrent_families_are_refused_by_name(family, config):
     import transformers

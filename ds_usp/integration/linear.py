@@ -1,5 +1,6 @@
-"""Hybrid linear-attention models: their delta-rule layers wrapped from outside — Gated DeltaNet (Qwen3-Next,
-Qwen3.5, OLMo Hybrid) and Kimi Delta Attention (KDA: Kimi Linear).
+"""Hybrid linear-attention models: their linear-attention layers wrapped from outside — Gated DeltaNet (Qwen3-Next,
+Qwen3.5, OLMo Hybrid), Kimi Delta Attention (KDA: Kimi Linear) and Mamba-2 mixers (Mamba-2, Nemotron-H, Bamba,
+Granite-4 hybrid, Zamba2).
 
 ``ds_usp.initialize`` calls :func:`wrap_linear_layers`, as it applies the memory stack: every such layer of the
 model keeps its parameters and its own kernels, and its forward becomes
@@ -19,7 +20,12 @@ rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is re
   per token and head;
 - KDA: ``q_proj`` / ``k_proj`` / ``v_proj``, ``conv1d``, the layer's ``forget_gate`` module (its per-channel log
   decays, computed by the family's own code), ``b_proj``, the output gate ``g_a_proj`` / ``g_b_proj``, ``o_norm`` /
-  ``o_proj``, and its module's ``chunk_kimi_delta_attention``.
+  ``o_proj``, and its module's ``chunk_kimi_delta_attention``;
+- Mamba-2 (SSD): ``in_proj`` giving exactly ``[gate | x B C | dt]``, ``conv1d`` over ``[x | B | C]``, ``dt_bias``,
+  ``A_log``, ``D``, the gated group norm ``norm`` and ``out_proj``, and its module's ``mamba2_chunk_scan`` (which
+  takes an initial state). The scan is the delta-rule machinery's special case without the delta term: queries
+  ``C``, keys ``B`` (``n_groups`` key heads), values ``x``; the step ``dt`` and the skip ``D`` travel with the
+  log-decay input, ``A`` with ``beta``. A mixer with input multipliers (Falcon-H1) is not this shape and is refused.
 
 Other linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
 """
@@ -29,6 +35,7 @@ import functools
 import sys
 from typing import Any, Callable, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -43,6 +50,8 @@ _INPUTS = (("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next: per key head [q | k | 
 _OUTPUTS = (("norm", "out_proj"), ("o_norm", "o_proj"))  # the gated norm and the output projection
 _KDA = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj",
         "num_heads", "head_dim")
+_MAMBA2 = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
+           "ssm_state_size", "intermediate_size", "conv_dim", "time_step_limit", "chunk_size")
 
 
 def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -64,15 +73,25 @@ def is_kimi_delta(module: nn.Module) -> bool:
     return _has(module, _KDA) and callable(_family(module, "chunk_kimi_delta_attention"))
 
 
+def is_mamba2(module: nn.Module) -> bool:
+    """Whether ``module`` is a Mamba-2 mixer ds-usp wraps (see the module doc)."""
+    return _has(module, _MAMBA2) and callable(_family(module, "mamba2_chunk_scan")) and \
+        isinstance(module.in_proj, nn.Linear) and not hasattr(module, "ssm_in_multiplier") and \
+        module.in_proj.out_features == module.intermediate_size + module.conv_dim + module.num_heads
+
+
 def is_linear_attention(module: nn.Module) -> bool:
-    """Whether ``module`` is a linear-attention layer ds-usp wraps: Gated DeltaNet or KDA."""
-    return is_gated_deltanet(module) or is_kimi_delta(module)
+    """Whether ``module`` is a linear-attention layer ds-usp wraps: Gated DeltaNet, KDA or a Mamba-2 mixer."""
+    return is_gated_deltanet(module) or is_kimi_delta(module) or is_mamba2(module)
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, int, int]:
-    """``(key heads, value heads, key head dim, value head dim)`` of a layer :func:`is_linear_attention` accepts."""
+    """``(key heads, value heads, key head dim, value head dim)`` of a layer :func:`is_linear_attention` accepts
+    (Mamba-2: groups, heads, state size, head dim)."""
     if is_kimi_delta(module):
         return module.num_heads, module.num_heads, module.head_dim, module.head_dim
+    if is_mamba2(module):
+        return module.n_groups, module.num_heads, module.ssm_state_size, module.head_dim
     return module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
 
 
@@ -117,10 +136,79 @@ def _rule(module: nn.Module) -> Callable:
     return rule
 
 
-def _cached_state(cache: Any, layer: Optional[int]) -> Optional[Tensor]:
-    """The recurrent state a cache holds for ``layer`` from an earlier call (None: none; training starts afresh)."""
-    get = getattr(cache, "get_recurrent_state", None)
-    return get(layer, state_idx=0) if callable(get) and layer is not None else None
+def _mamba2_rule(module: nn.Module) -> Callable:
+    """The family's ``mamba2_chunk_scan`` as :data:`ds_usp.linear.delta.Rule`: ``q`` = C, ``k`` = B, ``v`` = x,
+    ``g`` = ``[dt | D]`` per token and head (dt after its bias, softplus and limits), ``beta`` = A per token and head;
+    the state in the rule's ``(N, P)`` layout (the scan keeps ``(P, N)``), the skip ``D x`` added here."""
+    scan, chunk = _family(module, "mamba2_chunk_scan"), module.chunk_size
+
+    def rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Optional[Tensor]) -> tuple:
+        out, final = scan(v, g[..., 0], beta, k, q, chunk_size=chunk, D=None, dt_bias=None,
+                          initial_states=None if state is None else state.transpose(-1, -2), dt_softplus=False,
+                          dt_limit=(0.0, float("inf")), return_final_states=True)
+        acc = torch.promote_types(out.dtype, v.dtype)  # the scan's fp32 (fp64 in tests), as its own skip is
+        return out.to(acc) + g[..., 1:].to(acc) * v.to(acc), final.transpose(-1, -2)
+
+    return rule
+
+
+def _mamba2_forward(module: nn.Module, ctx: USPContext) -> Callable:
+    """The forward of a Mamba-2 mixer under the USP topology (the layer's own steps around the sharded scan)."""
+    from transformers.activations import ACT2FN
+
+    rule, activation = _mamba2_rule(module), ACT2FN[module.activation]
+    groups, heads, state, head_dim = linear_dims(module)
+    inner, bc = module.intermediate_size, groups * state
+    # the convolution's channels [x | B | C] reordered to the linear path's [q | k | v] = [C | B | x]
+    order = torch.cat([torch.arange(inner + bc, inner + 2 * bc), torch.arange(inner, inner + bc),
+                       torch.arange(inner)])
+    low, high = module.time_step_limit
+
+    @functools.wraps(module.forward)
+    def forward(hidden_states: Tensor, cache_params: Any = None, attention_mask: Optional[Tensor] = None,
+                **kwargs: Any) -> Tensor:
+        _refuse_cache(cache_params, module, ctx)
+        seq_len, docs = _documents(hidden_states, ctx, kwargs)
+        x = _masked(hidden_states, attention_mask)
+        gate, xbc, dt = module.in_proj(x).split([inner, module.conv_dim, heads], dim=-1)
+        xs, b, c = xbc.split([inner, bc, bc], dim=-1)
+        bsz, s = x.shape[:2]
+        dt = F.softplus(dt + module.dt_bias.to(dt.dtype)).clamp(low, high)  # as the scan does, token by token
+        a = -torch.exp(module.A_log.float())
+        g = torch.stack([dt, module.D.to(dt.dtype).expand_as(dt)], dim=-1)
+        conv = module.conv1d
+        weight = conv.weight.index_select(0, order.to(conv.weight.device))
+        bias = None if conv.bias is None else conv.bias.index_select(0, order.to(conv.bias.device))
+        core = gated_delta_attention(c.reshape(bsz, s, groups, state), b.reshape(bsz, s, groups, state),
+                                     xs.reshape(bsz, s, heads, head_dim), g, a.expand(bsz, s, heads), weight, bias,
+                                     ctx.topo, rule, activation, layout=ctx.layout, seq_len=seq_len, doc_lens=docs,
+                                     native_op=ctx.native_op)
+        return module.out_proj(module.norm(core.reshape(bsz, s, -1), gate).to(x.dtype))
+
+    return forward
+
+
+def _refuse_cache(cache: Any, module: nn.Module, ctx: USPContext) -> None:
+    """Refuse a call that continues from the recurrent state a cache holds (decoding); training starts afresh."""
+    get, layer = getattr(cache, "get_recurrent_state", None), getattr(module, "layer_idx", None)
+    if callable(get) and layer is not None and get(layer, state_idx=0) is not None:
+        raise ValueError(f"{ctx.model_name}: decoding from a cache is not supported under sequence parallelism "
+                         f"(training and prefill are); generate without ds_usp")
+
+
+def _documents(hidden_states: Tensor, ctx: USPContext, kwargs: dict) -> tuple[Optional[int], Optional[list]]:
+    """``(real global length, packed documents or None)`` from the call's ``cu_seq_lens_q`` or the context's."""
+    cu = kwargs.get("cu_seq_lens_q")
+    cu = ctx.cu_seq_lens if cu is None else cu
+    seq_len, docs = docs_from_cu_seq_lens(cu, hidden_states.shape[0]) if cu is not None else (None, None)
+    return seq_len, None if docs is None or all(len(row) == 1 for row in docs) else docs
+
+
+def _masked(hidden_states: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
+    """As the layers do: the inputs of padding positions (a 2-D mask's zeros) are zero."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return hidden_states * attention_mask[:, -hidden_states.shape[1]:, None].to(hidden_states.dtype)
+    return hidden_states
 
 
 def _forward(module: nn.Module, ctx: USPContext) -> Callable:
@@ -134,15 +222,9 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
     @functools.wraps(module.forward)
     def forward(hidden_states: Tensor, cache_params: Any = None, attention_mask: Optional[Tensor] = None,
                 **kwargs: Any) -> Tensor:
-        if _cached_state(cache_params, getattr(module, "layer_idx", None)) is not None:
-            raise ValueError(f"{ctx.model_name}: decoding from a cache is not supported under sequence parallelism "
-                             f"(training and prefill are); generate without ds_usp")
-        if attention_mask is not None and attention_mask.dim() == 2:  # as the layer does: padding inputs are zero
-            hidden_states = hidden_states * attention_mask[:, -hidden_states.shape[1]:, None].to(hidden_states.dtype)
-        cu = kwargs.get("cu_seq_lens_q")
-        cu = ctx.cu_seq_lens if cu is None else cu
-        seq_len, docs = docs_from_cu_seq_lens(cu, hidden_states.shape[0]) if cu is not None else (None, None)
-        docs = None if docs is None or all(len(row) == 1 for row in docs) else docs
+        _refuse_cache(cache_params, module, ctx)
+        seq_len, docs = _documents(hidden_states, ctx, kwargs)
+        hidden_states = _masked(hidden_states, attention_mask)
         q, k, v, z, g, beta = _inputs(module, hidden_states, beta_scale)
         conv = module.conv1d
         core = gated_delta_attention(q, k, v, g, beta, conv.weight, conv.bias, ctx.topo, rule, activation,
@@ -169,7 +251,7 @@ def wrap_linear_layers(model: nn.Module) -> int:
     wrapped = 0
     for module in model.modules():
         if is_linear_attention(module) and not getattr(module, "_usp_wrapped", False):
-            module.forward = _forward(module, ctx)
+            module.forward = (_mamba2_forward if is_mamba2(module) else _forward)(module, ctx)
             module._usp_wrapped = True
             wrapped += 1
     return wrapped

@@ -76,9 +76,11 @@ def sequence_mixers(model: nn.Module, handled: Callable[[nn.Module], bool]) -> l
         if handled(module):
             skip.update(id(m) for m in module.modules())
             continue
-        softmax = hasattr(module, "is_causal") and hasattr(module, "scaling")  # transformers' attention modules:
-        # named like a mixer at times (Kimi Linear's MLA layer is KimiLinearAttention), they reach the interface
-        if isinstance(module, nn.Conv1d) or (_MIXER_NAMES.search(type(module).__name__) and not softmax):
+        # named like a mixer but not one: transformers' attention modules, which reach the interface (Kimi Linear's
+        # MLA layer is KimiLinearAttention), and norms, which are token by token (Mamba2RMSNorm)
+        named = _MIXER_NAMES.search(type(module).__name__) and "Norm" not in type(module).__name__ and \
+            not (hasattr(module, "is_causal") and hasattr(module, "scaling"))
+        if isinstance(module, nn.Conv1d) or named:
             if any(handled(m) for m in module.modules()):
                 continue  # a container named after what it holds (OLMo Hybrid's LinearAttentionDecoderLayer)
             found.append(f"{name} ({type(module).__name__})")
@@ -114,10 +116,12 @@ def check_model(model: nn.Module, handled: Callable[[nn.Module], bool] = lambda 
         raise ValueError(f"{name} mixes tokens along the sequence outside attention in {', '.join(mixers[:3])}"
                          f"{' ...' if len(mixers) > 3 else ''}, which ds-usp does not shard: each rank would run it "
                          f"on its own shard, restarted at zero. docs/models.md lists the hybrid families ds-usp "
-                         f"shards (Gated DeltaNet, Kimi Delta Attention); train this one without sequence parallelism")
+                         f"shards (Gated DeltaNet, Kimi Delta Attention, Mamba-2); train this one without sequence "
+                         f"parallelism")
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     forward = getattr(getattr(inner, "_orig_mod", inner), "forward", None)  # torch.compile's wrapper
-    if callable(forward) and "position_ids" not in inspect.signature(forward).parameters:
+    positional = any("position" in n or "rotary" in n for n, _ in inner.named_modules())  # no positions: Mamba-2
+    if callable(forward) and positional and "position_ids" not in inspect.signature(forward).parameters:
         raise ValueError(f"{name}.forward takes no position_ids: the model numbers the tokens it is given from 0 "
                          f"(BART-style decoders), so under sequence parallelism every rank would restart the positions "
                          f"on its shard. Train it without sequence parallelism")
