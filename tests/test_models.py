@@ -413,10 +413,12 @@ def test_masks_are_read_from_transformers_mask_functions():
 
 # ---- breadth: more families, one forward at 2 x 2 against their eager attention --------------------------------------
 
-MORE = ("axk1", "bitnet", "cohere2", "deepseek_v2", "ernie4_5_moe", "exaone4", "flint", "gemma3n_text",
-        "gemma4_text", "glm4_moe", "glm4_moe_lite", "gpt2", "granitemoe", "helium", "hunyuan_v1_moe", "hy_v3", "laguna",
-        "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "olmo3", "olmoe", "opt", "phimoe", "qwen2_moe",
-        "seed_oss", "vaultgemma", "youtu")  # axk1, deepseek_v2, glm4_moe_lite, minicpm3, youtu: MLA variants; opt: learned positions, offset 2
+MORE = ("axk1", "bamba", "bitnet", "cohere2", "deepseek_v2", "ernie4_5_moe", "exaone4", "flint", "gemma3n_text",
+        "gemma4_text", "glm4_moe", "glm4_moe_lite", "gpt2", "granitemoe", "granitemoehybrid", "helium", "hunyuan_v1_moe",
+        "hy_v3", "laguna", "mamba2", "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "olmo3", "olmoe", "opt",
+        "phimoe", "qwen2_moe", "seed_oss", "vaultgemma", "youtu", "zamba2")
+# axk1, deepseek_v2, glm4_moe_lite, minicpm3, youtu: MLA variants; opt: learned positions, offset 2; bamba,
+# granitemoehybrid, zamba2: Mamba-2 hybrids (Nemotron-H is trained in test_linear.py); mamba2: no attention at all
 
 
 def forward_more_families() -> dict:
