@@ -346,7 +346,10 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     top_k = getattr(text, "num_experts_per_tok", 0) or 0
     active = total - embed - (experts * (1 - top_k / n_experts) if n_experts and experts else 0)
     linear = [m for m in model.modules() if is_linear_attention(m)]
-    heads = text.num_attention_heads
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(f"{type(model).__name__} has no attention heads (a state-space model): the cost model prices "
+                         f"attention layers and cannot plan it; set ulysses_degree and ring_degree yourself")
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if getattr(text, "qk_nope_head_dim", None):  # MLA
         head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
