@@ -138,12 +138,13 @@ def _rule(module: nn.Module) -> Callable:
 
 def _mamba2_rule(module: nn.Module) -> Callable:
     """The family's ``mamba2_chunk_scan`` as :data:`ds_usp.linear.delta.Rule`: ``q`` = C, ``k`` = B, ``v`` = x,
-    ``g`` = ``[dt | D]`` per token and head (dt after its bias, softplus and limits), ``beta`` = A per token and head;
-    the state in the rule's ``(N, P)`` layout (the scan keeps ``(P, N)``), the skip ``D x`` added here."""
+    ``g`` = ``[dt | D]`` per token and head (dt after its bias, softplus and limits), ``beta`` = A per token and head
+    (the same on every token: the scan gets one per head, a view, so A's gradient still flows); the state in the
+    rule's ``(N, P)`` layout (the scan keeps ``(P, N)``), the skip ``D x`` added here."""
     scan, chunk = _family(module, "mamba2_chunk_scan"), module.chunk_size
 
     def rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Optional[Tensor]) -> tuple:
-        out, final = scan(v, g[..., 0], beta, k, q, chunk_size=chunk, D=None, dt_bias=None,
+        out, final = scan(v, g[..., 0], beta[0, 0], k, q, chunk_size=chunk, D=None, dt_bias=None,
                           initial_states=None if state is None else state.transpose(-1, -2), dt_softplus=False,
                           dt_limit=(0.0, float("inf")), return_final_states=True)
         acc = torch.promote_types(out.dtype, v.dtype)  # the scan's fp32 (fp64 in tests), as its own skip is
