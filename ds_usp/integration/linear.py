@@ -113,10 +113,10 @@ def _projections(module: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
             z.reshape(bsz, s, nv, dv), b, a)
 
 
-def _inputs(module: nn.Module, x: Tensor, beta_scale: float) -> tuple[Tensor, ...]:
+def _inputs(module: nn.Module, x: Tensor, kda: bool, beta_scale: float) -> tuple[Tensor, ...]:
     """``q, k (b, s, nk, dk), v, z (b, s, nv, dv), g, beta`` of this rank's tokens, all heads: the output gate
     ``z``, fp32 log decays ``g`` (``(b, s, nv)``, KDA: ``(b, s, nv, dk)``) and ``beta`` ``(b, s, nv)``."""
-    if is_kimi_delta(module):
+    if kda:
         heads = (module.num_heads, module.head_dim)
         q, k, v = (proj(x).unflatten(-1, heads) for proj in (module.q_proj, module.k_proj, module.v_proj))
         z = module.g_b_proj(module.g_a_proj(x)).unflatten(-1, heads)
@@ -125,9 +125,9 @@ def _inputs(module: nn.Module, x: Tensor, beta_scale: float) -> tuple[Tensor, ..
     return q, k, v, z, -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias), b.sigmoid() * beta_scale
 
 
-def _rule(module: nn.Module) -> Callable:
+def _rule(module: nn.Module, kda: bool) -> Callable:
     """The family's chunked delta rule as :data:`ds_usp.linear.delta.Rule` (l2-norm of q/k inside)."""
-    fn = _family(module, "chunk_kimi_delta_attention" if is_kimi_delta(module) else "torch_chunk_gated_delta_rule")
+    fn = _family(module, "chunk_kimi_delta_attention" if kda else "torch_chunk_gated_delta_rule")
 
     def rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Optional[Tensor]) -> tuple:
         return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
@@ -162,7 +162,7 @@ def _mamba2_forward(module: nn.Module, ctx: USPContext) -> Callable:
     inner, bc = module.intermediate_size, groups * state
     # the convolution's channels [x | B | C] reordered to the linear path's [q | k | v] = [C | B | x]
     order = torch.cat([torch.arange(inner + bc, inner + 2 * bc), torch.arange(inner, inner + bc),
-                       torch.arange(inner)])
+                       torch.arange(inner)]).to(module.conv1d.weight.device)
     low, high = module.time_step_limit
 
     @functools.wraps(module.forward)
@@ -178,7 +178,7 @@ def _mamba2_forward(module: nn.Module, ctx: USPContext) -> Callable:
         a = -torch.exp(module.A_log.float())
         g = torch.stack([dt, module.D.to(dt.dtype).expand_as(dt)], dim=-1)
         conv = module.conv1d
-        weight = conv.weight.index_select(0, order.to(conv.weight.device))
+        weight = conv.weight.index_select(0, order.to(conv.weight.device))  # no copy unless the layer moved
         bias = None if conv.bias is None else conv.bias.index_select(0, order.to(conv.bias.device))
         core = gated_delta_attention(c.reshape(bsz, s, groups, state), b.reshape(bsz, s, groups, state),
                                      xs.reshape(bsz, s, heads, head_dim), g, a.expand(bsz, s, heads), weight, bias,
@@ -215,7 +215,8 @@ def _masked(hidden_states: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
 def _forward(module: nn.Module, ctx: USPContext) -> Callable:
     from transformers.activations import ACT2FN
 
-    rule, activation = _rule(module), ACT2FN[getattr(module, "activation", "silu")]
+    kda = is_kimi_delta(module)  # which family's inputs and rule: resolved once per layer, not per call
+    rule, activation = _rule(module, kda), ACT2FN[getattr(module, "activation", "silu")]
     norm, proj = (getattr(module, name) for name in next(x for x in _OUTPUTS if _has(module, x)))
     dv = linear_dims(module)[3]
     beta_scale = 2.0 if getattr(module, "allow_neg_eigval", False) else 1.0  # OLMo Hybrid: beta in [0, 2]
@@ -226,7 +227,7 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
         _refuse_cache(cache_params, module, ctx)
         seq_len, docs = _documents(hidden_states, ctx, kwargs)
         hidden_states = _masked(hidden_states, attention_mask)
-        q, k, v, z, g, beta = _inputs(module, hidden_states, beta_scale)
+        q, k, v, z, g, beta = _inputs(module, hidden_states, kda, beta_scale)
         conv = module.conv1d
         core = gated_delta_attention(q, k, v, g, beta, conv.weight, conv.bias, ctx.topo, rule, activation,
                                      layout=ctx.layout, seq_len=seq_len, doc_lens=docs, native_op=ctx.native_op)

@@ -318,7 +318,7 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
 
     Raises:
         ValueError: a family ds-usp cannot shard (its attention bypasses the interface, or sequence-mixing layers
-            other than attention, Gated DeltaNet and KDA), naming it.
+            other than attention, Gated DeltaNet, KDA and Mamba-2, or no attention heads at all), naming it.
     """
     from transformers import AutoModelForCausalLM
 

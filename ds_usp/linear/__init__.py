@@ -1,6 +1,6 @@
-"""Linear attention under USP: Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo Hybrid) and Kimi Delta Attention (Kimi
-Linear) with Ulysses for heads and state passing across the ring (:func:`gated_delta_attention`); the
-single-process pieces in :mod:`.delta`.
+"""Linear attention under USP: Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo Hybrid), Kimi Delta Attention (Kimi
+Linear) and Mamba-2's scan with Ulysses for heads and state passing across the ring
+(:func:`gated_delta_attention`); the single-process pieces in :mod:`.delta`.
 
 A sibling of :mod:`ds_usp.attention` (softmax attention): the same all-to-all for heads, a state exchange instead
 of K/V blocks across the ring. Data flows down the layers of docs/architecture.md: it uses the attention layer's

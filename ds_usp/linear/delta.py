@@ -2,7 +2,8 @@
 
 Notation (docs/architecture.md): per linear head a state ``S`` of ``dk x dv``; the gated delta rule
 (Gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo Hybrid) updates it per token as
-``S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T`` and reads ``o_t = S_t^T q_t``. Both are *affine in the initial state*: a segment started from ``S0``
+``S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T`` and reads ``o_t = S_t^T q_t``. Both are *affine in the
+initial state*: a segment started from ``S0``
 ends in ``M S0 + B`` and outputs ``o_t + u_t S0``, where ``B`` and ``o_t`` are what it computes from a zero
 start, ``M`` (``dk x dk``) is its transition and ``u_t = M_{1..t}^T q_t``. :func:`run_segment` gets all of them
 from *one* call of the family's own kernel by carrying the identity along: values ``[v | 0]`` from the initial
@@ -108,7 +109,7 @@ def run_segment(rule: Rule, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         q: ``(b, t, nk, dk)`` after the convolution.
         k: ``(b, t, nk, dk)``.
         v: ``(b, t, nv, dv)``.
-        g: ``(b, t, nv)`` fp32 log decays (KDA: ``(b, t, nv, dk)``).
+        g: ``(b, t, nv)`` fp32 log decays (or ``(b, t, nv, m)``, what the rule reads: KDA, Mamba-2).
         beta: ``(b, t, nv)``.
         affine: also compute ``response`` and ``transition`` (one call, with the identity carried along ``v``).
 

@@ -1,5 +1,5 @@
-"""Gated DeltaNet (and KDA, its per-channel-decay variant) over a sequence sharded across a USP topology: Ulysses
-for heads, state passing across the ring.
+"""Gated DeltaNet (and its kin: KDA's per-channel decays, Mamba-2's scan) over a sequence sharded across a USP
+topology: Ulysses for heads, state passing across the ring.
 
     out = gated_delta_attention(q, k, v, g, beta, conv_weight, conv_bias, topo, rule, F.silu, layout="zigzag")
 
@@ -97,7 +97,8 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
         k: ``(b, s_local, nk, dk)``.
         v: ``(b, s_local, nv, dv)``; ``nv % nk == 0``.
         g: ``(b, s_local, nv)`` fp32 log decays, one per head and token (Gated DeltaNet), or ``(b, s_local, nv,
-            dk)``, one per key channel (Kimi Delta Attention; ``nv == nk``): the ``rule`` takes them as they are.
+            m)``: what the ``rule`` reads per token and head (Kimi Delta Attention: one decay per key channel;
+            Mamba-2: ``[dt | D]``); it takes them as they are.
         beta: ``(b, s_local, nv)``.
         conv_weight: ``(2 nk dk + nv dv, K)`` the depthwise filter over the channels ``[q | k | v]``.
         conv_bias: ``(2 nk dk + nv dv,)`` or None.
@@ -135,9 +136,9 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
         q, k, v = (part.reshape(q.shape[0], big, -1, d) for part, d in
                    zip(qkv.split([hk * dk // unit, hk * dk // unit, nv * dv // u // unit], dim=2), (dk, dk, dv)))
         wide = torch.promote_types(g.dtype, beta.dtype)  # one all-to-all for both, neither rounded
-        per_token = g.dim() == 3  # one log decay per head (GDN), else one per key channel (KDA)
+        per_token = g.dim() == 3  # one log decay per head (GDN), else m values per head (KDA, Mamba-2)
         gb = torch.cat([g.to(wide).unsqueeze(-1) if per_token else g.to(wide), beta.to(wide).unsqueeze(-1)], -1)
-        gb = seq_to_head_op([gb], [1], ulysses, native, "input")  # (b, U*s, nv/U, (1 or dk) + 1)
+        gb = seq_to_head_op([gb], [1], ulysses, native, "input")  # (b, U*s, nv/U, (1 or m) + 1)
         g, beta = (gb[..., 0] if per_token else gb[..., :-1]).to(g.dtype), gb[..., -1].to(beta.dtype)
     channels = _channels(nk, dk, nv, dv, topo.ulysses_rank, u, conv_weight.device)
     weight = conv_weight.reshape(conv_weight.shape[0], -1).index_select(0, channels)  # (C_local, K)
