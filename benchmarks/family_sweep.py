@@ -17,6 +17,7 @@ on a fixed list of families at 2 x 2 in CI.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import sys
@@ -76,12 +77,16 @@ def tiny_config(family: str) -> Any:
 
 
 def reference_logits(family: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """``(eager model, input ids (1, SEQ), its logits)`` of the tiny ``family`` (seed 0 weights)."""
+    """``(eager model, input ids (1, SEQ), its logits)`` of the tiny ``family`` (seed 0 weights); the ids hold the
+    padding token twice where the config names one."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager").eval()
     ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    pad = getattr(ref.config, "pad_token_id", None)
+    if isinstance(pad, int) and 0 <= pad < VOCAB:
+        ids[0, [5, 40]] = pad  # padding tokens inside the row: RoBERTa-style models number around them
     with torch.no_grad():
         return ref, ids, ref(input_ids=ids, use_cache=False).logits
 
@@ -95,7 +100,7 @@ def forward_error(family: str, topo: Any, reference: tuple[Any, torch.Tensor, to
     import ds_usp
     from ds_usp.integration.hf import USPContext, attach
     from ds_usp.integration.linear import is_linear_attention, wrap_linear_layers
-    from ds_usp.integration.models import check_model
+    from ds_usp.integration.models import check_model, default_positions
 
     ds_usp.hf.register_usp_attention()
     ref, ids, want = reference
@@ -104,6 +109,7 @@ def forward_error(family: str, topo: Any, reference: tuple[Any, torch.Tensor, to
     check_model(sp, handled=is_linear_attention)  # what ds_usp.initialize refuses, and the layers it wraps
     attach(sp, USPContext(topo=topo, layout="zigzag"))
     wrap_linear_layers(sp)
+    topo = dataclasses.replace(topo, default_positions=default_positions(sp))  # as ds_usp.initialize sets it
     shard = ds_usp.shard_batch({"input_ids": ids}, topo)
     with torch.no_grad():
         got = sp(**{k: shard[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")},

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -143,6 +143,10 @@ class USPTopology:
         ulysses_group, ring_group, sp_group, dp_group, sp_dp_group: this rank's process groups.
         model_parallel_group: a group of this rank alone (the model is replicated, not split),
             handed to DeepSpeed through :attr:`mpu`.
+        default_positions: how the model numbers the tokens of a full sequence ``(b, S)`` when it is given no
+            ``position_ids`` (``ds_usp.initialize`` sets it from the model, see
+            :func:`ds_usp.integration.models.default_positions`; ``None``: ``0..S-1``). :func:`ds_usp.shard_batch`
+            uses it, so a model numbering from ``padding_idx + 1`` (RoBERTa) gets its own positions.
     """
 
     plan: GroupPlan
@@ -153,6 +157,7 @@ class USPTopology:
     dp_group: Any = field(repr=False)
     sp_dp_group: Any = field(repr=False)
     model_parallel_group: Any = field(repr=False)
+    default_positions: Optional[Callable[[Any], Any]] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(cls, ulysses_degree: int, ring_degree: int, *,

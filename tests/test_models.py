@@ -416,9 +416,10 @@ def test_masks_are_read_from_transformers_mask_functions():
 MORE = ("axk1", "bamba", "bitnet", "cohere2", "deepseek_v2", "ernie4_5_moe", "exaone4", "flint", "gemma3n_text",
         "gemma4_text", "glm4_moe", "glm4_moe_lite", "gpt2", "granitemoe", "granitemoehybrid", "helium", "hunyuan_v1_moe",
         "hy_v3", "laguna", "mamba2", "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "olmo3", "olmoe", "opt",
-        "phimoe", "qwen2_moe", "seed_oss", "vaultgemma", "youtu", "zamba2")
+        "phimoe", "qwen2_moe", "roberta", "seed_oss", "vaultgemma", "xlm-roberta", "youtu", "zamba2")
 # axk1, deepseek_v2, glm4_moe_lite, minicpm3, youtu: MLA variants; opt: learned positions, offset 2; bamba,
-# granitemoehybrid, zamba2: Mamba-2 hybrids (Nemotron-H is trained in test_linear.py); mamba2: no attention at all
+# granitemoehybrid, zamba2: Mamba-2 hybrids (Nemotron-H is trained in test_linear.py); mamba2: no attention at all;
+# roberta, xlm-roberta: positions from padding_idx + 1 around padding tokens (ds_usp.shard_batch numbers them)
 
 
 def forward_more_families() -> dict:
@@ -435,3 +436,17 @@ def test_more_families_forward_exact_2x2(world4):
     errors = world4.run(forward_more_families)[0]
     bad = {family: e for family, e in errors.items() if not e < 1e-4}
     assert set(errors) == set(MORE) and not bad, f"logits off (relative): {bad}"
+
+
+def test_default_positions_follow_the_model():
+    """RoBERTa-style embeddings number real tokens from padding_idx + 1 around padding tokens: ds_usp.initialize
+    hands that rule to shard_batch (topo.default_positions); a rotary model keeps 0..S-1 (no rule)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, RobertaConfig, RobertaForCausalLM
+
+    from ds_usp.integration.models import default_positions
+
+    tiny = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    roberta = RobertaForCausalLM(RobertaConfig(**tiny, is_decoder=True, pad_token_id=1))
+    ids = torch.tensor([[5, 6, 1, 7, 8, 1, 9]])
+    assert default_positions(roberta)(ids).tolist() == [[2, 3, 1, 4, 5, 1, 6]]
+    assert default_positions(LlamaForCausalLM(LlamaConfig(**tiny))) is None

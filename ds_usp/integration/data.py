@@ -157,7 +157,8 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
 
     Args:
         batch: ``input_ids`` ``(b, S)`` (required); optional ``labels`` ``(b, S)`` (default: the
-            input ids), ``position_ids`` ``(b, S)`` (default ``0..S-1``), ``attention_mask`` (must be
+            input ids), ``position_ids`` ``(b, S)`` (default: ``0..S-1``, or the
+            model's own numbering, ``topo.default_positions``), ``attention_mask`` (must be
             all ones: padding inside a sequence is not supported, pack sequences instead), and packed
             documents as HF's collators describe them (see :func:`packed_doc_lens`).
         topo: the topology.
@@ -199,7 +200,9 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
     labels = batch.get("labels")
     labels = ids if labels is None else labels
     positions = batch.get("position_ids")
-    positions = torch.arange(s, device=ids.device).expand(b, s) if positions is None else positions
+    if positions is None:  # the model's own numbering of a full sequence (RoBERTa: from padding_idx + 1)
+        rule = topo.default_positions
+        positions = torch.arange(s, device=ids.device).expand(b, s) if rule is None else rule(ids)
     cu = cu_seq_lens(docs, b, s, ids.device)
     check_same_batch([ids, labels, positions, cu], topo)
 

@@ -40,7 +40,7 @@ from ds_usp.integration.hf import USPContext, attach
 from ds_usp.integration.step_plan import MemoryContext, MemorySettings
 from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.integration.linear import check_hybrid, is_linear_attention, wrap_linear_layers
-from ds_usp.integration.models import check_model, model_shape, plan_refusal
+from ds_usp.integration.models import check_model, default_positions, model_shape, plan_refusal
 from ds_usp.comm import group_device
 from ds_usp.cost import Hardware, ModelShape, StepSettings, step_time
 from ds_usp.log import log_info, log_rank0
@@ -351,8 +351,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if model is not None and usp_cfg.sequence_parallel_size > 1:  # the same answer on every rank, before any group
             check_model(model, handled=is_linear_attention)
             check_hybrid(model, usp_cfg.ulysses_degree)
-        topo = USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree,
-                                 timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds))
+        topo = replace(USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree,
+                                         timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds)),
+                       default_positions=default_positions(model))
         kwargs["mpu"] = topo.mpu
         if usp_cfg.native_op is not False:  # built (or loaded) now, with a progress line, not inside step 1
             resolve_native_op(usp_cfg.native_op, group_device(topo.sp_group))

@@ -127,6 +127,21 @@ def check_model(model: nn.Module, handled: Callable[[nn.Module], bool] = lambda 
                          f"on its shard. Train it without sequence parallelism")
 
 
+def default_positions(model: Optional[nn.Module]) -> Optional[Callable[[Tensor], Tensor]]:
+    """How ``model`` numbers the tokens of a full sequence when it is given no ``position_ids``, or None for ``0..S-1``.
+
+    RoBERTa-style embeddings (an embedding module with ``padding_idx`` and ``create_position_ids_from_input_ids``:
+    RoBERTa, XLM-R, CamemBERT, Data2Vec-Text, ...) number real tokens from ``padding_idx + 1`` and give padding
+    tokens ``padding_idx``. Every rank holds only a shard, so the positions are computed on the full sequence by
+    :func:`ds_usp.shard_batch` with this rule and travel as ``position_ids`` (which the model then uses as given).
+    """
+    for module in (model.modules() if isinstance(model, nn.Module) else ()):
+        make, pad = getattr(module, "create_position_ids_from_input_ids", None), getattr(module, "padding_idx", None)
+        if callable(make) and isinstance(pad, int) and hasattr(module, "position_embeddings"):
+            return lambda ids: make(ids, pad)
+    return None
+
+
 def feed_forward_blocks(layer: nn.Module) -> list[nn.Module]:
     """The feed-forward blocks (dense MLP or MoE) of a decoder layer, by the attribute names families use.
 
