@@ -17,6 +17,7 @@ on a fixed list of families at 2 x 2 in CI.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import multiprocessing as mp
 import os
@@ -54,6 +55,12 @@ SPECIFIC = {"gemma3n_text": dict(layer_types=["sliding_attention", "full_attenti
             "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
                                      mamba_chunk_size=16, layer_types=["linear_attention", "full_attention"] * 2),
             "zamba2": dict(n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, mamba_ngroups=2, chunk_size=16),
+            # Falcon-H1: Mamba-2 with muP multipliers everywhere (not 1, so that a dropped one shows), the gated norm
+            "falcon_h1": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=2,
+                              mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=False,
+                              ssm_in_multiplier=0.5, ssm_multipliers=[0.7, 1.3, 0.9, 1.1, 0.8], key_multiplier=0.6,
+                              attention_in_multiplier=1.2, attention_out_multiplier=0.9, ssm_out_multiplier=1.1,
+                              mlp_multipliers=[0.8, 1.2], embedding_multiplier=2.0, lm_head_multiplier=0.5),
             "longcat_flash": dict(ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2),
             "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default",
                                                                             "rope_theta": 10000.0}}),
@@ -62,8 +69,9 @@ SPECIFIC = {"gemma3n_text": dict(layer_types=["sliding_attention", "full_attenti
                          ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2})}
 
 
-def tiny_config(family: str) -> Any:
-    """A tiny config of ``family`` (a transformers model type): the keys of :data:`SMALL` its config has."""
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """A tiny config of ``family`` (a transformers model type): the keys of :data:`SMALL` its config has, then
+    :data:`SPECIFIC`'s and ``overrides``."""
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(family).to_dict()
@@ -73,16 +81,16 @@ def tiny_config(family: str) -> Any:
     for key in PER_LAYER:  # a default list for the full-size model: each kind of layer once, then its own order
         if isinstance(kinds := defaults.get(key), list) and len(kinds) > layers:
             kwargs[key] = (list(dict.fromkeys(kinds)) + kinds)[:layers]
-    return AutoConfig.for_model(family, **{**kwargs, **SPECIFIC.get(family, {})})
+    return AutoConfig.for_model(family, **{**kwargs, **SPECIFIC.get(family, {}), **overrides})
 
 
-def reference_logits(family: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """``(eager model, input ids (1, SEQ), its logits)`` of the tiny ``family`` (seed 0 weights); the ids hold the
-    padding token twice where the config names one."""
+def reference_logits(family: str, **overrides: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``(eager model, input ids (1, SEQ), its logits)`` of the tiny ``family`` (seed 0 weights, config
+    :func:`tiny_config` with ``overrides``); the ids hold the padding token twice where the config names one."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager").eval()
+    ref = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="eager").eval()
     ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
     pad = getattr(ref.config, "pad_token_id", None)
     if isinstance(pad, int) and 0 <= pad < VOCAB:
@@ -91,9 +99,10 @@ def reference_logits(family: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
         return ref, ids, ref(input_ids=ids, use_cache=False).logits
 
 
-def forward_error(family: str, topo: Any, reference: tuple[Any, torch.Tensor, torch.Tensor]) -> float:
+def forward_error(topo: Any, reference: tuple[Any, torch.Tensor, torch.Tensor]) -> float:
     """On every rank of ``topo``'s world: the ``"usp"`` model's logits on this rank's shard against the reference's
-    (:func:`reference_logits`), the largest error relative to the largest logit, the maximum over the ranks."""
+    (:func:`reference_logits`; the same config and weights), the largest error relative to the largest logit, the
+    maximum over the ranks."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -104,7 +113,7 @@ def forward_error(family: str, topo: Any, reference: tuple[Any, torch.Tensor, to
 
     ds_usp.hf.register_usp_attention()
     ref, ids, want = reference
-    sp = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="usp").eval()
+    sp = AutoModelForCausalLM.from_config(copy.deepcopy(ref.config), attn_implementation="usp").eval()
     sp.load_state_dict(ref.state_dict())
     check_model(sp, handled=is_linear_attention)  # what ds_usp.initialize refuses, and the layers it wraps
     attach(sp, USPContext(topo=topo, layout="zigzag"))
@@ -136,7 +145,7 @@ def _worker(rank: int, family: str, port: int, out: Any) -> None:
         verdict = ("config", f"{type(e).__name__}: {e}")
     else:
         try:
-            err = forward_error(family, topo, reference)
+            err = forward_error(topo, reference)
             verdict = ("exact" if err < 1e-4 else "MISMATCH", f"{err:.2e}")
         except KeyError as e:  # transformers' own table of attention classes has no "usp" (GIT): it cannot be built
             verdict = ("refused", f"transformers cannot build it with attn_implementation='usp': KeyError {e}") \

@@ -425,8 +425,6 @@ def test_hybrid_models_train_exactly(world4, family):
                          num_experts=4, num_experts_per_tok=2, mamba_d_state=8)),
     ("Lfm2Config", dict(layer_types=["conv", "full_attention"])),
     ("RecurrentGemmaConfig", dict(block_types=["recurrent", "attention"], lru_width=64, head_dim=16)),
-    ("FalconH1Config", dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=1,
-                            mamba_chunk_size=16)),  # Mamba-2 with input multipliers
 ])
 def test_other_recurrent_families_are_refused_by_name(family, config):
     import transformers

@@ -415,11 +415,13 @@ def test_masks_are_read_from_transformers_mask_functions():
 
 MORE = ("axk1", "bamba", "bitnet", "cohere2", "deepseek_v2", "ernie4_5_moe", "exaone4", "flint", "gemma3n_text",
         "gemma4_text", "glm4_moe", "glm4_moe_lite", "gpt2", "granitemoe", "granitemoehybrid", "helium", "hunyuan_v1_moe",
-        "hy_v3", "laguna", "mamba2", "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "olmo3", "olmoe", "opt",
+        "hy_v3", "falcon_h1", "laguna", "mamba2", "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "olmo3", "olmoe", "opt",
         "phimoe", "qwen2_moe", "roberta", "seed_oss", "vaultgemma", "xlm-roberta", "youtu", "zamba2")
 # axk1, deepseek_v2, glm4_moe_lite, minicpm3, youtu: MLA variants; opt: learned positions, offset 2; bamba,
 # granitemoehybrid, zamba2: Mamba-2 hybrids (Nemotron-H is trained in test_linear.py); mamba2: no attention at all;
-# roberta, xlm-roberta: positions from padding_idx + 1 around padding tokens (ds_usp.shard_batch numbers them)
+# roberta, xlm-roberta: positions from padding_idx + 1 around padding tokens (ds_usp.shard_batch numbers them);
+# falcon_h1: Mamba-2 with muP multipliers (none of them 1) and the gated norm, below also without it
+VARIANTS = {"falcon_h1 without the gated norm": ("falcon_h1", {"mamba_rms_norm": False})}
 
 
 def forward_more_families() -> dict:
@@ -429,13 +431,14 @@ def forward_more_families() -> dict:
     from family_sweep import forward_error, reference_logits
 
     topo = get_topo(2, 2)
-    return {family: forward_error(family, topo, reference_logits(family)) for family in MORE}
+    cases = {**{family: (family, {}) for family in MORE}, **VARIANTS}
+    return {name: forward_error(topo, reference_logits(family, **overrides)) for name, (family, overrides) in cases.items()}
 
 
 def test_more_families_forward_exact_2x2(world4):
     errors = world4.run(forward_more_families)[0]
     bad = {family: e for family, e in errors.items() if not e < 1e-4}
-    assert set(errors) == set(MORE) and not bad, f"logits off (relative): {bad}"
+    assert set(errors) == set(MORE) | set(VARIANTS) and not bad, f"logits off (relative): {bad}"
 
 
 def test_default_positions_follow_the_model():

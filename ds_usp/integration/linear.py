@@ -25,7 +25,9 @@ rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is re
   ``A_log``, ``D``, the gated group norm ``norm`` and ``out_proj``, and its module's ``mamba2_chunk_scan`` (which
   takes an initial state). The scan is the delta-rule machinery's special case without the delta term: queries
   ``C``, keys ``B`` (``n_groups`` key heads), values ``x``; the step ``dt`` and the skip ``D`` travel with the
-  log-decay input, ``A`` with ``beta``. A mixer with input multipliers (Falcon-H1) is not this shape and is refused.
+  log-decay input, ``A`` with ``beta``. Falcon-H1's mixer is this shape with muP multipliers: its input times
+  ``ssm_in_multiplier``, the projection times its ``mup_vector`` buffer, and either the gated norm or (``mamba_rms_norm``
+  off) ``y * silu(gate)``; they are token-local, applied around the sharded scan as the layer applies them.
 
 Other linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
 """
@@ -76,7 +78,7 @@ def is_kimi_delta(module: nn.Module) -> bool:
 def is_mamba2(module: nn.Module) -> bool:
     """Whether ``module`` is a Mamba-2 mixer ds-usp wraps (see the module doc)."""
     return _has(module, _MAMBA2) and callable(_family(module, "mamba2_chunk_scan")) and \
-        isinstance(module.in_proj, nn.Linear) and not hasattr(module, "ssm_in_multiplier") and \
+        isinstance(module.in_proj, nn.Linear) and \
         module.in_proj.out_features == module.intermediate_size + module.conv_dim + module.num_heads
 
 
@@ -164,6 +166,8 @@ def _mamba2_forward(module: nn.Module, ctx: USPContext) -> Callable:
     order = torch.cat([torch.arange(inner + bc, inner + 2 * bc), torch.arange(inner, inner + bc),
                        torch.arange(inner)]).to(module.conv1d.weight.device)
     low, high = module.time_step_limit
+    scale_in = float(getattr(module, "ssm_in_multiplier", 1.0))  # Falcon-H1's muP input multiplier
+    gated_norm = getattr(module, "mamba_rms_norm", True)
 
     @functools.wraps(module.forward)
     def forward(hidden_states: Tensor, cache_params: Any = None, attention_mask: Optional[Tensor] = None,
@@ -171,7 +175,10 @@ def _mamba2_forward(module: nn.Module, ctx: USPContext) -> Callable:
         _refuse_cache(cache_params, module, ctx)
         seq_len, docs = _documents(hidden_states, ctx, kwargs)
         x = _masked(hidden_states, attention_mask)
-        gate, xbc, dt = module.in_proj(x).split([inner, module.conv_dim, heads], dim=-1)
+        projected = module.in_proj(x if scale_in == 1.0 else x * scale_in)
+        mup = getattr(module, "mup_vector", None)  # Falcon-H1: a buffer, read per call (it moves with the layer)
+        projected = projected if mup is None else projected * mup
+        gate, xbc, dt = projected.split([inner, module.conv_dim, heads], dim=-1)
         xs, b, c = xbc.split([inner, bc, bc], dim=-1)
         bsz, s = x.shape[:2]
         dt = F.softplus(dt + module.dt_bias.to(dt.dtype)).clamp(low, high)  # as the scan does, token by token
@@ -184,7 +191,9 @@ def _mamba2_forward(module: nn.Module, ctx: USPContext) -> Callable:
                                      xs.reshape(bsz, s, heads, head_dim), g, a.expand(bsz, s, heads), weight, bias,
                                      ctx.topo, rule, activation, layout=ctx.layout, seq_len=seq_len, doc_lens=docs,
                                      native_op=ctx.native_op)
-        return module.out_proj(module.norm(core.reshape(bsz, s, -1), gate).to(x.dtype))
+        core = core.reshape(bsz, s, -1)
+        out = module.norm(core, gate) if gated_norm else core * F.silu(gate)  # Falcon-H1 may go without the norm
+        return module.out_proj(out.to(x.dtype))
 
     return forward
 
