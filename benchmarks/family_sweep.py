@@ -108,14 +108,14 @@ def forward_error(topo: Any, reference: tuple[Any, torch.Tensor, torch.Tensor]) 
 
     import ds_usp
     from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.linear import is_linear_attention, wrap_linear_layers
+    from ds_usp.integration.linear import is_wrapped_mixer, wrap_linear_layers
     from ds_usp.integration.models import check_model, default_positions
 
     ds_usp.hf.register_usp_attention()
     ref, ids, want = reference
     sp = AutoModelForCausalLM.from_config(copy.deepcopy(ref.config), attn_implementation="usp").eval()
     sp.load_state_dict(ref.state_dict())
-    check_model(sp, handled=is_linear_attention)  # what ds_usp.initialize refuses, and the layers it wraps
+    check_model(sp, handled=is_wrapped_mixer)  # what ds_usp.initialize refuses, and the layers it wraps
     attach(sp, USPContext(topo=topo, layout="zigzag"))
     wrap_linear_layers(sp)
     topo = dataclasses.replace(topo, default_positions=default_positions(sp))  # as ds_usp.initialize sets it

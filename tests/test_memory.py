@@ -59,6 +59,9 @@ def train_with_features(tmp_dir: str, stage: int, u: int, r: int, memory: dict, 
         if use_labels:  # this rank's shard of the unshifted labels; ds-usp shifts them over the whole sequence
             kwargs = {"labels": ds_usp.shard_sequence(batch["labels"], topo, dim=1, layout=engine.usp.layout,
                                                       pad_value=-100)}
+        if stage == 3 and step == 0:  # an evaluation first: ZeRO-3's prefetching then differs between a
+            with torch.no_grad():     # checkpointed layer's forward and its recomputation
+                engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"], **kwargs)
         out = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"], **kwargs)
         assert out.logits is None
         engine.backward(out.loss)

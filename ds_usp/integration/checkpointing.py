@@ -26,7 +26,34 @@ def _keep_ring_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkp
         else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_ring_attention)
+_CACHED = getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None)  # torch's (private) recomputation mode
+
+
+class _TolerantRecompute(_CACHED or object):  # type: ignore[misc]
+    """torch's recomputation mode of selective checkpointing, running the ops the forward did not run.
+
+    torch refuses any op its recomputation did not see in the forward. ZeRO-3's hooks run inside the checkpointed
+    layer and need not repeat themselves: a parameter the forward found prefetched (its trace from an earlier step,
+    or an earlier forward under ``no_grad`` such as an evaluation) is fetched in the recomputation, allocating and
+    gathering, and torch would raise "encountered during backward but not found in storage". Such ops are run; every
+    op the forward ran is replayed as torch does (the ring attention's kept outputs included).
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except RuntimeError as e:
+            if "not found in storage" not in str(e):
+                raise
+            return func(*args, **(kwargs or {}))
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    """torch's selective-checkpointing contexts keeping the ring attention, the recomputation tolerant (above)."""
+    forward, recompute = create_selective_checkpoint_contexts(_keep_ring_attention)
+    if _CACHED is not None and type(recompute) is _CACHED:
+        recompute.__class__ = _TolerantRecompute  # the same state, the tolerant dispatch
+    return forward, recompute
 
 
 class _ToHost(torch.autograd.Function):
@@ -64,5 +91,5 @@ def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callab
         kwargs.update(use_cache=False, past_key_values=None)
         stored = to_host(hidden_states) if plan.offload else hidden_states
         return checkpoint(run, stored, *args, use_reentrant=False,
-                          context_fn=_SELECTIVE if plan.checkpoint == "selective" else noop_context_fn, **kwargs)
+                          context_fn=_selective_contexts if plan.checkpoint == "selective" else noop_context_fn, **kwargs)
     return forward

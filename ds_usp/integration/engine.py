@@ -39,7 +39,7 @@ from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_g
 from ds_usp.integration.hf import USPContext, attach
 from ds_usp.integration.step_plan import MemoryContext, MemorySettings
 from ds_usp.integration.memory import apply as apply_memory_features
-from ds_usp.integration.linear import check_hybrid, is_linear_attention, wrap_linear_layers
+from ds_usp.integration.linear import check_hybrid, is_wrapped_mixer, wrap_linear_layers
 from ds_usp.integration.models import check_model, default_positions, model_shape, plan_refusal
 from ds_usp.comm import group_device
 from ds_usp.cost import Hardware, ModelShape, StepSettings, step_time
@@ -349,7 +349,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if kwargs.get("mpu") is not None:
             raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
         if model is not None and usp_cfg.sequence_parallel_size > 1:  # the same answer on every rank, before any group
-            check_model(model, handled=is_linear_attention)
+            check_model(model, handled=is_wrapped_mixer)
             check_hybrid(model, usp_cfg.ulysses_degree)
         topo = replace(USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree,
                                          timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds)),

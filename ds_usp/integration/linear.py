@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from ds_usp.integration.data import docs_from_cu_seq_lens
 from ds_usp.integration.hf import USPContext, context_of
-from ds_usp.linear import check_linear_heads, gated_delta_attention
+from ds_usp.linear import check_linear_heads, gated_delta_attention, sharded_causal_conv
 
 _COMMON = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 _INPUTS = (("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next: per key head [q | k | v... | z...], [b... | a...]
@@ -85,6 +85,28 @@ def is_mamba2(module: nn.Module) -> bool:
 def is_linear_attention(module: nn.Module) -> bool:
     """Whether ``module`` is a linear-attention layer ds-usp wraps: Gated DeltaNet, KDA or a Mamba-2 mixer."""
     return is_gated_deltanet(module) or is_kimi_delta(module) or is_mamba2(module)
+
+
+def _depthwise(conv: Any) -> bool:
+    """A causal depthwise ``nn.Conv1d`` (one filter per channel, ``K - 1`` zeros of padding before)."""
+    return isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels and \
+        conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+
+
+def is_short_conv(module: nn.Module) -> bool:
+    """Whether ``module`` is a gated short convolution ds-usp wraps (LFM2, LFM2-MoE, LFM3): ``in_proj`` giving
+    ``[B | C | x]``, ``y = C * conv(B * x)``, ``out_proj``; a class named ``...ShortConv`` whose module defines
+    ``causal_conv1d_fn``."""
+    conv, proj = getattr(module, "conv", None), getattr(module, "in_proj", None)
+    return type(module).__name__.endswith("ShortConv") and _depthwise(conv) and isinstance(proj, nn.Linear) and \
+        proj.out_features == 3 * conv.in_channels and isinstance(getattr(module, "out_proj", None), nn.Linear) and \
+        callable(_family(module, "causal_conv1d_fn"))
+
+
+def is_wrapped_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` mixes tokens outside attention in a way ds-usp shards: a linear-attention layer
+    (:func:`is_linear_attention`) or a short convolution (:func:`is_short_conv`)."""
+    return is_linear_attention(module) or is_short_conv(module)
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, int, int]:
@@ -199,11 +221,32 @@ def _mamba2_forward(module: nn.Module, ctx: USPContext) -> Callable:
 
 
 def _refuse_cache(cache: Any, module: nn.Module, ctx: USPContext) -> None:
-    """Refuse a call that continues from the recurrent state a cache holds (decoding); training starts afresh."""
-    get, layer = getattr(cache, "get_recurrent_state", None), getattr(module, "layer_idx", None)
-    if callable(get) and layer is not None and get(layer, state_idx=0) is not None:
-        raise ValueError(f"{ctx.model_name}: decoding from a cache is not supported under sequence parallelism "
-                         f"(training and prefill are); generate without ds_usp")
+    """Refuse a call that continues from the recurrent or convolution state a cache holds (decoding); training
+    starts afresh."""
+    layer = getattr(module, "layer_idx", None)
+    for getter in ("get_recurrent_state", "get_conv_state"):
+        get = getattr(cache, getter, None)
+        if callable(get) and layer is not None and get(layer, state_idx=0) is not None:
+            raise ValueError(f"{ctx.model_name}: decoding from a cache is not supported under sequence parallelism "
+                             f"(training and prefill are); generate without ds_usp")
+
+
+def _short_conv_forward(module: nn.Module, ctx: USPContext) -> Callable:
+    """The forward of a gated short convolution (LFM2) under the USP topology: the projections and gates on this
+    rank's tokens, the convolution with its halo from the ranks before (:func:`ds_usp.linear.sharded_causal_conv`)."""
+    conv = module.conv
+
+    @functools.wraps(module.forward)
+    def forward(hidden_states: Tensor, past_key_values: Any = None, attention_mask: Optional[Tensor] = None,
+                **kwargs: Any) -> Tensor:
+        _refuse_cache(past_key_values, module, ctx)
+        seq_len, docs = _documents(hidden_states, ctx, kwargs)
+        b, c, x = module.in_proj(_masked(hidden_states, attention_mask)).chunk(3, dim=-1)
+        y = sharded_causal_conv(b * x, conv.weight.squeeze(1), conv.bias, ctx.topo, layout=ctx.layout,
+                                seq_len=seq_len, doc_lens=docs)
+        return module.out_proj(c * y)
+
+    return forward
 
 
 def _documents(hidden_states: Tensor, ctx: USPContext, kwargs: dict) -> tuple[Optional[int], Optional[list]]:
@@ -249,7 +292,8 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
 
 
 def wrap_linear_layers(model: nn.Module) -> int:
-    """Make every linear-attention layer (:func:`is_linear_attention`) of ``model`` run under the USP topology
+    """Make every linear-attention layer and short convolution (:func:`is_wrapped_mixer`) of ``model`` run under the
+    USP topology
     :func:`ds_usp.hf.attach` gave it (:func:`check_hybrid` first: the heads against the Ulysses degree).
 
     Args:
@@ -261,8 +305,9 @@ def wrap_linear_layers(model: nn.Module) -> int:
     ctx = context_of(model)
     wrapped = 0
     for module in model.modules():
-        if is_linear_attention(module) and not getattr(module, "_usp_wrapped", False):
-            module.forward = (_mamba2_forward if is_mamba2(module) else _forward)(module, ctx)
+        if is_wrapped_mixer(module) and not getattr(module, "_usp_wrapped", False):
+            wrap = _short_conv_forward if is_short_conv(module) else _mamba2_forward if is_mamba2(module) else _forward
+            module.forward = wrap(module, ctx)
             module._usp_wrapped = True
             wrapped += 1
     return wrapped

@@ -333,19 +333,20 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
 
     Raises:
         ValueError: a family ds-usp cannot shard (its attention bypasses the interface, or sequence-mixing layers
-            other than attention, Gated DeltaNet, KDA and Mamba-2, or no attention heads at all), naming it.
+            other than attention, Gated DeltaNet, KDA, Mamba-2 and short convolutions, or no attention heads at all),
+            naming it.
     """
     from transformers import AutoModelForCausalLM
 
     from ds_usp.integration.hf import refuse_non_interface_family
-    from ds_usp.integration.linear import is_linear_attention, linear_dims
+    from ds_usp.integration.linear import is_linear_attention, is_short_conv, is_wrapped_mixer, linear_dims
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if model is None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     refuse_non_interface_family(type(model))
-    mixers = sequence_mixers(model, is_linear_attention)
+    mixers = sequence_mixers(model, is_wrapped_mixer)
     if mixers:
         raise ValueError(f"{type(model).__name__} has sequence-mixing layers ds-usp does not shard ({mixers[0]}); "
                          f"see docs/models.md")
@@ -375,7 +376,8 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     layers = text.num_hidden_layers
     nk, nv, dk, dv = linear_dims(linear[0]) if linear else (0, 0, 0, 0)
     return ModelShape(
-        name=type(model).__name__, hidden=text.hidden_size, attention_layers=layers - len(linear), heads=heads,
+        name=type(model).__name__, hidden=text.hidden_size, heads=heads,
+        attention_layers=layers - len(linear) - sum(is_short_conv(m) for m in model.modules()),  # LFM2's convs
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, v_head_dim=v_dim,
         vocab=text.vocab_size, mlp_width=(moe_width + shared) if moe_width else text.intermediate_size,
         params=total, active_params=int(active), linear_layers=len(linear),
