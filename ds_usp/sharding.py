@@ -260,6 +260,13 @@ def shard_positions(padded_len: int, ulysses_degree: int, ring_degree: int, sp_r
     return piece[ulysses_rank * n:(ulysses_rank + 1) * n]
 
 
+def shard_runs(padded_len: int, ulysses_degree: int, ring_degree: int, sp_rank: int, layout: str,
+               bounds: Optional[tuple[int, ...]] = None) -> Runs:
+    """The runs of global positions SP rank ``sp_rank`` holds (:func:`shard_positions`), in shard order."""
+    pos = shard_positions(padded_len, ulysses_degree, ring_degree, sp_rank, layout, bounds).tolist()
+    return _merge([(p, 1) for p in pos])
+
+
 def resolve_seq_len(seq_len: Optional[int], local_len: int, ulysses_degree: int, ring_degree: int,
                     layout: str) -> tuple[int, int]:
     """Check a global length against a local shard length and return ``(seq_len, padded_len)``.

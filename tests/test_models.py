@@ -415,12 +415,14 @@ def test_masks_are_read_from_transformers_mask_functions():
 
 MORE = ("axk1", "bamba", "bitnet", "cohere2", "deepseek_v2", "ernie4_5_moe", "exaone4", "flint", "gemma3n_text",
         "gemma4_text", "glm4_moe", "glm4_moe_lite", "gpt2", "granitemoe", "granitemoehybrid", "helium", "hunyuan_v1_moe",
-        "hy_v3", "falcon_h1", "laguna", "mamba2", "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "olmo3", "olmoe", "opt",
+        "hy_v3", "falcon_h1", "falcon_mamba", "laguna", "lfm2_moe", "mamba", "mamba2", "mimo_v2_flash", "minicpm3", "minimax_m2", "ministral3", "olmo3", "olmoe", "opt",
         "phimoe", "qwen2_moe", "roberta", "seed_oss", "vaultgemma", "xlm-roberta", "youtu", "zamba2")
 # axk1, deepseek_v2, glm4_moe_lite, minicpm3, youtu: MLA variants; opt: learned positions, offset 2; bamba,
 # granitemoehybrid, zamba2: Mamba-2 hybrids (Nemotron-H is trained in test_linear.py); mamba2: no attention at all;
 # roberta, xlm-roberta: positions from padding_idx + 1 around padding tokens (ds_usp.shard_batch numbers them);
-# falcon_h1: Mamba-2 with muP multipliers (none of them 1) and the gated norm, below also without it
+# falcon_h1: Mamba-2 with muP multipliers (none of them 1) and the gated norm, below also without it; mamba,
+# falcon_mamba (its dt/B/C norms): Mamba-1, no attention; lfm2_moe: short convolutions (Jamba, LFM2 train in
+# test_linear.py)
 VARIANTS = {"falcon_h1 without the gated norm": ("falcon_h1", {"mamba_rms_norm": False})}
 
 

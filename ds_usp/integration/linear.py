@@ -1,6 +1,7 @@
 """Hybrid linear-attention models: their linear-attention layers wrapped from outside — Gated DeltaNet (Qwen3-Next,
 Qwen3.5, OLMo Hybrid), Kimi Delta Attention (KDA: Kimi Linear) and Mamba-2 mixers (Mamba-2, Nemotron-H, Bamba,
-Granite-4 hybrid, Zamba2).
+Granite-4 hybrid, Zamba2, Falcon-H1) — and the other sequence mixers ds-usp shards without the delta-rule path:
+Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) and LFM2's gated short convolutions (LFM2, LFM2-MoE, LFM3).
 
 ``ds_usp.initialize`` calls :func:`wrap_linear_layers`, as it applies the memory stack: every such layer of the
 model keeps its parameters and its own kernels, and its forward becomes
@@ -29,10 +30,19 @@ rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is re
   ``ssm_in_multiplier``, the projection times its ``mup_vector`` buffer, and either the gated norm or (``mamba_rms_norm``
   off) ``y * silu(gate)``; they are token-local, applied around the sharded scan as the layer applies them.
 
+- Mamba-1: ``in_proj``, a causal depthwise ``conv1d``, ``x_proj``, ``dt_proj``, ``A_log`` of ``(d, N)``, ``D``,
+  ``out_proj``, and its module's ``causal_conv1d_fn`` and ``mamba_selective_scan``. Its channels are independent
+  recurrences with per-token ``B``, ``C``: no all-to-all; the family's own forward runs (its norms of dt, B, C
+  included) with those two functions working on the sharded sequence (:func:`ds_usp.linear.sharded_causal_conv`,
+  :func:`ds_usp.linear.sharded_selective_scan`: diagonal state passing over the SP group);
+- gated short convolution: a ``...ShortConv`` with ``in_proj`` giving ``[B | C | x]``, a causal depthwise ``conv``
+  and ``out_proj``: ``out_proj(C * conv(B * x))`` with the convolution's halo from the ranks before.
+
 Other linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import sys
 from typing import Any, Callable, Optional
@@ -43,7 +53,7 @@ from torch import Tensor, nn
 
 from ds_usp.integration.data import docs_from_cu_seq_lens
 from ds_usp.integration.hf import USPContext, context_of
-from ds_usp.linear import check_linear_heads, gated_delta_attention, sharded_causal_conv
+from ds_usp.linear import check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_selective_scan
 
 _COMMON = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 _INPUTS = (("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next: per key head [q | k | v... | z...], [b... | a...]
@@ -52,6 +62,8 @@ _INPUTS = (("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next: per key head [q | k | 
 _OUTPUTS = (("norm", "out_proj"), ("o_norm", "o_proj"))  # the gated norm and the output projection
 _KDA = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj",
         "num_heads", "head_dim")
+_SELECTIVE = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj")
+_SELECTIVE_FUNCTIONS = ("causal_conv1d_fn", "mamba_selective_scan")
 _MAMBA2 = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
            "ssm_state_size", "intermediate_size", "conv_dim", "time_step_limit", "chunk_size")
 
@@ -103,10 +115,19 @@ def is_short_conv(module: nn.Module) -> bool:
         callable(_family(module, "causal_conv1d_fn"))
 
 
+def is_selective_ssm(module: nn.Module) -> bool:
+    """Whether ``module`` is a Mamba-1 mixer ds-usp wraps (Mamba, Falcon-Mamba, Jamba): ``in_proj``, a causal
+    depthwise ``conv1d``, ``x_proj``, ``dt_proj``, ``A_log`` of ``(d, N)``, ``D``, ``out_proj``, and its module's
+    ``causal_conv1d_fn`` and ``mamba_selective_scan``, which its forward calls."""
+    return _has(module, _SELECTIVE) and isinstance(module.A_log, Tensor) and module.A_log.dim() == 2 and \
+        _depthwise(module.conv1d) and all(callable(_family(module, f)) for f in _SELECTIVE_FUNCTIONS)
+
+
 def is_wrapped_mixer(module: nn.Module) -> bool:
     """Whether ``module`` mixes tokens outside attention in a way ds-usp shards: a linear-attention layer
-    (:func:`is_linear_attention`) or a short convolution (:func:`is_short_conv`)."""
-    return is_linear_attention(module) or is_short_conv(module)
+    (:func:`is_linear_attention`), a short convolution (:func:`is_short_conv`) or a Mamba-1 mixer
+    (:func:`is_selective_ssm`)."""
+    return is_linear_attention(module) or is_short_conv(module) or is_selective_ssm(module)
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, int, int]:
@@ -249,6 +270,72 @@ def _short_conv_forward(module: nn.Module, ctx: USPContext) -> Callable:
     return forward
 
 
+# while a wrapped Mamba-1 mixer runs its own forward: (its context, the real global length, the documents)
+_RUNNING: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("ds_usp_selective_mixer", default=None)
+
+
+def _selective_forward(module: nn.Module, ctx: USPContext) -> Callable:
+    """The forward of a Mamba-1 mixer under the USP topology: the family's own forward, whose convolution and scan
+    (its module's ``causal_conv1d_fn`` and ``mamba_selective_scan``) work on the sharded sequence while it runs
+    (:func:`_shard_family_functions`); the rest of it (projections, the family's norms of dt, B and C) is per token."""
+    _shard_family_functions(sys.modules[type(module).__module__])
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(hidden_states: Tensor, cache_params: Any = None, attention_mask: Optional[Tensor] = None,
+                **kwargs: Any) -> Tensor:
+        _refuse_cache(cache_params, module, ctx)
+        seq_len, docs = _documents(hidden_states, ctx, kwargs)
+        token = _RUNNING.set((ctx, seq_len, docs))
+        try:
+            return original(hidden_states, cache_params=None, attention_mask=attention_mask, **kwargs)
+        finally:
+            _RUNNING.reset(token)
+
+    return forward
+
+
+def _shard_family_functions(family: Any) -> None:
+    """Swap a Mamba-1 family's ``causal_conv1d_fn``, ``mamba_selective_scan`` and ``mamba_inner_fn`` (its fused
+    training kernel) for versions that, while a wrapped mixer runs, convolve and scan the sharded sequence
+    (:func:`ds_usp.linear.sharded_causal_conv`, :func:`ds_usp.linear.sharded_selective_scan`, the fused kernel
+    declined); at any other time they call the family's own (idempotent)."""
+    from transformers.activations import ACT2FN
+
+    if getattr(family, "_ds_usp_sharded", False):
+        return
+    conv, scan, inner = family.causal_conv1d_fn, family.mamba_selective_scan, getattr(family, "mamba_inner_fn", None)
+
+    @functools.wraps(conv)
+    def causal_conv1d_fn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+                         **kwargs: Any) -> Tensor:
+        running = _RUNNING.get()
+        if running is None:
+            return conv(x, weight, bias, activation=activation, **kwargs)
+        ctx, seq_len, docs = running
+        return sharded_causal_conv(x.transpose(1, 2), weight, bias, ctx.topo, layout=ctx.layout, seq_len=seq_len,
+                                   doc_lens=docs, activation=None if activation is None else ACT2FN[activation]
+                                   ).transpose(1, 2)
+
+    @functools.wraps(scan)
+    def mamba_selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,
+                             z: Optional[Tensor] = None, delta_bias: Optional[Tensor] = None,
+                             delta_softplus: bool = False, return_last_state: bool = False, **kwargs: Any) -> Any:
+        running = _RUNNING.get()
+        if running is None or return_last_state:  # the state is for a cache: the wrapped forward passes none
+            return scan(x, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                        return_last_state=return_last_state, **kwargs)
+        ctx, seq_len, docs = running
+        return sharded_selective_scan(scan, x, dt, A, B, C, D, z, delta_bias, delta_softplus, ctx.topo,
+                                      layout=ctx.layout, seq_len=seq_len, doc_lens=docs, **kwargs)
+
+    family.causal_conv1d_fn, family.mamba_selective_scan = causal_conv1d_fn, mamba_selective_scan
+    if callable(inner):
+        family.mamba_inner_fn = functools.wraps(inner)(
+            lambda *args, **kwargs: None if _RUNNING.get() is not None else inner(*args, **kwargs))
+    family._ds_usp_sharded = True
+
+
 def _documents(hidden_states: Tensor, ctx: USPContext, kwargs: dict) -> tuple[Optional[int], Optional[list]]:
     """``(real global length, packed documents or None)`` from the call's ``cu_seq_lens_q`` or the context's."""
     cu = kwargs.get("cu_seq_lens_q")
@@ -306,7 +393,8 @@ def wrap_linear_layers(model: nn.Module) -> int:
     wrapped = 0
     for module in model.modules():
         if is_wrapped_mixer(module) and not getattr(module, "_usp_wrapped", False):
-            wrap = _short_conv_forward if is_short_conv(module) else _mamba2_forward if is_mamba2(module) else _forward
+            wrap = _short_conv_forward if is_short_conv(module) else _selective_forward if is_selective_ssm(module) \
+                else _mamba2_forward if is_mamba2(module) else _forward
             module.forward = wrap(module, ctx)
             module._usp_wrapped = True
             wrapped += 1

@@ -54,6 +54,12 @@ def _halo_plan(padded: int, u: int, r: int, layout: str, bounds: tuple[int, ...]
     return local[sends[sp_rank]], source, before, mine, count
 
 
+def exchange(rows: Tensor, topo: USPTopology) -> Tensor:
+    """``(n, *rows.shape)``: every SP rank's ``rows`` (all-gathered), whose gradient is summed over the group back to
+    the rank that sent them (each rank may read every other rank's rows)."""
+    return _Exchange.apply(rows, topo.sp_group, topo.sp_rank)
+
+
 class _Exchange(torch.autograd.Function):
     """All-gather of every rank's rows; the backward sums each rank's gradient over the group (each rank read
     every other rank's rows) and keeps this rank's part."""
@@ -61,12 +67,12 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: Tensor, group: Any, rank: int) -> Tensor:
         ctx.group, ctx.rank = group, rank
-        return torch.stack(all_gather_rows(rows.contiguous(), group, "convolution halo"))
+        return torch.stack(all_gather_rows(rows.contiguous(), group, "sequence-parallel exchange"))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
         grad = grad.contiguous().clone()
-        all_reduce_sum_(grad, ctx.group, "convolution halo backward")
+        all_reduce_sum_(grad, ctx.group, "sequence-parallel exchange backward")
         return grad[ctx.rank], None, None
 
 
@@ -113,7 +119,7 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
             _halo_plan(padded, u, r, layout, segment_bounds(docs, real_len, padded), kernel, topo.sp_rank))
         rows = torch.zeros(b, count, channels, dtype=h.dtype, device=h.device)
         rows[:, :send.numel()] = h.index_select(1, send)
-        gathered = _Exchange.apply(rows, topo.sp_group, topo.sp_rank) if u * r > 1 else rows[None]
+        gathered = exchange(rows, topo) if u * r > 1 else rows[None]
         every = torch.cat([h, gathered.transpose(0, 1).reshape(b, -1, channels)], dim=1)  # [own | gathered]
         doc = _document_ids(docs, b, real_len, padded, x.device)
         keep = (before >= 0) & (doc[:, before.clamp_min(0)] == doc[:, mine, None])  # (b or 1, s_local, K-1)

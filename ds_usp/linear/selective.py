@@ -1,0 +1,141 @@
+"""Mamba-1's selective scan over a sequence sharded across a USP topology (Mamba, Falcon-Mamba, Jamba).
+
+    y = sharded_selective_scan(scan, u, dt, A, B, C, D, z, delta_bias, True, topo, layout="zigzag", seq_len=s)
+
+Per channel ``d`` and state index ``n`` the scan is ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t`` (``dt`` after its
+bias and softplus), ``y_t = C_t . h_t + D x_t``, gated by ``silu(z_t)``. Every channel is its own recurrence and
+``B``, ``C`` are per token, so nothing needs an all-to-all: each rank scans its own tokens with every channel. The
+transition is diagonal, so a segment started from ``h0`` ends in ``P * h0 + F`` and outputs
+``y_t + C_t . (exp(A S_t) * h0)`` (``S_t`` the running sum of ``dt`` in the segment, ``P = exp(A S_end)``,
+``F`` and ``y`` what the segment computes from zero). So
+
+1. every rank runs the family's own scan (``scan``: transformers' torch loop on CPU, mamba_ssm's kernel on GPUs)
+   on each of its segments (runs of its positions cut at document starts) from zero;
+2. computes each segment's ``(P, F)`` in token chunks (stable: every exponent is <= 0) and all-gathers them over
+   the sequence-parallel group (the gradient of the gathered ones summed back over the group);
+3. combines, in global order, the initial state of each of its segments and adds ``C_t . (exp(A S_t) * h0)``
+   (times ``silu(z_t)``) to the segment's outputs.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ds_usp.linear.conv import exchange
+from ds_usp.linear.delta import Segment, segments
+from ds_usp.sharding import normalize_docs, resolve_seq_len, segment_bounds, shard_runs
+from ds_usp.topology import USPTopology
+
+CHUNK = 256  # tokens per step of the state sums: (b, CHUNK, d, N) floats at a time
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(padded: int, u: int, r: int, layout: str, starts: tuple[int, ...], real_len: int,
+          bounds: tuple[int, ...]) -> tuple[tuple[Segment, ...], ...]:
+    """Every SP rank's segments (its runs cut at document starts and at the real end), in shard order."""
+    return tuple(segments(shard_runs(padded, u, r, i, layout, bounds if layout == "balanced" else None), starts,
+                          real_len) for i in range(u * r))
+
+
+def _state_sums(dt: Tensor, x: Tensor, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(S (b, d, t) running sums of dt, P (b, d, N), F (b, d, N))`` of one segment from zero (fp32 or fp64)."""
+    s = torch.cumsum(dt, dim=-1)
+    end = s[..., -1:]  # (b, d, 1)
+    final = dt.new_zeros(*dt.shape[:2], A.shape[-1])
+    for a in range(0, dt.shape[-1], CHUNK):
+        part = slice(a, a + CHUNK)
+        decay = torch.exp(A[None, :, None, :] * (end - s[..., part])[..., None])  # (b, d, t, N), exponents <= 0
+        final = final + torch.einsum("bdtn,bdt,bnt->bdn", decay, dt[..., part] * x[..., part], B[..., part])
+    return s, torch.exp(A[None] * end), final
+
+
+def _from_state(s: Tensor, A: Tensor, C: Tensor, h0: Tensor) -> Tensor:
+    """``(b, d, t)``: the outputs' part from the initial state ``h0`` (b, d, N): ``C_t . (exp(A S_t) * h0)``."""
+    parts = [torch.einsum("bdtn,bnt,bdn->bdt", torch.exp(A[None, :, None, :] * s[..., a:a + CHUNK, None]),
+                          C[..., a:a + CHUNK], h0) for a in range(0, s.shape[-1], CHUNK)]
+    return torch.cat(parts, dim=-1)
+
+
+def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                           D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
+                           delta_softplus: bool, topo: USPTopology, *, layout: str = "zigzag",
+                           seq_len: Optional[int] = None,
+                           doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None,
+                           **scan_kwargs: Any) -> Tensor:
+    """Mamba-1's selective scan of this rank's shard, exact over the whole sequence (each document from zero).
+
+    Args:
+        scan: the family's ``mamba_selective_scan`` (its arguments as below), run on each segment from zero.
+        x: ``(b, d, s_local)`` the inputs (after the convolution).
+        dt: ``(b, d, s_local)`` the steps before ``delta_bias`` and softplus.
+        A: ``(d, N)`` (negative).
+        B: ``(b, N, s_local)``.
+        C: ``(b, N, s_local)``.
+        D: ``(d,)`` the skip, or None.
+        z: ``(b, d, s_local)`` the gate (``silu(z)`` multiplies the outputs), or None.
+        delta_bias: ``(d,)`` or None.
+        delta_softplus: softplus on ``dt + delta_bias``.
+        topo: the topology.
+        layout: how the sequence was sharded.
+        seq_len: the real global length (None: no padding).
+        doc_lens: packed documents over the global sequence.
+        **scan_kwargs: passed on to ``scan`` (``use_mambapy``...).
+
+    Returns:
+        ``(b, d, s_local)`` as ``scan`` returns them.
+    """
+    u, r = topo.ulysses_degree, topo.ring_degree
+    b = x.shape[0]
+    real_len, padded = resolve_seq_len(seq_len, x.shape[-1], u, r, layout)
+    docs = normalize_docs(doc_lens, b, real_len)
+    bounds = segment_bounds(docs, real_len, padded)
+    groups = [(slice(None), docs[0] if docs else (0,))] if docs is None or len(set(docs)) == 1 else \
+        [(slice(i, i + 1), row) for i, row in enumerate(docs)]
+    step = dt if delta_bias is None else dt + delta_bias.to(dt.dtype)[..., None]
+    step = (F.softplus(step) if delta_softplus else step).to(torch.promote_types(dt.dtype, torch.float32))
+    outs = []
+    for rows, starts in groups:
+        plan = _plan(padded, u, r, layout, starts, real_len, bounds)
+        mine = plan[topo.sp_rank]
+        ys, sums, parts = [], [], []
+        for seg in mine:
+            at = slice(seg.row, seg.row + seg.length)
+            cut = [None if t is None else t[rows, ..., at] for t in (x, dt, B, C, z)]
+            ys.append(scan(cut[0], cut[1], A, cut[2], cut[3], D=D, z=cut[4], delta_bias=delta_bias,
+                           delta_softplus=delta_softplus, return_last_state=False, **scan_kwargs))
+            s, p, f = _state_sums(step[rows, ..., at], cut[0].to(step.dtype), A.to(step.dtype), cut[2].to(step.dtype))
+            sums.append(s)
+            parts.append(torch.stack([p, f]))
+        count = max(len(p) for p in plan)
+        mine_states = torch.stack(parts + [torch.zeros_like(parts[0])] * (count - len(parts)))
+        every = exchange(mine_states, topo) if u * r > 1 else mine_states[None]  # (n, count, 2, b, d, N)
+        h0: dict[tuple[int, int], Optional[Tensor]] = {}
+        prev: Optional[tuple[int, int]] = None
+        for _, rank, i in sorted((seg.start, rank, i) for rank, p in enumerate(plan) for i, seg in enumerate(p)):
+            first = plan[rank][i].first or prev is None
+            if first:
+                h0[(rank, i)] = None
+            else:
+                before = h0[prev]
+                p_prev, f_prev = every[prev[0], prev[1], 0], every[prev[0], prev[1], 1]
+                h0[(rank, i)] = f_prev if before is None else p_prev * before + f_prev
+            prev = (rank, i)
+        # every rank must reach the exchange's backward (a collective), even one whose segments all start a
+        # document and read no state: a zero-weighted use of the gathered states keeps it in the graph
+        ys[0] = ys[0] + (every.sum() * 0).to(ys[0].dtype)
+        row_out = []
+        for i, (seg, y) in enumerate(zip(mine, ys)):
+            state = h0[(topo.sp_rank, i)]
+            if state is not None:
+                at = slice(seg.row, seg.row + seg.length)
+                extra = _from_state(sums[i], A.to(step.dtype), C[rows, ..., at].to(step.dtype), state)
+                if z is not None:
+                    extra = extra * F.silu(z[rows, ..., at].to(step.dtype))
+                y = (y.to(step.dtype) + extra).to(y.dtype)
+            row_out.append(y)
+        outs.append(torch.cat(row_out, dim=-1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
