@@ -68,6 +68,13 @@ def sequence_mixers(model: nn.Module, handled: Callable[[nn.Module], bool]) -> l
     Returns:
         ``"name (Class)"`` of each unhandled one, at most the first few.
     """
+    def looks_like(module: nn.Module) -> bool:
+        # named like a mixer but not one: transformers' attention modules, which reach the interface (Kimi Linear's
+        # MLA layer is KimiLinearAttention), and norms, which are token by token (Mamba2RMSNorm)
+        named = _MIXER_NAMES.search(type(module).__name__) and "Norm" not in type(module).__name__ and \
+            not (hasattr(module, "is_causal") and hasattr(module, "scaling"))
+        return isinstance(module, nn.Conv1d) or bool(named)
+
     found = []
     skip: set[int] = set()
     for name, module in model.named_modules():
@@ -76,13 +83,10 @@ def sequence_mixers(model: nn.Module, handled: Callable[[nn.Module], bool]) -> l
         if handled(module):
             skip.update(id(m) for m in module.modules())
             continue
-        # named like a mixer but not one: transformers' attention modules, which reach the interface (Kimi Linear's
-        # MLA layer is KimiLinearAttention), and norms, which are token by token (Mamba2RMSNorm)
-        named = _MIXER_NAMES.search(type(module).__name__) and "Norm" not in type(module).__name__ and \
-            not (hasattr(module, "is_causal") and hasattr(module, "scaling"))
-        if isinstance(module, nn.Conv1d) or named:
-            if any(handled(m) for m in module.modules()):
-                continue  # a container named after what it holds (OLMo Hybrid's LinearAttentionDecoderLayer)
+        if looks_like(module):
+            inside = list(module.modules())[1:]
+            if any(handled(m) or looks_like(m) for m in inside):
+                continue  # a container named after what it holds (xLSTMForCausalLM, OLMo Hybrid's decoder layers)
             found.append(f"{name} ({type(module).__name__})")
             skip.update(id(m) for m in module.modules())
     return found
