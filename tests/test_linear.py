@@ -170,6 +170,13 @@ def test_distributed_state_passing_is_exact(world4):
         assert max(errors) < 1e-12, f"{case}: out, dq, dk, dv, dg, dbeta, dw errors {errors}"
 
 
+def _row_docs(docs, seq: int, batch: int) -> list:
+    """Each row's document lengths (``docs``: None, one list for every row, or one list per row)."""
+    if docs and isinstance(docs[0], list):
+        return docs
+    return [docs or [seq]] * batch
+
+
 def conv_case(u: int, r: int, layout: str, seq: int, docs, kernel: int) -> list[float]:
     """On every rank: sharded_causal_conv on shards vs one conv1d per document over the whole sequence; the output,
     input gradient, filter and bias gradient (summed over the ranks) differences."""
@@ -181,9 +188,10 @@ def conv_case(u: int, r: int, layout: str, seq: int, docs, kernel: int) -> list[
     x, dout = (torch.randn(2, seq, 6, generator=g, dtype=torch.float64) for _ in range(2))
     w, bias = torch.randn(6, kernel, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (x, w, bias)]
-    parts = torch.split(leaves[0], docs or [seq], dim=1)  # each document from zeros
-    want = torch.cat([F.conv1d(p.transpose(1, 2), leaves[1][:, None], leaves[2], padding=kernel - 1,
-                               groups=6)[..., :p.shape[1]].transpose(1, 2) for p in parts], dim=1)
+    want = torch.cat([torch.cat([F.conv1d(p.transpose(1, 2), leaves[1][:, None], leaves[2], padding=kernel - 1,
+                                          groups=6)[..., :p.shape[1]].transpose(1, 2)
+                                 for p in torch.split(leaves[0][i:i + 1], lens, dim=1)], dim=1)  # each doc from 0
+                      for i, lens in enumerate(_row_docs(docs, seq, 2))])
     F.silu(want).backward(dout)
     shard = functools.partial(ds_usp.shard_sequence, topo=topo, dim=1, layout=layout, doc_lens=docs)
     local, w_local, b_local = shard(x).requires_grad_(), w.clone().requires_grad_(), bias.clone().requires_grad_()
@@ -202,7 +210,8 @@ def conv_case(u: int, r: int, layout: str, seq: int, docs, kernel: int) -> list[
 
 def test_sharded_causal_conv_is_exact(world4):
     """Every split and layout, packed documents (some shorter than the filter), filters longer than a run."""
-    for u, r, layout, seq, docs in SPLITS + [(2, 2, "zigzag", 9, None), (1, 4, "contiguous", 11, [3, 1, 7])]:
+    for u, r, layout, seq, docs in SPLITS + [(2, 2, "zigzag", 9, None), (1, 4, "contiguous", 11, [3, 1, 7]),
+                                             (2, 2, "zigzag", 37, [[10, 27], [5, 5, 3, 24]])]:  # per row
         for kernel in (1, 4, 7):
             errors = world4.run(conv_case, u, r, layout, seq, docs, kernel)[0]
             assert max(errors) < 1e-12, f"{(u, r, layout, seq, docs, kernel)}: out, dx, dw, dbias errors {errors}"
@@ -234,9 +243,13 @@ def selective_case(u: int, r: int, layout: str, seq: int, docs) -> list[float]:
     D, bias = (torch.randn(d, generator=g, dtype=torch.float64) for _ in range(2))
     leaves = [t.clone().requires_grad_() for t in (x, dt, B, C, z, A, D, bias)]
     lx, ldt, lB, lC, lz, lA, lD, lbias = leaves
-    cuts = torch.tensor(docs or [seq]).cumsum(0).tolist()
-    want = torch.cat([loop_scan(*(t[..., a:b] for t in (lx, ldt)), lA, lB[..., a:b], lC[..., a:b], lD, lz[..., a:b],
-                                lbias, True) for a, b in zip([0] + cuts[:-1], cuts)], dim=-1)
+    rows = []
+    for i, lens in enumerate(_row_docs(docs, seq, 2)):
+        cuts = torch.tensor(lens).cumsum(0).tolist()
+        rows.append(torch.cat([loop_scan(*(t[i:i + 1, ..., a:b] for t in (lx, ldt)), lA, lB[i:i + 1, ..., a:b],
+                                         lC[i:i + 1, ..., a:b], lD, lz[i:i + 1, ..., a:b], lbias, True)
+                               for a, b in zip([0] + cuts[:-1], cuts)], dim=-1))
+    want = torch.cat(rows)
     want.backward(dout)
     shard = functools.partial(ds_usp.shard_sequence, topo=topo, dim=2, layout=layout, doc_lens=docs)
     local = [shard(t).requires_grad_() for t in (x, dt, B, C, z)]
@@ -256,7 +269,7 @@ def selective_case(u: int, r: int, layout: str, seq: int, docs) -> list[float]:
 
 def test_sharded_selective_scan_is_exact(world4):
     """Mamba-1's scan: every split and layout, packed documents (one of a single token)."""
-    for case in SPLITS:
+    for case in SPLITS + [(2, 2, "zigzag", 37, [[10, 27], [5, 5, 3, 24]]), (1, 4, "balanced", 37, [[37], [36, 1]])]:
         errors = world4.run(selective_case, *case)[0]
         assert max(errors) < 1e-12, f"{case}: out, dx, ddt, dB, dC, dz, dA, dD, dbias errors {errors}"
 
