@@ -524,10 +524,15 @@ MODEL_CASES = [(4, 1, "zigzag", False, False), (2, 2, "zigzag", False, False), (
 # the last: the memory stack on, under ZeRO-3 (the layers read their convolution filters outside its forward)
 
 
+# Jamba's Mamba-1 and LFM2's convolutions work over the SP group whatever U and R (test_sharded_* runs every split
+# and layout): one split, packed documents on another, and the memory stack under ZeRO-3
+NO_HEADS_CASES = [MODEL_CASES[1], (1, 4, "contiguous", True, False), MODEL_CASES[-1]]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES) + ["jamba", "lfm2"])
 def test_hybrid_models_train_exactly(world4, family):
     drift = _drift(family) if family in FAMILIES else {}  # Jamba, LFM2: no chunked kernel, nothing drifts
-    for case in MODEL_CASES:
+    for case in MODEL_CASES if family in FAMILIES else NO_HEADS_CASES:
         report = world4.run(model_case, family, *case)[0]
         what = f"{family} {case[0]}x{case[1]} {case[2]} packed={case[3]} memory={case[4]} zero={(case + (2,))[5]}"
         assert max(report["token"]) < 1e-4, f"{what}: loss differences per step {report['token']}"

@@ -169,10 +169,21 @@ def test_model_shapes_from_hf_configs(tmp_path):
                                                       linear_key_head_dim=32, linear_value_head_dim=32,
                                                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64))
     assert (hybrid.attention_layers, hybrid.linear_layers, hybrid.linear_v_heads) == (1, 3, 4)
-    path = tmp_path / "mamba.json"
+    jamba = model_shape(transformers.JambaConfig(num_hidden_layers=4, hidden_size=64, vocab_size=100,
+                                                 num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                                                 attn_layer_offset=1, num_experts=4, expert_layer_period=2,
+                                                 expert_layer_offset=1))
+    assert jamba.attention_layers == 2  # the two Mamba-1 layers are not priced as attention
+    path = tmp_path / "rg.json"
+    path.write_text(json.dumps(transformers.RecurrentGemmaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100,
+                                                                 lru_width=64, num_attention_heads=4,
+                                                                 head_dim=16).to_dict()))
+    done = _plan("--model", str(path), "--seq", "4096")
+    assert done.returncode == 1 and "RecurrentGemmaForCausalLM" in done.stderr and "does not shard" in done.stderr
+    path = tmp_path / "mamba.json"  # sharded, but no attention heads: the cost model cannot price it
     path.write_text(json.dumps(transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100).to_dict()))
     done = _plan("--model", str(path), "--seq", "4096")
-    assert done.returncode == 1 and "MambaForCausalLM" in done.stderr and "does not shard" in done.stderr
+    assert done.returncode == 1 and "MambaForCausalLM has no attention heads" in done.stderr
 
 
 def test_auto_degrees_are_priced_at_the_models_length(monkeypatch):
