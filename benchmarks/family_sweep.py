@@ -45,6 +45,7 @@ PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types", "layers_block_ty
 SPECIFIC = {"gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
                                  intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
                                  laurel_rank=8),
+            "lfm2": dict(layer_types=["conv", "full_attention"] * 2),  # the default 4 layers are all attention
             "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2),
             "mamba2": dict(num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=16, chunk_size=16),
             # Mamba-2 hybrids: 8 heads of 16 in 2 groups, 16-token scan chunks, attention layers among them
