@@ -28,8 +28,7 @@ rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is re
   ``C``, keys ``B`` (``n_groups`` key heads), values ``x``; the step ``dt`` and the skip ``D`` travel with the
   log-decay input, ``A`` with ``beta``. Falcon-H1's mixer is this shape with muP multipliers: its input times
   ``ssm_in_multiplier``, the projection times its ``mup_vector`` buffer, and either the gated norm or (``mamba_rms_norm``
-  off) ``y * silu(gate)``; they are token-local, applied around the sharded scan as the layer applies them.
-
+  off) ``y * silu(gate)``; they are token-local, applied around the sharded scan as the layer applies them;
 - Mamba-1: ``in_proj``, a causal depthwise ``conv1d``, ``x_proj``, ``dt_proj``, ``A_log`` of ``(d, N)``, ``D``,
   ``out_proj``, and its module's ``causal_conv1d_fn`` and ``mamba_selective_scan``. Its channels are independent
   recurrences with per-token ``B``, ``C``: no all-to-all; the family's own forward runs (its norms of dt, B, C
@@ -379,9 +378,9 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
 
 
 def wrap_linear_layers(model: nn.Module) -> int:
-    """Make every linear-attention layer and short convolution (:func:`is_wrapped_mixer`) of ``model`` run under the
-    USP topology
-    :func:`ds_usp.hf.attach` gave it (:func:`check_hybrid` first: the heads against the Ulysses degree).
+    """Make every sequence mixer ds-usp shards (:func:`is_wrapped_mixer`: linear attention, Mamba-1 mixers, short
+    convolutions) of ``model`` run under the USP topology :func:`ds_usp.hf.attach` gave it (:func:`check_hybrid`
+    first: the linear heads against the Ulysses degree).
 
     Args:
         model: the model (already attached).

@@ -34,7 +34,7 @@ def _halo_plan(padded: int, u: int, r: int, layout: str, bounds: tuple[int, ...]
         the sequence), mine (s_local,) this rank's global positions, count)``: ``count`` rows per rank are gathered.
     """
     n = u * r
-    pos = [shard_positions(padded, u, r, i, layout, bounds if layout == "balanced" else None) for i in range(n)]
+    pos = [shard_positions(padded, u, r, i, layout, bounds or None) for i in range(n)]
     s_local = pos[0].numel()
     owner, local = torch.empty(padded, dtype=torch.long), torch.empty(padded, dtype=torch.long)
     for i, p in enumerate(pos):
@@ -76,7 +76,7 @@ class _Exchange(torch.autograd.Function):
         return grad[ctx.rank], None, None
 
 
-def _document_ids(docs: Optional[tuple], batch: int, seq_len: int, padded: int, device: torch.device) -> Tensor:
+def _document_ids(docs: Optional[tuple], seq_len: int, padded: int, device: torch.device) -> Tensor:
     """``(b or 1, padded)`` the document of every global position (the end padding: one of its own)."""
     rows = docs if docs is not None else ((0,),)
     ids = torch.zeros(len(rows), padded, dtype=torch.long)
@@ -116,12 +116,13 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
     if kernel > 1:
         send, source, before, mine, count = (
             t.to(x.device) if isinstance(t, Tensor) else t for t in
-            _halo_plan(padded, u, r, layout, segment_bounds(docs, real_len, padded), kernel, topo.sp_rank))
+            _halo_plan(padded, u, r, layout, segment_bounds(docs, real_len, padded) if layout == "balanced" else (),
+                       kernel, topo.sp_rank))
         rows = torch.zeros(b, count, channels, dtype=h.dtype, device=h.device)
         rows[:, :send.numel()] = h.index_select(1, send)
         gathered = exchange(rows, topo) if u * r > 1 else rows[None]
         every = torch.cat([h, gathered.transpose(0, 1).reshape(b, -1, channels)], dim=1)  # [own | gathered]
-        doc = _document_ids(docs, b, real_len, padded, x.device)
+        doc = _document_ids(docs, real_len, padded, x.device)
         keep = (before >= 0) & (doc[:, before.clamp_min(0)] == doc[:, mine, None])  # (b or 1, s_local, K-1)
         for j in range(kernel - 1):  # offset j + 1 back: tap K - 2 - j
             y = y + every.index_select(1, source[:, j]) * keep[..., j, None].to(h.dtype) * weight[:, kernel - 2 - j]
