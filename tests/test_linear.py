@@ -274,6 +274,43 @@ def test_sharded_selective_scan_is_exact(world4):
         assert max(errors) < 1e-12, f"{case}: out, dx, ddt, dB, dC, dz, dA, dD, dbias errors {errors}"
 
 
+def recurrence_case(u: int, r: int, layout: str, seq: int, docs) -> list[float]:
+    """On every rank: sharded_linear_recurrence on shards (resets as zero decays at the documents' starts) vs the
+    recurrence run once over the whole sequence; output and gradients."""
+    import ds_usp
+    from ds_usp.linear.selective import sharded_linear_recurrence
+
+    def loop(x, a):
+        h, ys = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            ys.append(h)
+        return torch.stack(ys, dim=1)
+
+    topo = get_topo(u, r)
+    g = torch.Generator().manual_seed(seq + 3 * u)
+    x, dout = (torch.randn(2, seq, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    a = torch.rand(2, seq, 5, generator=g, dtype=torch.float64)
+    a[:, torch.tensor(docs or [seq]).cumsum(0)[:-1]] = 0  # a reset at each document start
+    leaves = [t.clone().requires_grad_() for t in (x, a)]
+    want = loop(*leaves)
+    want.backward(dout)
+    shard = functools.partial(ds_usp.shard_sequence, topo=topo, dim=1, layout=layout, doc_lens=docs)
+    local = [shard(t).requires_grad_() for t in (x, a)]
+    out = sharded_linear_recurrence(loop, *local, topo, layout=layout, seq_len=seq, doc_lens=docs)
+    out.backward(shard(dout))
+    gather = functools.partial(ds_usp.gather_sequence, topo=topo, dim=1, layout=layout, seq_len=seq, doc_lens=docs)
+    return [float((gather(out.detach()) - want.detach()).abs().max())] + \
+        [float((gather(m.grad) - w.grad).abs().max()) for m, w in zip(local, leaves)]
+
+
+def test_sharded_linear_recurrence_is_exact(world4):
+    """RecurrentGemma's RG-LRU recurrence: every split and layout, resets inside the sequence."""
+    for case in SPLITS:
+        errors = world4.run(recurrence_case, *case)[0]
+        assert max(errors) < 1e-12, f"{case}: out, dx, da errors {errors}"
+
+
 # ------------ HF layers and models (qwen3_5, qwen3_next, olmo_hybrid; KDA: kimi_linear; Mamba-2: nemotron_h)
 
 FAMILIES = {"qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
@@ -333,6 +370,12 @@ def _config(family: str):
                                     "eos_token_id")},
             attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
             num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=K, use_mamba_kernels=False)
+    if family == "recurrent_gemma":  # Griffin: RG-LRU blocks (convolution, gated diagonal recurrence), local MQA
+        return transformers.RecurrentGemmaConfig(
+            **{k: base[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "pad_token_id", "bos_token_id", "eos_token_id")},
+            num_key_value_heads=1, head_dim=16, lru_width=64, conv1d_width=K, attention_window_size=16,
+            block_types=["recurrent", "attention"])
     if family == "olmo_hybrid":  # separate q/k/v/g/b/a projections, o_norm / o_proj, beta in [0, 2]
         return transformers.OlmoHybridConfig(**{k: v for k, v in base.items() if k != "head_dim"},
                                              linear_allow_neg_eigval=True)
@@ -527,12 +570,16 @@ MODEL_CASES = [(4, 1, "zigzag", False, False), (2, 2, "zigzag", False, False), (
 # Jamba's Mamba-1 and LFM2's convolutions work over the SP group whatever U and R (test_sharded_* runs every split
 # and layout): one split, packed documents on another, and the memory stack under ZeRO-3
 NO_HEADS_CASES = [MODEL_CASES[1], (1, 4, "contiguous", True, False), MODEL_CASES[-1]]
+# RecurrentGemma's own convolution runs across packed documents (its RG-LRU resets at each): its packed rows are not
+# the per-document reference, so its second case is 1x4 unpacked
+RG_CASES = [MODEL_CASES[1], MODEL_CASES[2], MODEL_CASES[-1]]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + ["jamba", "lfm2"])
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["jamba", "lfm2", "recurrent_gemma"])
 def test_hybrid_models_train_exactly(world4, family):
-    drift = _drift(family) if family in FAMILIES else {}  # Jamba, LFM2: no chunked kernel, nothing drifts
-    for case in MODEL_CASES if family in FAMILIES else NO_HEADS_CASES:
+    drift = _drift(family) if family in FAMILIES else {}  # Jamba, LFM2, RecurrentGemma: nothing chunked to drift
+    cases = MODEL_CASES if family in FAMILIES else RG_CASES if family == "recurrent_gemma" else NO_HEADS_CASES
+    for case in cases:
         report = world4.run(model_case, family, *case)[0]
         what = f"{family} {case[0]}x{case[1]} {case[2]} packed={case[3]} memory={case[4]} zero={(case + (2,))[5]}"
         assert max(report["token"]) < 1e-4, f"{what}: loss differences per step {report['token']}"
@@ -546,7 +593,7 @@ def test_hybrid_models_train_exactly(world4, family):
 @pytest.mark.parametrize("family,config", [
     ("MiniMaxConfig", dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4,
                            num_experts_per_tok=2)),
-    ("RecurrentGemmaConfig", dict(block_types=["recurrent", "attention"], lru_width=64, head_dim=16)),
+    ("xLSTMConfig", dict(embedding_dim=64, num_heads=4, num_blocks=2)),
 ])
 def test_other_recurrent_families_are_refused_by_name(family, config):
     import transformers

@@ -174,12 +174,15 @@ def test_model_shapes_from_hf_configs(tmp_path):
                                                  attn_layer_offset=1, num_experts=4, expert_layer_period=2,
                                                  expert_layer_offset=1))
     assert jamba.attention_layers == 2  # the two Mamba-1 layers are not priced as attention
-    path = tmp_path / "rg.json"
-    path.write_text(json.dumps(transformers.RecurrentGemmaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100,
-                                                                 lru_width=64, num_attention_heads=4,
-                                                                 head_dim=16).to_dict()))
+    griffin = model_shape(transformers.RecurrentGemmaConfig(hidden_size=64, num_hidden_layers=3, vocab_size=100,
+                                                            lru_width=64, num_attention_heads=4, head_dim=16,
+                                                            block_types=["recurrent", "recurrent", "attention"]))
+    assert griffin.attention_layers == 1
+    path = tmp_path / "xlstm.json"
+    path.write_text(json.dumps(transformers.xLSTMConfig(embedding_dim=64, num_heads=4, num_blocks=2,
+                                                        vocab_size=100).to_dict()))
     done = _plan("--model", str(path), "--seq", "4096")
-    assert done.returncode == 1 and "RecurrentGemmaForCausalLM" in done.stderr and "does not shard" in done.stderr
+    assert done.returncode == 1 and "xLSTMForCausalLM" in done.stderr and "does not shard" in done.stderr
     path = tmp_path / "mamba.json"  # sharded, but no attention heads: the cost model cannot price it
     path.write_text(json.dumps(transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100).to_dict()))
     done = _plan("--model", str(path), "--seq", "4096")

@@ -8,6 +8,7 @@ itself; ``"full"`` recomputes everything (ALST's way, the least memory). Offload
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -76,6 +77,11 @@ def to_host(x: Tensor) -> Tensor:
 
 
 def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callable:
+    try:  # where a layer takes use_cache / past_key_values positionally (RecurrentGemma), they are replaced there
+        names = [n for n in inspect.signature(original).parameters][1:]  # after hidden_states
+    except (TypeError, ValueError):
+        names = []
+
     @functools.wraps(original)
     def forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         plan = ctx.plan
@@ -88,7 +94,12 @@ def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callab
 
         device = hidden_states.device
         # a KV cache would be filled twice (forward and recomputation); training does not read it anyway
-        kwargs.update(use_cache=False, past_key_values=None)
+        args = list(args)
+        for key, value in (("use_cache", False), ("past_key_values", None)):
+            if key in names and names.index(key) < len(args):
+                args[names.index(key)] = value
+            else:
+                kwargs[key] = value
         stored = to_host(hidden_states) if plan.offload else hidden_states
         return checkpoint(run, stored, *args, use_reentrant=False,
                           context_fn=_selective_contexts if plan.checkpoint == "selective" else noop_context_fn, **kwargs)

@@ -1,7 +1,8 @@
 """Hybrid linear-attention models: their linear-attention layers wrapped from outside — Gated DeltaNet (Qwen3-Next,
 Qwen3.5, OLMo Hybrid), Kimi Delta Attention (KDA: Kimi Linear) and Mamba-2 mixers (Mamba-2, Nemotron-H, Bamba,
 Granite-4 hybrid, Zamba2, Falcon-H1) — and the other sequence mixers ds-usp shards without the delta-rule path:
-Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) and LFM2's gated short convolutions (LFM2, LFM2-MoE, LFM3).
+Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba), LFM2's gated short convolutions (LFM2, LFM2-MoE, LFM3) and
+RecurrentGemma's RG-LRU blocks.
 
 ``ds_usp.initialize`` calls :func:`wrap_linear_layers`, as it applies the memory stack: every such layer of the
 model keeps its parameters and its own kernels, and its forward becomes
@@ -35,7 +36,10 @@ rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is re
   included) with those two functions working on the sharded sequence (:func:`ds_usp.linear.sharded_causal_conv`,
   :func:`ds_usp.linear.sharded_selective_scan`: diagonal state passing over the SP group);
 - gated short convolution: a ``...ShortConv`` with ``in_proj`` giving ``[B | C | x]``, a causal depthwise ``conv``
-  and ``out_proj``: ``out_proj(C * conv(B * x))`` with the convolution's halo from the ranks before.
+  and ``out_proj``: ``out_proj(C * conv(B * x))`` with the convolution's halo from the ranks before;
+- Griffin recurrent block (RecurrentGemma): ``linear_x`` / ``linear_y`` / ``linear_out``, ``conv_1d`` and an
+  ``rg_lru`` whose own forward computes the gates; its ``_rnn_scan`` runs each segment from zero and the state is
+  passed over the SP group (:func:`ds_usp.linear.sharded_linear_recurrence`).
 
 Other linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
 """
@@ -52,7 +56,8 @@ from torch import Tensor, nn
 
 from ds_usp.integration.data import docs_from_cu_seq_lens
 from ds_usp.integration.hf import USPContext, context_of
-from ds_usp.linear import check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_selective_scan
+from ds_usp.linear import (check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_linear_recurrence,
+                           sharded_selective_scan)
 
 _COMMON = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 _INPUTS = (("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next: per key head [q | k | v... | z...], [b... | a...]
@@ -122,11 +127,18 @@ def is_selective_ssm(module: nn.Module) -> bool:
         _depthwise(module.conv1d) and all(callable(_family(module, f)) for f in _SELECTIVE_FUNCTIONS)
 
 
+def is_rglru_block(module: nn.Module) -> bool:
+    """Whether ``module`` is a Griffin recurrent block ds-usp wraps (RecurrentGemma): ``linear_x`` / ``linear_y`` /
+    ``linear_out``, a causal depthwise ``conv_1d`` and an ``rg_lru`` whose ``_rnn_scan`` runs the recurrence."""
+    return _has(module, ("linear_x", "linear_y", "linear_out", "act_fn", "conv_1d", "rg_lru")) and \
+        _depthwise(module.conv_1d) and callable(getattr(module.rg_lru, "_rnn_scan", None))
+
+
 def is_wrapped_mixer(module: nn.Module) -> bool:
     """Whether ``module`` mixes tokens outside attention in a way ds-usp shards: a linear-attention layer
-    (:func:`is_linear_attention`), a short convolution (:func:`is_short_conv`) or a Mamba-1 mixer
-    (:func:`is_selective_ssm`)."""
-    return is_linear_attention(module) or is_short_conv(module) or is_selective_ssm(module)
+    (:func:`is_linear_attention`), a short convolution (:func:`is_short_conv`), a Mamba-1 mixer
+    (:func:`is_selective_ssm`) or a Griffin recurrent block (:func:`is_rglru_block`)."""
+    return is_linear_attention(module) or is_short_conv(module) or is_selective_ssm(module) or is_rglru_block(module)
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, int, int]:
@@ -269,6 +281,43 @@ def _short_conv_forward(module: nn.Module, ctx: USPContext) -> Callable:
     return forward
 
 
+def _rglru_block_forward(module: nn.Module, ctx: USPContext) -> Callable:
+    """The forward of a Griffin recurrent block (RecurrentGemma) under the USP topology: its convolution with the
+    halo from the ranks before (across packed documents, as the family's own runs), then its RG-LRU, whose gates are
+    per token, with the recurrence's state passed over the SP group (:func:`ds_usp.linear.sharded_linear_recurrence`;
+    the resets at position 0 are zero decays)."""
+    conv, lru = module.conv_1d, module.rg_lru
+    scan = lru._rnn_scan  # the family's, bound: run on each segment from zero
+    running: list = []  # (seq_len, docs) of the call in progress
+
+    def sharded_scan(hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor, recurrent_states: Any = None,
+                     **kwargs: Any) -> tuple[Tensor, None]:
+        seq_len, docs = running[-1]
+        none = torch.zeros_like(reset)
+        out = sharded_linear_recurrence(lambda u, a: scan(u, a, none[:, :u.shape[1]], None, **kwargs)[0],
+                                        hidden_states, recurrent_gate * ~reset, ctx.topo, layout=ctx.layout,
+                                        seq_len=seq_len, doc_lens=docs)
+        return out, None
+
+    lru._rnn_scan = sharded_scan
+
+    @functools.wraps(module.forward)
+    def forward(input_states: Tensor, position_ids: Tensor, attention_mask: Any = None, use_cache: Any = None,
+                **kwargs: Any) -> tuple[Tensor, None]:
+        running.append(_documents(input_states, ctx, kwargs))
+        try:
+            y = module.act_fn(module.linear_y(input_states))
+            x = sharded_causal_conv(module.linear_x(input_states), conv.weight.squeeze(1), conv.bias, ctx.topo,
+                                    layout=ctx.layout, seq_len=running[-1][0], doc_lens=running[-1][1],
+                                    documents_reset=False)
+            lru.recurrent_states = None  # training: no cached state (decoding is not supported under USP)
+            return module.linear_out(lru(x, position_ids) * y), None
+        finally:
+            running.pop()
+
+    return forward
+
+
 # while a wrapped Mamba-1 mixer runs its own forward: (its context, the real global length, the documents)
 _RUNNING: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("ds_usp_selective_mixer", default=None)
 
@@ -393,7 +442,8 @@ def wrap_linear_layers(model: nn.Module) -> int:
     for module in model.modules():
         if is_wrapped_mixer(module) and not getattr(module, "_usp_wrapped", False):
             wrap = _short_conv_forward if is_short_conv(module) else _selective_forward if is_selective_ssm(module) \
-                else _mamba2_forward if is_mamba2(module) else _forward
+                else _rglru_block_forward if is_rglru_block(module) else _mamba2_forward if is_mamba2(module) \
+                else _forward
             module.forward = wrap(module, ctx)
             module._usp_wrapped = True
             wrapped += 1

@@ -120,7 +120,8 @@ def check_model(model: nn.Module, handled: Callable[[nn.Module], bool] = lambda 
         raise ValueError(f"{name} mixes tokens along the sequence outside attention in {', '.join(mixers[:3])}"
                          f"{' ...' if len(mixers) > 3 else ''}, which ds-usp does not shard: each rank would run it "
                          f"on its own shard, restarted at zero. docs/models.md lists the hybrid families ds-usp "
-                         f"shards (Gated DeltaNet, Kimi Delta Attention, Mamba-1 and Mamba-2, LFM2's short convolutions); "
+                         f"shards (Gated DeltaNet, Kimi Delta Attention, Mamba-1 and Mamba-2, LFM2's short convolutions, "
+                         f"RecurrentGemma's RG-LRU); "
                          f"train this one without sequence parallelism")
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     forward = getattr(getattr(inner, "_orig_mod", inner), "forward", None)  # torch.compile's wrapper
@@ -343,8 +344,8 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from ds_usp.integration.hf import refuse_non_interface_family
-    from ds_usp.integration.linear import (is_linear_attention, is_selective_ssm, is_short_conv, is_wrapped_mixer,
-                                           linear_dims)
+    from ds_usp.integration.linear import (is_linear_attention, is_rglru_block, is_selective_ssm, is_short_conv,
+                                           is_wrapped_mixer, linear_dims)
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if model is None:
@@ -382,7 +383,8 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     nk, nv, dk, dv = linear_dims(linear[0]) if linear else (0, 0, 0, 0)
     return ModelShape(
         name=type(model).__name__, hidden=text.hidden_size, heads=heads,
-        attention_layers=layers - len(linear) - sum(is_short_conv(m) or is_selective_ssm(m) for m in model.modules()),
+        attention_layers=layers - len(linear) - sum(is_short_conv(m) or is_selective_ssm(m) or is_rglru_block(m)
+                                                    for m in model.modules()),
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, v_head_dim=v_dim,
         vocab=text.vocab_size, mlp_width=(moe_width + shared) if moe_width else text.intermediate_size,
         params=total, active_params=int(active), linear_layers=len(linear),

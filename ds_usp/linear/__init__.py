@@ -9,7 +9,8 @@ of K/V blocks across the ring. Data flows down the layers of docs/architecture.m
 all-to-all, :mod:`ds_usp.comm` and :mod:`ds_usp.sharding`, never the integration layer.
 """
 from ds_usp.linear.conv import sharded_causal_conv
-from ds_usp.linear.selective import sharded_selective_scan
+from ds_usp.linear.selective import sharded_linear_recurrence, sharded_selective_scan
 from ds_usp.linear.sp import check_linear_heads, gated_delta_attention
 
-__all__ = ["check_linear_heads", "gated_delta_attention", "sharded_causal_conv", "sharded_selective_scan"]
+__all__ = ["check_linear_heads", "gated_delta_attention", "sharded_causal_conv", "sharded_linear_recurrence",
+           "sharded_selective_scan"]

@@ -89,7 +89,8 @@ def _document_ids(docs: Optional[tuple], seq_len: int, padded: int, device: torc
 def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo: USPTopology, *,
                         layout: str = "zigzag", seq_len: Optional[int] = None,
                         doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None,
-                        activation: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
+                        activation: Optional[Callable[[Tensor], Tensor]] = None,
+                        documents_reset: bool = True) -> Tensor:
     """``y[p] = sum_k weight[:, k] x[p - K + 1 + k] + bias`` over the whole sequence, for this rank's positions.
 
     Exact: what the layer's own causal convolution computes on the whole sequence, each document from zeros.
@@ -103,6 +104,8 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
         seq_len: the real global length (None: no padding).
         doc_lens: packed documents over the global sequence (as for :func:`ds_usp.usp_attention`).
         activation: applied to the result (None: none).
+        documents_reset: positions before a document start read zeros (False: only before the sequence, as a
+            family whose own convolution runs across packed documents, RecurrentGemma's).
 
     Returns:
         ``(b, s_local, C)`` in ``x``'s dtype, computed in the weight's (as transformers' ``causal_conv1d_fn``).
@@ -122,7 +125,7 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
         rows[:, :send.numel()] = h.index_select(1, send)
         gathered = exchange(rows, topo) if u * r > 1 else rows[None]
         every = torch.cat([h, gathered.transpose(0, 1).reshape(b, -1, channels)], dim=1)  # [own | gathered]
-        doc = _document_ids(docs, real_len, padded, x.device)
+        doc = _document_ids(docs if documents_reset else None, real_len, padded, x.device)
         keep = (before >= 0) & (doc[:, before.clamp_min(0)] == doc[:, mine, None])  # (b or 1, s_local, K-1)
         for j in range(kernel - 1):  # offset j + 1 back: tap K - 2 - j
             y = y + every.index_select(1, source[:, j]) * keep[..., j, None].to(h.dtype) * weight[:, kernel - 2 - j]

@@ -41,6 +41,21 @@ def _plan(padded: int, u: int, r: int, layout: str, starts: tuple[int, ...], rea
                           real_len) for i in range(u * r))
 
 
+def _initial_states(plan: tuple[tuple[Segment, ...], ...], every: Tensor) -> dict[tuple[int, int], Optional[Tensor]]:
+    """Each segment's initial state (None: zero, at a document start), keyed ``(rank, index)``, from every segment's
+    ``(P, F)`` (``every[rank, index]``): in global order, ``h0 = P_prev * h0_prev + F_prev`` (diagonal transitions)."""
+    h0: dict[tuple[int, int], Optional[Tensor]] = {}
+    prev: Optional[tuple[int, int]] = None
+    for _, rank, i in sorted((seg.start, rank, i) for rank, p in enumerate(plan) for i, seg in enumerate(p)):
+        if plan[rank][i].first or prev is None:
+            h0[(rank, i)] = None
+        else:
+            before, (p_prev, f_prev) = h0[prev], every[prev[0], prev[1]]
+            h0[(rank, i)] = f_prev if before is None else p_prev * before + f_prev
+        prev = (rank, i)
+    return h0
+
+
 def _state_sums(dt: Tensor, x: Tensor, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(S (b, d, t) running sums of dt, P (b, d, N), F (b, d, N))`` of one segment from zero (fp32 or fp64)."""
     s = torch.cumsum(dt, dim=-1)
@@ -113,17 +128,7 @@ def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A
         count = max(len(p) for p in plan)
         mine_states = torch.stack(parts + [torch.zeros_like(parts[0])] * (count - len(parts)))
         every = exchange(mine_states, topo) if u * r > 1 else mine_states[None]  # (n, count, 2, b, d, N)
-        h0: dict[tuple[int, int], Optional[Tensor]] = {}
-        prev: Optional[tuple[int, int]] = None
-        for _, rank, i in sorted((seg.start, rank, i) for rank, p in enumerate(plan) for i, seg in enumerate(p)):
-            first = plan[rank][i].first or prev is None
-            if first:
-                h0[(rank, i)] = None
-            else:
-                before = h0[prev]
-                p_prev, f_prev = every[prev[0], prev[1], 0], every[prev[0], prev[1], 1]
-                h0[(rank, i)] = f_prev if before is None else p_prev * before + f_prev
-            prev = (rank, i)
+        h0 = _initial_states(plan, every)
         # every rank must reach the exchange's backward (a collective), even one whose segments all start a
         # document and read no state: a zero-weighted use of the gathered states keeps it in the graph
         ys[0] = ys[0] + (every.sum() * 0).to(ys[0].dtype)
@@ -139,3 +144,49 @@ def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A
             row_out.append(y)
         outs.append(torch.cat(row_out, dim=-1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def sharded_linear_recurrence(scan: Callable[[Tensor, Tensor], Tensor], u: Tensor, a: Tensor, topo: USPTopology, *,
+                              layout: str = "zigzag", seq_len: Optional[int] = None,
+                              doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None) -> Tensor:
+    """``h_t = a_t * h_{t-1} + u_t`` (elementwise, one state per channel) over this rank's shard, exact over the
+    whole sequence: RecurrentGemma's RG-LRU (its resets folded into ``a`` as zeros).
+
+    Each segment (a run of the rank's positions; the documents only place the balanced layout's shards: the
+    recurrence resets where ``a`` is zero) runs ``scan(u, a)`` from zero; its ``(prod a, last h)`` are exchanged
+    over the SP group, and the initial state's part ``cumprod(a)_t * h0`` is added, in fp32.
+
+    Args:
+        scan: the family's scan from a zero state, ``(b, t, d), (b, t, d) -> (b, t, d)``.
+        u: ``(b, s_local, d)`` the inputs.
+        a: ``(b, s_local, d)`` the decays (zero where the state resets).
+        topo: the topology.
+        layout: how the sequence was sharded.
+        seq_len: the real global length (None: no padding).
+        doc_lens: packed documents (used to place the balanced layout's shards only).
+
+    Returns:
+        ``(b, s_local, d)`` as ``scan`` returns them.
+    """
+    u_, r_ = topo.ulysses_degree, topo.ring_degree
+    real_len, padded = resolve_seq_len(seq_len, u.shape[1], u_, r_, layout)
+    bounds = segment_bounds(normalize_docs(doc_lens, u.shape[0], real_len), real_len, padded)
+    plan = _plan(padded, u_, r_, layout, (0,), padded, bounds)  # no cuts: the resets are in ``a``
+    mine = plan[topo.sp_rank]
+    acc = torch.promote_types(u.dtype, torch.float32)
+    ys, decays, parts = [], [], []
+    for seg in mine:
+        at = slice(seg.row, seg.row + seg.length)
+        y = scan(u[:, at], a[:, at])
+        decay = torch.cumprod(a[:, at].to(acc), dim=1)
+        ys.append(y)
+        decays.append(decay)
+        parts.append(torch.stack([decay[:, -1], y[:, -1].to(acc)]))
+    count = max(len(p) for p in plan)
+    states = torch.stack(parts + [torch.zeros_like(parts[0])] * (count - len(parts)))
+    every = exchange(states, topo) if u_ * r_ > 1 else states[None]  # (n, count, 2, b, d)
+    h0 = _initial_states(plan, every)
+    ys[0] = ys[0] + (every.sum() * 0).to(ys[0].dtype)  # every rank reaches the exchange's backward
+    out = [y if h0[(topo.sp_rank, i)] is None else
+           (y.to(acc) + decays[i] * h0[(topo.sp_rank, i)][:, None]).to(y.dtype) for i, y in enumerate(ys)]
+    return torch.cat(out, dim=1)
