@@ -281,6 +281,11 @@ def _short_conv_forward(module: nn.Module, ctx: USPContext) -> Callable:
     return forward
 
 
+# while a wrapped mixer runs its family's own code (a Mamba-1 mixer's forward, RecurrentGemma's RG-LRU), what the
+# sharded functions it calls need: (its context, the real global length, the documents)
+_RUNNING: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("ds_usp_running_mixer", default=None)
+
+
 def _rglru_block_forward(module: nn.Module, ctx: USPContext) -> Callable:
     """The forward of a Griffin recurrent block (RecurrentGemma) under the USP topology: its convolution with the
     halo from the ranks before (across packed documents, as the family's own runs), then its RG-LRU, whose gates are
@@ -288,11 +293,10 @@ def _rglru_block_forward(module: nn.Module, ctx: USPContext) -> Callable:
     the resets at position 0 are zero decays)."""
     conv, lru = module.conv_1d, module.rg_lru
     scan = lru._rnn_scan  # the family's, bound: run on each segment from zero
-    running: list = []  # (seq_len, docs) of the call in progress
 
     def sharded_scan(hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor, recurrent_states: Any = None,
                      **kwargs: Any) -> tuple[Tensor, None]:
-        seq_len, docs = running[-1]
+        _, seq_len, docs = _RUNNING.get()
         none = torch.zeros_like(reset)
         out = sharded_linear_recurrence(lambda u, a: scan(u, a, none[:, :u.shape[1]], None, **kwargs)[0],
                                         hidden_states, recurrent_gate * ~reset, ctx.topo, layout=ctx.layout,
@@ -304,22 +308,18 @@ def _rglru_block_forward(module: nn.Module, ctx: USPContext) -> Callable:
     @functools.wraps(module.forward)
     def forward(input_states: Tensor, position_ids: Tensor, attention_mask: Any = None, use_cache: Any = None,
                 **kwargs: Any) -> tuple[Tensor, None]:
-        running.append(_documents(input_states, ctx, kwargs))
+        seq_len, docs = _documents(input_states, ctx, kwargs)
+        token = _RUNNING.set((ctx, seq_len, docs))  # read by the RG-LRU's scan
         try:
             y = module.act_fn(module.linear_y(input_states))
             x = sharded_causal_conv(module.linear_x(input_states), conv.weight.squeeze(1), conv.bias, ctx.topo,
-                                    layout=ctx.layout, seq_len=running[-1][0], doc_lens=running[-1][1],
-                                    documents_reset=False)
+                                    layout=ctx.layout, seq_len=seq_len, doc_lens=docs, documents_reset=False)
             lru.recurrent_states = None  # training: no cached state (decoding is not supported under USP)
             return module.linear_out(lru(x, position_ids) * y), None
         finally:
-            running.pop()
+            _RUNNING.reset(token)
 
     return forward
-
-
-# while a wrapped Mamba-1 mixer runs its own forward: (its context, the real global length, the documents)
-_RUNNING: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("ds_usp_selective_mixer", default=None)
 
 
 def _selective_forward(module: nn.Module, ctx: USPContext) -> Callable:

@@ -19,14 +19,15 @@ import torch
 from torch import Tensor
 
 from ds_usp.comm import all_gather_rows, all_reduce_sum_
-from ds_usp.sharding import normalize_docs, resolve_seq_len, segment_bounds, shard_positions
+from ds_usp.sharding import layout_bounds, normalize_docs, resolve_seq_len, shard_positions
 from ds_usp.topology import USPTopology
 
 
 @functools.lru_cache(maxsize=64)
-def _halo_plan(padded: int, u: int, r: int, layout: str, bounds: tuple[int, ...], kernel: int,
+def _halo_plan(padded: int, u: int, r: int, layout: str, bounds: Optional[tuple[int, ...]], kernel: int,
                sp_rank: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
-    """What one rank sends and where each of its taps reads, from the layout alone (the same on every rank).
+    """What one rank sends and where each of its taps reads, from the layout alone (the same on every rank;
+    ``bounds``: the balanced layout's, else None).
 
     Returns:
         ``(send (m,) local rows this rank sends, source (s_local, K-1) rows of [own | gathered] each tap ``j``
@@ -34,7 +35,7 @@ def _halo_plan(padded: int, u: int, r: int, layout: str, bounds: tuple[int, ...]
         the sequence), mine (s_local,) this rank's global positions, count)``: ``count`` rows per rank are gathered.
     """
     n = u * r
-    pos = [shard_positions(padded, u, r, i, layout, bounds or None) for i in range(n)]
+    pos = [shard_positions(padded, u, r, i, layout, bounds) for i in range(n)]
     s_local = pos[0].numel()
     owner, local = torch.empty(padded, dtype=torch.long), torch.empty(padded, dtype=torch.long)
     for i, p in enumerate(pos):
@@ -56,8 +57,8 @@ def _halo_plan(padded: int, u: int, r: int, layout: str, bounds: tuple[int, ...]
 
 def exchange(rows: Tensor, topo: USPTopology) -> Tensor:
     """``(n, *rows.shape)``: every SP rank's ``rows`` (all-gathered), whose gradient is summed over the group back to
-    the rank that sent them (each rank may read every other rank's rows)."""
-    return _Exchange.apply(rows, topo.sp_group, topo.sp_rank)
+    the rank that sent them (each rank may read every other rank's rows); ``rows[None]`` on one rank."""
+    return _Exchange.apply(rows, topo.sp_group, topo.sp_rank) if topo.sp_size > 1 else rows[None]
 
 
 class _Exchange(torch.autograd.Function):
@@ -119,11 +120,11 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
     if kernel > 1:
         send, source, before, mine, count = (
             t.to(x.device) if isinstance(t, Tensor) else t for t in
-            _halo_plan(padded, u, r, layout, segment_bounds(docs, real_len, padded) if layout == "balanced" else (),
+            _halo_plan(padded, u, r, layout, layout_bounds(doc_lens, real_len, padded) if layout == "balanced" else None,
                        kernel, topo.sp_rank))
         rows = torch.zeros(b, count, channels, dtype=h.dtype, device=h.device)
         rows[:, :send.numel()] = h.index_select(1, send)
-        gathered = exchange(rows, topo) if u * r > 1 else rows[None]
+        gathered = exchange(rows, topo)
         every = torch.cat([h, gathered.transpose(0, 1).reshape(b, -1, channels)], dim=1)  # [own | gathered]
         doc = _document_ids(docs if documents_reset else None, real_len, padded, x.device)
         keep = (before >= 0) & (doc[:, before.clamp_min(0)] == doc[:, mine, None])  # (b or 1, s_local, K-1)

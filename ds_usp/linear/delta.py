@@ -164,6 +164,14 @@ def initial_states(order: list[tuple[bool, Optional[Tensor], Tensor]]) -> list[O
     return states
 
 
+def row_groups(docs: Optional[tuple[tuple[int, ...], ...]]) -> list[tuple[slice, tuple[int, ...]]]:
+    """The batch rows that share one document layout, as ``(rows, document starts)``: all rows at once when every
+    row has the same documents (or none), else one row at a time."""
+    if docs is None or len(set(docs)) == 1:
+        return [(slice(None), docs[0] if docs else (0,))]
+    return [(slice(i, i + 1), row) for i, row in enumerate(docs)]
+
+
 def causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], halo: Tensor,
                 activation: Callable[[Tensor], Tensor]) -> Tensor:
     """The short causal depthwise convolution of a segment, continuing from the ``K - 1`` inputs before it.

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ds_usp.linear.conv import exchange
-from ds_usp.linear.delta import Segment, segments
-from ds_usp.sharding import normalize_docs, resolve_seq_len, segment_bounds, shard_runs
+from ds_usp.linear.delta import Segment, row_groups, segments
+from ds_usp.sharding import layout_bounds, normalize_docs, resolve_seq_len, shard_runs
 from ds_usp.topology import USPTopology
 
 CHUNK = 256  # tokens per step of the state sums: (b, CHUNK, d, N) floats at a time
@@ -35,10 +35,27 @@ CHUNK = 256  # tokens per step of the state sums: (b, CHUNK, d, N) floats at a t
 
 @functools.lru_cache(maxsize=64)
 def _plan(padded: int, u: int, r: int, layout: str, starts: tuple[int, ...], real_len: int,
-          bounds: tuple[int, ...]) -> tuple[tuple[Segment, ...], ...]:
-    """Every SP rank's segments (its runs cut at document starts and at the real end), in shard order."""
-    return tuple(segments(shard_runs(padded, u, r, i, layout, bounds if layout == "balanced" else None), starts,
-                          real_len) for i in range(u * r))
+          bounds: Optional[tuple[int, ...]]) -> tuple[tuple[Segment, ...], ...]:
+    """Every SP rank's segments (its runs cut at document starts and at the real end), in shard order (``bounds``:
+    the balanced layout's, else None)."""
+    return tuple(segments(shard_runs(padded, u, r, i, layout, bounds), starts, real_len) for i in range(u * r))
+
+
+def _pass_states(parts: list[Tensor], plan: tuple[tuple[Segment, ...], ...],
+                 topo: USPTopology) -> tuple[list[Optional[Tensor]], Tensor]:
+    """Exchange this rank's segments' ``(P, F)`` (``parts``, each ``stack([P, F])``) over the SP group and combine
+    the initial state of each of its segments.
+
+    Returns:
+        ``(its segments' initial states (None: zero), a zero to add to the outputs)``: every rank must reach the
+        exchange's backward (a collective), even one whose segments all start from zero and read nothing, so the
+        gathered states take part in every rank's outputs with weight 0.
+    """
+    count = max(len(p) for p in plan)
+    mine = torch.stack(parts + [torch.zeros_like(parts[0])] * (count - len(parts)))
+    every = exchange(mine, topo)  # (n, count, 2, ...)
+    h0 = _initial_states(plan, every)
+    return [h0[(topo.sp_rank, i)] for i in range(len(parts))], every.sum() * 0
 
 
 def _initial_states(plan: tuple[tuple[Segment, ...], ...], every: Tensor) -> dict[tuple[int, int], Optional[Tensor]]:
@@ -107,13 +124,11 @@ def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A
     b = x.shape[0]
     real_len, padded = resolve_seq_len(seq_len, x.shape[-1], u, r, layout)
     docs = normalize_docs(doc_lens, b, real_len)
-    bounds = segment_bounds(docs, real_len, padded)
-    groups = [(slice(None), docs[0] if docs else (0,))] if docs is None or len(set(docs)) == 1 else \
-        [(slice(i, i + 1), row) for i, row in enumerate(docs)]
+    bounds = layout_bounds(doc_lens, real_len, padded) if layout == "balanced" else None
     step = dt if delta_bias is None else dt + delta_bias.to(dt.dtype)[..., None]
     step = (F.softplus(step) if delta_softplus else step).to(torch.promote_types(dt.dtype, torch.float32))
     outs = []
-    for rows, starts in groups:
+    for rows, starts in row_groups(docs):
         plan = _plan(padded, u, r, layout, starts, real_len, bounds)
         mine = plan[topo.sp_rank]
         ys, sums, parts = [], [], []
@@ -125,19 +140,13 @@ def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A
             s, p, f = _state_sums(step[rows, ..., at], cut[0].to(step.dtype), A.to(step.dtype), cut[2].to(step.dtype))
             sums.append(s)
             parts.append(torch.stack([p, f]))
-        count = max(len(p) for p in plan)
-        mine_states = torch.stack(parts + [torch.zeros_like(parts[0])] * (count - len(parts)))
-        every = exchange(mine_states, topo) if u * r > 1 else mine_states[None]  # (n, count, 2, b, d, N)
-        h0 = _initial_states(plan, every)
-        # every rank must reach the exchange's backward (a collective), even one whose segments all start a
-        # document and read no state: a zero-weighted use of the gathered states keeps it in the graph
-        ys[0] = ys[0] + (every.sum() * 0).to(ys[0].dtype)
+        h0, zero = _pass_states(parts, plan, topo)
+        ys[0] = ys[0] + zero.to(ys[0].dtype)
         row_out = []
-        for i, (seg, y) in enumerate(zip(mine, ys)):
-            state = h0[(topo.sp_rank, i)]
+        for seg, y, s, state in zip(mine, ys, sums, h0):
             if state is not None:
                 at = slice(seg.row, seg.row + seg.length)
-                extra = _from_state(sums[i], A.to(step.dtype), C[rows, ..., at].to(step.dtype), state)
+                extra = _from_state(s, A.to(step.dtype), C[rows, ..., at].to(step.dtype), state)
                 if z is not None:
                     extra = extra * F.silu(z[rows, ..., at].to(step.dtype))
                 y = (y.to(step.dtype) + extra).to(y.dtype)
@@ -170,7 +179,7 @@ def sharded_linear_recurrence(scan: Callable[[Tensor, Tensor], Tensor], u: Tenso
     """
     u_, r_ = topo.ulysses_degree, topo.ring_degree
     real_len, padded = resolve_seq_len(seq_len, u.shape[1], u_, r_, layout)
-    bounds = segment_bounds(normalize_docs(doc_lens, u.shape[0], real_len), real_len, padded)
+    bounds = layout_bounds(doc_lens, real_len, padded) if layout == "balanced" else None
     plan = _plan(padded, u_, r_, layout, (0,), padded, bounds)  # no cuts: the resets are in ``a``
     mine = plan[topo.sp_rank]
     acc = torch.promote_types(u.dtype, torch.float32)
@@ -182,11 +191,8 @@ def sharded_linear_recurrence(scan: Callable[[Tensor, Tensor], Tensor], u: Tenso
         ys.append(y)
         decays.append(decay)
         parts.append(torch.stack([decay[:, -1], y[:, -1].to(acc)]))
-    count = max(len(p) for p in plan)
-    states = torch.stack(parts + [torch.zeros_like(parts[0])] * (count - len(parts)))
-    every = exchange(states, topo) if u_ * r_ > 1 else states[None]  # (n, count, 2, b, d)
-    h0 = _initial_states(plan, every)
-    ys[0] = ys[0] + (every.sum() * 0).to(ys[0].dtype)  # every rank reaches the exchange's backward
-    out = [y if h0[(topo.sp_rank, i)] is None else
-           (y.to(acc) + decays[i] * h0[(topo.sp_rank, i)][:, None]).to(y.dtype) for i, y in enumerate(ys)]
+    h0, zero = _pass_states(parts, plan, topo)
+    ys[0] = ys[0] + zero.to(ys[0].dtype)
+    out = [y if state is None else (y.to(acc) + decay * state[:, None]).to(y.dtype)
+           for y, decay, state in zip(ys, decays, h0)]
     return torch.cat(out, dim=1)

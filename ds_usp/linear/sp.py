@@ -36,8 +36,8 @@ from torch import Tensor
 
 from ds_usp.attention.usp import as_units, head_to_seq_op, seq_to_head_op
 from ds_usp.comm import all_gather_rows, all_reduce_sum_
-from ds_usp.linear.delta import (Rule, Segment, SegmentRun, causal_conv, halo_of, initial_states, run_segment,
-                                 segments, state_dtype, with_initial_state)
+from ds_usp.linear.delta import (Rule, Segment, SegmentRun, causal_conv, halo_of, initial_states, row_groups,
+                                 run_segment, segments, state_dtype, with_initial_state)
 from ds_usp.ops import check_native_op
 from ds_usp.sharding import check_layout, normalize_docs, piece_runs, resolve_seq_len, segment_bounds
 from ds_usp.topology import USPTopology
@@ -146,8 +146,7 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     x = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # (b, T, C_local): the convolution's input
     bounds = segment_bounds(docs, real_len, padded)
     plans = [piece_runs(padded, r, i, layout, bounds) for i in range(r)]
-    groups = [(slice(None), docs[0] if docs else (0,))] if docs is None or len(set(docs)) == 1 else \
-        [(slice(i, i + 1), row) for i, row in enumerate(docs)]
+    groups = row_groups(docs)
     outs = [_StatePassing.apply(x[rows], g[rows], beta[rows], weight, bias,
                                 _RowsSpec(rule, activation, tuple(segments(p, starts, real_len) for p in plans),
                                           topo.ring_rank, r, topo.ring_group, (hk, dk, nv // u, dv)))
