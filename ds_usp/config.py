@@ -86,7 +86,7 @@ class _USPBlock(BaseModel):
         "auto", "'auto', true or false", "checkpointed layer inputs wait in host memory (auto: on a GPU when they "
         "would take a tenth of its memory; a no-op on CPU)")
     tile_mib: Union[StrictInt, StrictFloat] = _key(
-        128, "a positive number of MiB", "the size of one tile: a chunk's fp32 logits, what an MLP tile's backward holds",
+        128, "a positive number of MiB", "the size of one tile: the most a loss chunk's fp32 logits take, what an MLP tile's backward holds",
         gt=0, allow_inf_nan=False)
 
 

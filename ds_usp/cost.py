@@ -352,8 +352,10 @@ class StepSettings:
 class Calibration:
     """The constants of :func:`step_memory` that are not counts of tensors: measured, not derived.
 
-    The defaults come from the peaks of whole steps measured on 4 CPU ranks (the ``VmHWM`` meter of the
-    benchmarks; 15 rows of Llama shapes, ZeRO-1/2/3, every feature; tests/test_plan.py, docs/planner.md).
+    The defaults are fitted (``benchmarks/plan_calibration.py --fit``) to the peaks of whole steps measured on 4
+    CPU ranks in live bytes, as ``max_memory_allocated`` counts them on a GPU (``VmHWM`` with glibc's mmap
+    threshold fixed at 64 KiB, so freed tensors leave the resident set; 17 rows of Llama shapes, ZeRO-1/2/3,
+    every feature; tests/test_plan.py, docs/planner.md).
 
     Attributes:
         per_layer_hidden: elements of ``h`` a decoder layer keeps per token for its backward (the attention's
@@ -361,18 +363,19 @@ class Calibration:
         per_layer_mlp: elements of the feed-forward width it keeps per token.
         selective_hidden: elements of ``h`` per token a layer under selective checkpointing keeps besides its input
             (the ring's output and LSE, and what the policy saves with them).
-        logits: bytes per token and vocabulary entry of an unchunked loss (the fp32 logits).
-        fixed: bytes a rank holds whatever the model (process heap, communication buffers).
+        logits: bytes per token and vocabulary entry of an unchunked loss (the fp32 logits, their log-softmax and
+            its gradient).
+        fixed: bytes a rank holds whatever the model (none measured beyond the counted parts).
         per_param: bytes per parameter beyond the counted model states, by ZeRO stage, for DeepSpeed's buffers
             (counted up to the bucket sizes that bound them).
     """
 
-    per_layer_hidden: float = 13.97
-    per_layer_mlp: float = 3.21
-    selective_hidden: float = 6.4
-    logits: float = 4.06
-    fixed: float = 179 * 2 ** 20
-    per_param: tuple[float, float, float] = (6.6, 0.9, 16.4)
+    per_layer_hidden: float = 7.79
+    per_layer_mlp: float = 4.33
+    selective_hidden: float = 1.0
+    logits: float = 10.97
+    fixed: float = 0.0
+    per_param: tuple[float, float, float] = (0.0, 0.0, 4.38)
 
 
 # DeepSpeed's defaults that bound its buffers (elements): reduce_bucket_size, stage3_max_live_parameters
@@ -395,6 +398,28 @@ class StepMemory:
     def total(self) -> float:
         """Everything."""
         return self.params + self.grads + self.optimizer + self.activations + self.attention + self.loss + self.fixed
+
+
+LOSS_MIN_ROWS = 256  # a loss chunk's fewest rows (below this, lm_head's matmuls lose efficiency)
+
+
+def loss_chunk_rows(tokens: int, hidden: int, vocab: int, tile_mib: float) -> int:
+    """Tokens per chunk of the chunked loss: as many as make the chunk's fp32 logits as large as the rank's hidden
+    states (what one layer holds anyway), at least :data:`LOSS_MIN_ROWS`, and never more than one tile holds.
+
+    A fixed tile alone sized the chunk for the longest sequences: at short ones its logits were the step's largest
+    buffer (128 MiB of a 260 MiB step at 2048 tokens x vocab 32000 per rank, issue 26).
+
+    Args:
+        tokens: tokens this rank holds.
+        hidden: the model's hidden size.
+        vocab: the vocabulary size.
+        tile_mib: the tile budget (``usp.tile_mib``).
+
+    Returns:
+        The chunk's rows, at least 1.
+    """
+    return max(1, min(int(tile_mib * 2 ** 20 // (vocab * 4)), max(LOSS_MIN_ROWS, tokens * hidden // vocab)))
 
 
 def tokens_per_rank(seq: int, micro_batch: int, sp: int) -> int:
@@ -456,7 +481,7 @@ def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int =
         kept = shape.attention_layers * full_layer + shape.linear_layers * linear_layer + tiled_inputs
         one_layer = 0.0  # nothing is recomputed
     if s.chunked_loss:
-        chunk = max(1, int(s.tile_mib * 2 ** 20 // (shape.vocab * 4)))
+        chunk = loss_chunk_rows(t, h, shape.vocab, s.tile_mib)
         loss = min(chunk, t) * shape.vocab * 4 + shape.vocab * h * 4 + t * h * e  # one chunk, fp32 dW, dx
     else:
         loss = t * shape.vocab * cal.logits

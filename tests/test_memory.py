@@ -140,6 +140,37 @@ def test_chunked_loss_peaks_below_half_of_whole_logits():
     assert c < 0.5 * w, f"chunked loss peak {c / 2**20:.0f} MiB vs whole logits {w / 2**20:.0f} MiB"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_equals_cross_entropy(dtype):
+    """Value and gradients (hidden, weight, bias) of the chunked loss against autograd through the whole logits, for
+    both gradient paths, a chunk that does not divide the tokens and ignored labels; a loss scaled after the fact
+    (the backward multiplies by the incoming gradient in place); a second backward through gradients taken in the
+    forward is refused, not silently scaled twice."""
+    import torch.nn.functional as F
+
+    from ds_usp.integration.loss import chunked_lm_loss
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(48, 500, bias=True).to(dtype)
+    hidden = torch.randn(2, 37, 48, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 500, (2, 37))
+    labels[0, :5] = -100
+    ref = 3.0 * F.cross_entropy(head(hidden).float().view(-1, 500), labels.view(-1), ignore_index=-100)
+    ref_grads = torch.autograd.grad(ref, (hidden, head.weight, head.bias))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for grad_in_forward in (True, False):
+        for chunk in (1, 10, 256):
+            loss = 3.0 * chunked_lm_loss(hidden, head, labels, None, chunk=chunk, grad_in_forward=grad_in_forward)
+            grads = torch.autograd.grad(loss, (hidden, head.weight, head.bias), retain_graph=True)
+            assert abs(float(loss.detach()) - float(ref.detach())) < tol * float(ref)
+            for g, r in zip(grads, ref_grads):
+                assert float((g.float() - r.float()).abs().max()) <= tol * float(r.float().abs().max()), (
+                    grad_in_forward, chunk)
+            if grad_in_forward:
+                with pytest.raises(RuntimeError, match="second backward"):
+                    torch.autograd.grad(loss, hidden)
+
+
 def test_tiled_mlp_peaks_below_half_of_untiled():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
@@ -210,7 +241,10 @@ def test_auto_plan_follows_the_tokens_per_rank():
     short = plan(512)  # 62.5 MiB of fp32 logits and 10.5 MiB of MLP work: below the 128 MiB tile
     assert (short.loss_chunk, short.mlp_tiles, short.checkpoint, short.offload) == (0, 0, "", False)
     long = plan(4096)  # S = 16K over 4 ranks
-    assert long.loss_chunk == 1048 and long.loss_grad_in_forward  # 128 MiB / (32000 x 4 B); dW is 31 MiB
+    assert long.loss_chunk == 256 and long.loss_grad_in_forward  # the fewest rows; dW (31 MiB) within the tile
+    assert plan(65536).loss_chunk == 524  # logits as large as the hidden states: 65536 x 256 / 32000
+    assert plan(262144).loss_chunk == 1048  # capped by the tile: 128 MiB / (32000 x 4 B)
+    assert plan(4096, tile_mib=16).loss_chunk == 131  # a tile below 256 rows wins
     assert long.checkpoint == "selective" and long.mlp_tiles == 1 and not long.offload  # offload: CUDA only
     assert plan(16384, tile_mib=16).mlp_tiles == 21  # 16384 x 896 x 4 B x 6 live tensors = 336 MiB, 16 MiB tiles
     assert not plan(4096, tile_mib=16).loss_grad_in_forward  # dW (31 MiB) above one chunk: recompute instead

@@ -4,9 +4,15 @@
 policy) so the backward recomputes only the projections, norms and the cheap all-to-alls, never the attention
 itself; ``"full"`` recomputes everything (ALST's way, the least memory). Offload: the checkpointed hidden states
 (each layer's input) wait for the backward in host memory (a copy to ``cpu`` and back, so a no-op on CPU).
+
+On CPU each checkpointed layer's forward, recomputation and the end of its backward hand the C heap's free pages
+back to the operating system (:func:`trim_host_heap`): glibc keeps a freed tensor's pages resident, so without it a step's
+resident set grows by whatever the previous layers freed (issue 26: 457 -> 355 MiB per rank at S = 8K, no slower).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import inspect
 from typing import Any, Callable
@@ -19,6 +25,27 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 from ds_usp.integration.step_plan import MemoryContext
 
 # ---------------------------------------------------------------------- activation checkpointing
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+def trim_host_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc's ``malloc_trim(0)``; a no-op elsewhere).
+
+    Tensors on CPU come from malloc: a freed block below glibc's mmap threshold (up to 32 MiB) stays resident,
+    so layer after layer the resident set grows with what was freed. Trimming costs a walk over the free lists
+    and a page fault when a page is reused.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
 
 
 def _keep_ring_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -76,6 +103,11 @@ def to_host(x: Tensor) -> Tensor:
     return x if x.device.type == "cpu" else _ToHost.apply(x)
 
 
+def _trim_after(grad: Tensor) -> Tensor:
+    trim_host_heap()
+    return grad
+
+
 def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callable:
     try:  # where a layer takes use_cache / past_key_values positionally (RecurrentGemma), they are replaced there
         names = [n for n in inspect.signature(original).parameters][1:]  # after hidden_states
@@ -90,6 +122,8 @@ def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callab
 
         def run(hidden: Tensor, *rest: Any, **kw: Any) -> Any:  # also the recomputation: the same plan
             ctx.plan = plan
+            if device.type == "cpu":
+                trim_host_heap()
             return original(hidden.to(device), *rest, **kw)
 
         device = hidden_states.device
@@ -101,6 +135,8 @@ def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callab
             else:
                 kwargs[key] = value
         stored = to_host(hidden_states) if plan.offload else hidden_states
+        if device.type == "cpu" and hidden_states.requires_grad:  # and once the layer's backward is done
+            hidden_states.register_hook(_trim_after)
         return checkpoint(run, stored, *args, use_reentrant=False,
                           context_fn=_selective_contexts if plan.checkpoint == "selective" else noop_context_fn, **kwargs)
     return forward

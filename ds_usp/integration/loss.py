@@ -40,9 +40,15 @@ def gathered(params: list[Optional[Tensor]]) -> Any:
     return deepspeed.zero.GatheredParameters(partitioned)
 
 
+def _logits_buffer(x: Tensor, weight: Tensor, chunk: int) -> Tensor:
+    """The one fp32 ``(chunk, V)`` buffer every chunk's logits are written into: a fresh one per chunk fragments
+    a CPU heap (glibc keeps the freed block resident while small allocations split it)."""
+    return torch.empty((min(chunk, x.shape[0]), weight.shape[0]), dtype=torch.float32, device=x.device)
+
+
 def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, start: int, stop: int,
            dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], scale: Optional[Tensor],
-           tail: LogitsTail) -> Tensor:
+           tail: LogitsTail, buf: Tensor) -> Tensor:
     """One chunk: its loss sum; with ``dx``/``dw`` given, also its gradients (written/added into them).
 
     The logits are ``tail(lm_head(x))`` (what the model applies after ``lm_head``). The gradient of
@@ -50,10 +56,14 @@ def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, st
     on valid rows, times the tail's derivative (``scale``, and ``1 - tanh^2`` under a soft-cap); it is cast to the
     matmul dtype as autograd would, and multiplied by ``scale`` (the incoming gradient) when given. Everything of
     ``chunk x vocab`` size happens in the one fp32 logits buffer (``torch.logsumexp`` would add two more), plus the
-    tanh of a soft-capped tail.
+    tanh of a soft-capped tail. ``buf`` (:func:`_logits_buffer`) holds the logits.
     """
     xc, yc = x[start:stop], labels[start:stop]
-    logits = F.linear(xc, weight, bias).float()  # (c, V), the chunk's only (c, V) buffer
+    logits = buf[:xc.shape[0]]  # (c, V), the chunk's only (c, V) buffer
+    if x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
+        torch.mm(xc, weight.t(), out=logits) if bias is None else torch.addmm(bias, xc, weight.t(), out=logits)
+    else:  # the matmul in the training dtype, as F.linear, then fp32
+        logits.copy_(F.linear(xc, weight, bias))
     if tail.scale != 1.0:
         logits.mul_(tail.scale)
     capped = None
@@ -104,25 +114,35 @@ class ChunkedLMLoss(torch.autograd.Function):
         x = hidden.reshape(-1, hidden.shape[-1])  # (b, s, H) -> (b*s, H)
         y = labels.reshape(-1)
         ctx.hidden_shape, ctx.chunk, ctx.grad_in_forward, ctx.tail = hidden.shape, chunk, grad_in_forward, tail
+        ctx.scaled = False
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         grads = _grad_buffers(x, weight, bias) if grad_in_forward else (None, None, None)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        buf = _logits_buffer(x, weight, chunk)
         for start in range(0, x.shape[0], chunk):
-            total += _chunk(x, weight, bias, y, start, start + chunk, *grads, None, tail)
+            total += _chunk(x, weight, bias, y, start, start + chunk, *grads, None, tail, buf)
         ctx.save_for_backward(*grads) if grad_in_forward else ctx.save_for_backward(x, weight, bias, y)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        if ctx.grad_in_forward:
+        if ctx.grad_in_forward:  # scaled in place: a second fp32 weight gradient would be the loss's largest buffer
+            if ctx.scaled:
+                raise RuntimeError("the chunked loss took its gradients in the forward and scaled them in its first "
+                                   "backward: a second backward through it (retain_graph) is not supported")
+            ctx.scaled = True
             dx, dw, db = ctx.saved_tensors
-            dx, dw, db = dx * grad.to(dx.dtype), dw * grad, None if db is None else db * grad
+            dx.mul_(grad.to(dx.dtype))
+            dw.mul_(grad)
+            if db is not None:
+                db.mul_(grad)
         else:
             x, weight, bias, y = ctx.saved_tensors
             dx, dw, db = _grad_buffers(x, weight, bias)
             with gathered([weight, bias]):
+                buf = _logits_buffer(x, weight, ctx.chunk)
                 for start in range(0, x.shape[0], ctx.chunk):
-                    _chunk(x, weight, bias, y, start, start + ctx.chunk, dx, dw, db, grad, ctx.tail)
+                    _chunk(x, weight, bias, y, start, start + ctx.chunk, dx, dw, db, grad, ctx.tail, buf)
         w_dtype, b_dtype = ctx.dtypes
         return (dx.view(ctx.hidden_shape), dw.to(w_dtype), None if db is None else db.to(b_dtype), None, None,
                 None, None)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ds_usp.cost import loss_chunk_rows
 from ds_usp.topology import USPTopology
 
 MIB = 2 ** 20
@@ -97,7 +98,7 @@ class MemoryContext:
         elem = torch.empty(0, dtype=dtype).element_size()
         logits_bytes = tokens * self.vocab * 4
         chunked = s.chunked_loss is True or (s.chunked_loss == "auto" and logits_bytes > tile)
-        loss_chunk = max(1, int(tile // (self.vocab * 4))) if chunked else 0
+        loss_chunk = loss_chunk_rows(tokens, self.hidden, self.vocab, s.tile_mib) if chunked else 0
         ckpt = s.activation_checkpointing
         if ckpt == "auto":
             ckpt = "selective" if tokens >= CHECKPOINT_MIN_TOKENS else ""
