@@ -1,12 +1,17 @@
-"""Measuring instruments for tests and benchmarks (not part of the library): a byte meter on ``torch.distributed``.
+"""Measuring instruments for tests and benchmarks (not part of the library): a byte meter on ``torch.distributed``
+and a live-bytes meter of a training step.
 
 :class:`CommCounter` counts the bytes this rank hands to ``torch.distributed``; :func:`measure_attention` runs
 one USP attention layer under it. tests/test_comm_volume.py checks the closed forms of :mod:`ds_usp.cost`
-against them, and benchmarks/comm_volume.py prints both. Tests import this file from ``benchmarks/``
+against them, and benchmarks/comm_volume.py prints both. :func:`step_peak` measures a Llama training step's peak
+in live bytes and :func:`predicted_peak` is the planner's figure for it (tests/test_plan.py,
+benchmarks/plan_calibration.py). Tests import this file from ``benchmarks/``
 (``tests/conftest.py`` puts the folder on ``sys.path``); benchmarks run with it as ``sys.path[0]``.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -150,3 +155,84 @@ def measure_attention(topo: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     with counter.phase("bwd"):
         out.backward(dout)
     return counter.volume("fwd"), counter.volume("bwd"), sum(saved.values())
+
+
+# ---------------------------------------------------------------------------- live bytes of a training step
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter
+STEP_HEADS, STEP_KV_HEADS = 8, 4
+_WARM: list = []  # set once this process has run a step
+
+
+def _kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
+
+
+def _llama_shape(layers: int, vocab: int, hidden: int, mlp: int) -> Any:
+    from ds_usp.cost import ModelShape
+
+    d = hidden // STEP_HEADS
+    params = 2 * vocab * hidden + layers * (2 * hidden * hidden + 2 * hidden * STEP_KV_HEADS * d + 3 * hidden * mlp
+                                            + 2 * hidden) + hidden
+    return ModelShape("llama", hidden, layers, STEP_HEADS, STEP_KV_HEADS, d, d, vocab, mlp, params,
+                      params - vocab * hidden)
+
+
+def step_peak(seq: int, u: int, r: int, zero: int, keys: dict, layers: int, vocab: int, hidden: int,
+              mlp: int) -> tuple[int, tuple]:
+    """This rank's peak, in live bytes, of two training steps of an HF Llama (fp32, AdamW, 8 heads, 4 key/value
+    heads) through ``ds_usp.initialize``, above the resident size before the model was built; and the plan its
+    ``usp`` memory ``keys`` chose: ``(checkpoint, tiled MLP, chunked loss, tile_mib)``.
+
+    Live bytes, as ``max_memory_allocated`` counts them on a GPU: glibc's mmap threshold is fixed at 64 KiB, so a
+    freed tensor leaves the resident set at once (with glibc's default the heap keeps freed blocks resident, a
+    slack that depends on the order of allocations); then ``VmHWM`` after ``5 > /proc/self/clear_refs``. The
+    process's first call also runs its step once unmeasured: that step allocates what the process keeps.
+    """
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ds_usp
+
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+    if not _WARM:
+        _WARM.append(True)
+        step_peak(seq, u, r, zero, keys, layers, vocab, hidden, mlp)
+    ds_usp.hf.register_usp_attention()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts at the resident size
+    base = _kib("VmRSS:")
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                      num_attention_heads=STEP_HEADS, num_key_value_heads=STEP_KV_HEADS,
+                      max_position_embeddings=1 << 20)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="usp")
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "sequence_parallel": "usp",
+        "sequence_parallel_size": u * r, "usp": {"ulysses_degree": u, "ring_degree": r, "native_op": False, **keys}})
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+    shard = ds_usp.shard_batch({"input_ids": ids}, engine.usp.topo, layout=engine.usp.layout)
+    for _ in range(2):
+        dist.barrier()
+        engine.backward(engine(**shard).loss)
+        engine.step()
+    memory = engine.usp.memory
+    plan = (memory.plan.checkpoint, memory.plan.mlp_tiles > 0, memory.plan.loss_chunk > 0, memory.settings.tile_mib)
+    peak = _kib("VmHWM:") - base
+    engine.destroy()
+    return peak, plan
+
+
+def predicted_peak(seq: int, u: int, r: int, zero: int, plan: tuple, layers: int, vocab: int, hidden: int,
+                   mlp: int, cal: Any = None) -> float:
+    """``ds_usp.cost.step_memory`` of the step :func:`step_peak` ran with ``plan`` (fp32), with ``cal`` (default:
+    the library's constants)."""
+    from ds_usp.cost import Calibration, StepSettings, step_memory
+
+    checkpoint, tiled, chunked, tile_mib = plan
+    settings = StepSettings(u, r, 1, zero, checkpoint, tiled, chunked, tile_mib=tile_mib)
+    return step_memory(_llama_shape(layers, vocab, hidden, mlp), settings, seq, 1, elem_bytes=4,
+                       cal=cal or Calibration()).total

@@ -6,19 +6,16 @@ Run (one 4-rank job measures every row in turn, a few minutes on 2 cores):
     python benchmarks/plan_calibration.py --fit plan_calibration.json     # least squares on log(predicted/measured)
 
 Each row trains an HF Llama (fp32, AdamW, 8 heads, 4 key/value heads) through ``ds_usp.initialize`` for two steps
-and records the per-rank peak, the largest over the ranks. The meter counts live bytes, as ``max_memory_allocated``
-does on a GPU: glibc's mmap threshold is fixed at 64 KiB before anything is measured, so every freed tensor leaves
-the resident set at once (with glibc's default the heap keeps freed blocks resident, a slack that depends on the
-order of allocations and that ds-usp trims on CPU only around checkpointed layers), then ``VmHWM`` (reset with
-``5 > /proc/self/clear_refs``) minus the resident size before the model was built. ``--fit`` prints the
+and records the per-rank peak, the largest over the ranks, in live bytes as ``max_memory_allocated`` counts them on
+a GPU (``meters.step_peak``: glibc's mmap threshold fixed at 64 KiB, so a freed tensor leaves the resident set;
+with glibc's default the heap keeps freed blocks resident, a slack that depends on the order of allocations and
+that ds-usp trims on CPU only around checkpointed layers). ``--fit`` prints the
 :class:`ds_usp.cost.Calibration` constants that fit the rows best and each row's ratio with them.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
-import gc
 import json
 import math
 import sys
@@ -52,92 +49,35 @@ FEATURES = {
     "chunked": dict(OFF, chunked_loss=True),
     "full+tiled+chunked8": {"activation_checkpointing": "full", "tiled_mlp": True, "chunked_loss": True, "tile_mib": 8},
 }
-HEADS, KV_HEADS = 8, 4
-M_MMAP_THRESHOLD = -3
 
 
-def live_bytes_meter() -> None:
-    """Fix glibc's mmap threshold at 64 KiB: a freed block of 64 KiB or more leaves the resident set at once."""
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+def measure(row: list) -> tuple[int, tuple]:
+    """This rank's live-bytes peak of ``row`` and the plan it ran (``meters.step_peak``)."""
+    from meters import step_peak
 
-
-def _kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
-
-
-def shape_of(layers: int, vocab: int, hidden: int, mlp: int):
-    from ds_usp.cost import ModelShape
-
-    d = hidden // HEADS
-    params = 2 * vocab * hidden + layers * (2 * hidden * hidden + 2 * hidden * KV_HEADS * d + 3 * hidden * mlp
-                                            + 2 * hidden) + hidden
-    return ModelShape("llama", hidden, layers, HEADS, KV_HEADS, d, d, vocab, mlp, params, params - vocab * hidden)
+    seq, u, r, zero, features, layers, vocab, hidden, mlp = row
+    return step_peak(seq, u, r, zero, FEATURES[features], layers, vocab, hidden, mlp)
 
 
 def predicted(row: list, plan: list, cal=None) -> float:
-    """``step_memory`` of the plan the row ran (fp32), with ``cal`` (default: today's constants)."""
-    from ds_usp.cost import Calibration, StepSettings, step_memory
+    """The planner's figure for ``row`` run with ``plan`` (``meters.predicted_peak``)."""
+    from meters import predicted_peak
 
     seq, u, r, zero, _, layers, vocab, hidden, mlp = row
-    checkpoint, tiled, chunked, tile_mib = plan
-    settings = StepSettings(u, r, 1, zero, checkpoint, tiled, chunked, tile_mib=tile_mib)
-    return step_memory(shape_of(layers, vocab, hidden, mlp), settings, seq, 1, elem_bytes=4,
-                       cal=cal or Calibration()).total
-
-
-def measure(row: tuple) -> tuple[int, list]:
-    """This rank's peak of two training steps of ``row`` and the plan the ``"auto"`` keys chose."""
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import ds_usp
-
-    seq, u, r, zero, features, layers, vocab, hidden, mlp = row
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _kib("VmRSS:")
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=1 << 20)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="usp")
-    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "sequence_parallel": "usp",
-        "sequence_parallel_size": u * r,
-        "usp": {"ulysses_degree": u, "ring_degree": r, "native_op": False, **FEATURES[features]}})
-    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
-    shard = ds_usp.shard_batch({"input_ids": ids}, engine.usp.topo, layout=engine.usp.layout)
-    for _ in range(2):
-        dist.barrier()
-        engine.backward(engine(**shard).loss)
-        engine.step()
-    memory = engine.usp.memory
-    plan = [memory.plan.checkpoint, memory.plan.mlp_tiles > 0, memory.plan.loss_chunk > 0, memory.settings.tile_mib]
-    peak = _kib("VmHWM:") - base
-    engine.destroy()
-    del engine, model
-    gc.collect()
-    return peak, plan
+    return predicted_peak(seq, u, r, zero, tuple(plan), layers, vocab, hidden, mlp, cal)
 
 
 def run_rows(path: str) -> None:
     import torch.distributed as dist
 
-    import ds_usp
-
-    live_bytes_meter()
     torch.set_num_threads(1)
-    ds_usp.hf.register_usp_attention()
-    measure(ROWS[0])  # once unrecorded: the process's first step allocates what it keeps (caches, buffers)
     results = []
     for row in ROWS:
         peak, plan = measure(row)
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, peak)
         measured = max(peaks)
-        results.append({"row": list(row), "plan": plan, "measured": measured})
+        results.append({"row": list(row), "plan": list(plan), "measured": measured})
         if dist.get_rank() == 0:
             print(f"[plan_calibration] {row}: measured {measured / 2 ** 20:.0f} MiB, predicted "
                   f"{predicted(list(row), plan) / 2 ** 20:.0f} MiB", flush=True)

@@ -4,24 +4,21 @@ Calibration (``ds_usp.cost.step_memory`` against live bytes): real training step
 through ``ds_usp.initialize`` (fp32, AdamW), the per-rank peak of two steps measured as the kernel's high-water mark
 ``VmHWM`` minus the resident size before the model was built, the largest over the ranks, with glibc's mmap
 threshold fixed at 64 KiB so that a freed tensor leaves the resident set (what ``max_memory_allocated`` counts on a
-GPU; benchmarks/plan_calibration.py, the same meter, fitted the constants on 17 rows, these three among them). The
-prediction of the same plan within 20% on every row; the fit put them at 1.00-1.10 (the planner's target is 15%,
-the largest rank of a run moves by about 5% from run to run).
+GPU; ``meters.step_peak``, with which benchmarks/plan_calibration.py fitted the constants on 17 rows, these three
+among them). The prediction of the same plan within 20% on every row; the fit put them at 1.00-1.10 (the planner's
+target is 15%, the largest rank of a run moves by about 5% from run to run).
 """
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import subprocess
 import sys
 
 import pytest
-import torch
 
 WORLD_TIMEOUT = 600
 TOLERANCE = 0.20
-VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV = 8000, 256, 688, 4, 8, 4
+VOCAB, HIDDEN, INTER, LAYERS = 8000, 256, 688, 4  # 8 heads, 4 key/value heads (meters.step_peak)
 ROWS = [  # (S, U, R, ZeRO, usp memory keys)
     (4096, 2, 2, 2, {"activation_checkpointing": False, "tiled_mlp": False, "chunked_loss": False}),
     (8192, 1, 4, 3, {}),  # "auto": selective checkpointing and a tiled MLP at 2048 tokens per rank
@@ -29,69 +26,15 @@ ROWS = [  # (S, U, R, ZeRO, usp memory keys)
 ]
 
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter
-_WARM: list = []  # set once this process has run a step
-
-
-def _kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
-
-
-def measured_peak(seq: int, u: int, r: int, zero: int, keys: dict) -> tuple[int, tuple]:
-    """On every rank: two training steps; the peak resident memory above what the process held before the model."""
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import ds_usp
-
-    ds_usp.hf.register_usp_attention()
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)  # live bytes: freed blocks leave the resident set
-    if not _WARM:  # the process's first step allocates what it keeps (caches, buffers): once, unmeasured
-        _WARM.append(True)
-        measured_peak(seq, u, r, zero, keys)
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts at the resident size
-    base = _kib("VmRSS:")
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=1 << 20)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="usp")
-    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "sequence_parallel": "usp",
-        "sequence_parallel_size": u * r, "usp": {"ulysses_degree": u, "ring_degree": r, "native_op": False, **keys}})
-    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
-    shard = ds_usp.shard_batch({"input_ids": ids}, engine.usp.topo, layout=engine.usp.layout)
-    for _ in range(2):
-        dist.barrier()
-        engine.backward(engine(**shard).loss)
-        engine.step()
-    memory = engine.usp.memory
-    plan = memory.plan  # what the "auto" keys decided
-    return _kib("VmHWM:") - base, (plan.checkpoint, plan.mlp_tiles > 0, plan.loss_chunk > 0, memory.settings.tile_mib)
-
-
-def _predicted(seq: int, u: int, r: int, zero: int, plan: tuple) -> float:
-    from ds_usp.cost import ModelShape, StepSettings, step_memory
-
-    d = HIDDEN // HEADS
-    params = 2 * VOCAB * HIDDEN + LAYERS * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * KV * d + 3 * HIDDEN * INTER
-                                            + 2 * HIDDEN) + HIDDEN
-    shape = ModelShape("llama", HIDDEN, LAYERS, HEADS, KV, d, d, VOCAB, INTER, params, params - VOCAB * HIDDEN)
-    checkpoint, tiled, chunked, tile_mib = plan
-    settings = StepSettings(u, r, 1, zero, checkpoint, tiled, chunked, tile_mib=tile_mib)
-    return step_memory(shape, settings, seq, 1, elem_bytes=4).total
-
-
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: f"S{r[0]}-{r[1]}x{r[2]}-zero{r[3]}")
 def test_predicted_peak_within_20_percent(world4, row):
+    from meters import predicted_peak, step_peak
+
     seq, u, r, zero, keys = row
-    results = world4.run(measured_peak, seq, u, r, zero, keys)
+    shape = (LAYERS, VOCAB, HIDDEN, INTER)
+    results = world4.run(step_peak, seq, u, r, zero, keys, *shape)
     measured, plan = max(peak for peak, _ in results), results[0][1]
-    predicted = _predicted(seq, u, r, zero, plan)
+    predicted = predicted_peak(seq, u, r, zero, plan, *shape)
     ratio = predicted / measured
     assert abs(ratio - 1) <= TOLERANCE, (f"{row} ({plan}): predicted {predicted / 2 ** 20:.0f} MiB, measured "
                                          f"{measured / 2 ** 20:.0f} MiB (ratio {ratio:.2f})")
