@@ -6,8 +6,9 @@ itself; ``"full"`` recomputes everything (ALST's way, the least memory). Offload
 (each layer's input) wait for the backward in host memory (a copy to ``cpu`` and back, so a no-op on CPU).
 
 On CPU each checkpointed layer's forward, recomputation and the end of its backward hand the C heap's free pages
-back to the operating system (:func:`trim_host_heap`): glibc keeps a freed tensor's pages resident, so without it a step's
-resident set grows by whatever the previous layers freed (issue 26: 457 -> 355 MiB per rank at S = 8K, no slower).
+back to the operating system (:func:`trim_host_heap`): glibc keeps a freed tensor's pages resident, so without it
+a step's resident set grows by whatever the previous layers freed (issue 26: 457 -> 355 MiB per rank at S = 8K,
+no slower).
 """
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ def trim_host_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-
 
 
 def _keep_ring_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -61,7 +61,10 @@ def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, st
     xc, yc = x[start:stop], labels[start:stop]
     logits = buf[:xc.shape[0]]  # (c, V), the chunk's only (c, V) buffer
     if x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
-        torch.mm(xc, weight.t(), out=logits) if bias is None else torch.addmm(bias, xc, weight.t(), out=logits)
+        if bias is None:
+            torch.mm(xc, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, xc, weight.t(), out=logits)
     else:  # the matmul in the training dtype, as F.linear, then fp32
         logits.copy_(F.linear(xc, weight, bias))
     if tail.scale != 1.0:
