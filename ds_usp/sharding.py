@@ -310,21 +310,25 @@ def _check_dim(x: Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def layout_bounds(doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None], seq_len: int,
-                  padded_len: int) -> tuple[int, ...]:
-    """The segment boundaries of the ``"balanced"`` layout for ``doc_lens`` (any row form, see :func:`normalize_docs`).
+def layout_bounds(layout: str, doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None], seq_len: int,
+                  padded_len: int) -> Optional[tuple[int, ...]]:
+    """The ``bounds`` :func:`shard_positions` takes for ``layout``: the ``"balanced"`` layout's segment boundaries
+    for ``doc_lens`` (any row form, see :func:`normalize_docs`); None for the other layouts, which ignore documents.
 
     Args:
+        layout: the sharding layout.
         doc_lens: document lengths, one list or one per row; ``None``: one document.
         seq_len: real global length.
         padded_len: padded global length.
 
     Returns:
-        The boundaries.
+        The boundaries, or None.
 
     Raises:
         ValueError: see :func:`normalize_docs`.
     """
+    if layout != "balanced":
+        return None
     if isinstance(doc_lens, Tensor):
         doc_lens = doc_lens.tolist()
     rows = None if doc_lens is None else (len(doc_lens) if doc_lens and isinstance(doc_lens[0], (list, tuple)) else 1)
@@ -358,7 +362,7 @@ def shard_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "zi
     if n == 0:
         raise ValueError("cannot shard an empty sequence")
     padded = padded_length(n, topo.ulysses_degree, topo.ring_degree, layout)
-    bounds = layout_bounds(doc_lens, n, padded) if layout == "balanced" else None
+    bounds = layout_bounds(layout, doc_lens, n, padded)
     if padded != n:
         pad_shape = list(x.shape)
         pad_shape[dim] = padded - n
@@ -392,7 +396,7 @@ def gather_sequence(x: Tensor, topo: USPTopology, dim: int = 1, layout: str = "z
     dim = _check_dim(x, dim)
     check_layout(layout)
     real_len, padded = resolve_seq_len(seq_len, x.shape[dim], topo.ulysses_degree, topo.ring_degree, layout)
-    bounds = layout_bounds(doc_lens, real_len, padded) if layout == "balanced" else None
+    bounds = layout_bounds(layout, doc_lens, real_len, padded)
     full = gather_seq(x, topo.sp_group, dim) if topo.sp_size > 1 else x  # shards in SP-rank order
     order = torch.cat([shard_positions(padded, topo.ulysses_degree, topo.ring_degree, p, layout, bounds)
                        for p in range(topo.sp_size)])

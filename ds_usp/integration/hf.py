@@ -189,7 +189,7 @@ def _global_query_temperature(module: nn.Module, ctx: USPContext, query: Tensor,
     topo, s_local = ctx.topo, query.shape[2]
     padded = s_local * topo.sp_size
     real = padded if seq_len is None else seq_len
-    bounds = layout_bounds(docs, real, padded) if ctx.layout == "balanced" else None
+    bounds = layout_bounds(ctx.layout, docs, real, padded)
     rows = shard_positions(padded, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, ctx.layout, bounds)
 
     def factor(i: Tensor) -> Tensor:

@@ -138,7 +138,7 @@ def is_wrapped_mixer(module: nn.Module) -> bool:
     """Whether ``module`` mixes tokens outside attention in a way ds-usp shards: a linear-attention layer
     (:func:`is_linear_attention`), a short convolution (:func:`is_short_conv`), a Mamba-1 mixer
     (:func:`is_selective_ssm`) or a Griffin recurrent block (:func:`is_rglru_block`)."""
-    return is_linear_attention(module) or is_short_conv(module) or is_selective_ssm(module) or is_rglru_block(module)
+    return _wrapper(module) is not None
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, int, int]:
@@ -426,10 +426,20 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
     return forward
 
 
+def _wrapper(module: nn.Module) -> Optional[Callable[[nn.Module, USPContext], Callable]]:
+    """What makes ``module``'s forward run under the USP topology, by the kind of mixer it is (None: not one)."""
+    for kind, wrap in ((is_short_conv, _short_conv_forward), (is_selective_ssm, _selective_forward),
+                       (is_rglru_block, _rglru_block_forward), (is_mamba2, _mamba2_forward),
+                       (is_linear_attention, _forward)):
+        if kind(module):
+            return wrap
+    return None
+
+
 def wrap_linear_layers(model: nn.Module) -> int:
     """Make every sequence mixer ds-usp shards (:func:`is_wrapped_mixer`: linear attention, Mamba-1 mixers, short
-    convolutions) of ``model`` run under the USP topology :func:`ds_usp.hf.attach` gave it (:func:`check_hybrid`
-    first: the linear heads against the Ulysses degree).
+    convolutions, Griffin recurrent blocks) of ``model`` run under the USP topology :func:`ds_usp.hf.attach` gave it
+    (:func:`check_hybrid` first: the linear heads against the Ulysses degree).
 
     Args:
         model: the model (already attached).
@@ -441,10 +451,7 @@ def wrap_linear_layers(model: nn.Module) -> int:
     wrapped = 0
     for module in model.modules():
         if is_wrapped_mixer(module) and not getattr(module, "_usp_wrapped", False):
-            wrap = _short_conv_forward if is_short_conv(module) else _selective_forward if is_selective_ssm(module) \
-                else _rglru_block_forward if is_rglru_block(module) else _mamba2_forward if is_mamba2(module) \
-                else _forward
-            module.forward = wrap(module, ctx)
+            module.forward = _wrapper(module)(module, ctx)
             module._usp_wrapped = True
             wrapped += 1
     return wrapped

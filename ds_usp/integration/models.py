@@ -344,8 +344,7 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from ds_usp.integration.hf import refuse_non_interface_family
-    from ds_usp.integration.linear import (is_linear_attention, is_rglru_block, is_selective_ssm, is_short_conv,
-                                           is_wrapped_mixer, linear_dims)
+    from ds_usp.integration.linear import is_linear_attention, is_wrapped_mixer, linear_dims
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if model is None:
@@ -383,8 +382,7 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     nk, nv, dk, dv = linear_dims(linear[0]) if linear else (0, 0, 0, 0)
     return ModelShape(
         name=type(model).__name__, hidden=text.hidden_size, heads=heads,
-        attention_layers=layers - len(linear) - sum(is_short_conv(m) or is_selective_ssm(m) or is_rglru_block(m)
-                                                    for m in model.modules()),
+        attention_layers=layers - sum(is_wrapped_mixer(m) for m in model.modules()),  # linear ones: linear_layers
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, v_head_dim=v_dim,
         vocab=text.vocab_size, mlp_width=(moe_width + shared) if moe_width else text.intermediate_size,
         params=total, active_params=int(active), linear_layers=len(linear),

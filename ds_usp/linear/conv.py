@@ -120,8 +120,7 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
     if kernel > 1:
         send, source, before, mine, count = (
             t.to(x.device) if isinstance(t, Tensor) else t for t in
-            _halo_plan(padded, u, r, layout, layout_bounds(doc_lens, real_len, padded) if layout == "balanced" else None,
-                       kernel, topo.sp_rank))
+            _halo_plan(padded, u, r, layout, layout_bounds(layout, doc_lens, real_len, padded), kernel, topo.sp_rank))
         rows = torch.zeros(b, count, channels, dtype=h.dtype, device=h.device)
         rows[:, :send.numel()] = h.index_select(1, send)
         gathered = exchange(rows, topo)

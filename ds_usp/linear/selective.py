@@ -124,7 +124,7 @@ def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A
     b = x.shape[0]
     real_len, padded = resolve_seq_len(seq_len, x.shape[-1], u, r, layout)
     docs = normalize_docs(doc_lens, b, real_len)
-    bounds = layout_bounds(doc_lens, real_len, padded) if layout == "balanced" else None
+    bounds = layout_bounds(layout, doc_lens, real_len, padded)
     step = dt if delta_bias is None else dt + delta_bias.to(dt.dtype)[..., None]
     step = (F.softplus(step) if delta_softplus else step).to(torch.promote_types(dt.dtype, torch.float32))
     outs = []
@@ -179,7 +179,7 @@ def sharded_linear_recurrence(scan: Callable[[Tensor, Tensor], Tensor], u: Tenso
     """
     u_, r_ = topo.ulysses_degree, topo.ring_degree
     real_len, padded = resolve_seq_len(seq_len, u.shape[1], u_, r_, layout)
-    bounds = layout_bounds(doc_lens, real_len, padded) if layout == "balanced" else None
+    bounds = layout_bounds(layout, doc_lens, real_len, padded)
     plan = _plan(padded, u_, r_, layout, (0,), padded, bounds)  # no cuts: the resets are in ``a``
     mine = plan[topo.sp_rank]
     acc = torch.promote_types(u.dtype, torch.float32)
