@@ -2,7 +2,7 @@
 
 The native op lives at the repository top, as DeepSpeed keeps ``op_builder/`` and ``csrc/``: ``ops/`` holds
 its DeepSpeed op builders (``ops/__init__.py``) and its C++/CUDA sources (``ops/csrc``). Installing maps that
-folder into the package as ``ds_usp.ops.op_builder`` (sources as package data), so the op is JIT-built on
+folder into the package as ``ds_usp.native.op_builder`` (sources as package data), so the op is JIT-built on
 first use, also after a plain ``pip install .``. ``DS_BUILD_USP=1`` prebuilds them at install time instead
 (DeepSpeed's ``DS_BUILD_<OP>`` convention); torch and deepspeed must then be importable by the build:
 
@@ -12,7 +12,7 @@ import os
 
 from setuptools import find_packages, setup
 
-OP_PACKAGE = "ds_usp.ops.op_builder"
+OP_PACKAGE = "ds_usp.native.op_builder"
 
 
 def _prebuilt_native_op() -> dict:
@@ -43,7 +43,7 @@ setup(
     name="ds-usp",
     version="0.1.0",
     description="Unified Sequence Parallelism (DeepSpeed-Ulysses x Ring-Attention) as a DeepSpeed extension",
-    # the top-level ops/ (builders + sources) is installed as ds_usp.ops.op_builder, DeepSpeed's op_builder/ layout
+    # the top-level ops/ (builders + sources) is installed as ds_usp.native.op_builder, DeepSpeed's op_builder/ layout
     packages=find_packages(include=["ds_usp", "ds_usp.*"]) + [OP_PACKAGE],
     package_dir={OP_PACKAGE: "ops"},
     package_data={OP_PACKAGE: ["csrc/*.cpp", "csrc/*/*.cpp", "csrc/*/*.cu", "csrc/*/*.h"]},

@@ -275,7 +275,7 @@ def rows_of(measured: list[tuple[Method, dict]], args: Any, world: int, cpu_vali
 
 def native_op_note(args: Any, device: torch.device) -> str:
     """What ds-usp's ``native_op`` setting resolved to."""
-    from ds_usp.ops import NativeOps, resolve_native_op
+    from ds_usp.native import NativeOps, resolve_native_op
 
     try:
         used = isinstance(resolve_native_op(NATIVE_OP[args.native_op], device), NativeOps)

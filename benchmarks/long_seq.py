@@ -163,7 +163,7 @@ def usp_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Cal
         return float(loss)
 
     def describe() -> str:  # the memory plan is made at the first forward
-        memory = engine.usp.memory.plan if engine.usp.memory else "no memory features"
+        memory = engine.usp.memory.choices if engine.usp.memory else "no memory features"
         return f"{topo.ulysses_degree}x{topo.ring_degree} {engine.usp.layout}; {memory}"
 
     return step, describe

@@ -220,7 +220,7 @@ def step_peak(seq: int, u: int, r: int, zero: int, keys: dict, layers: int, voca
         engine.backward(engine(**shard).loss)
         engine.step()
     memory = engine.usp.memory
-    plan = (memory.plan.checkpoint, memory.plan.mlp_tiles > 0, memory.plan.loss_chunk > 0, memory.settings.tile_mib)
+    plan = (memory.choices.checkpoint, memory.choices.mlp_tiles > 0, memory.choices.loss_chunk > 0, memory.settings.tile_mib)
     peak = _kib("VmHWM:") - base
     engine.destroy()
     return peak, plan

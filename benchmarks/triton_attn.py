@@ -28,7 +28,7 @@ import torch
 
 from _common import DTYPES, parse, parser, random_qkv, save_results, table
 from ds_usp.kernels import available_backends, get_backend, triton_attn
-from ds_usp.ops import resolve_native_op
+from ds_usp.native import resolve_native_op
 
 
 def _time(fn: Callable[[], object], iters: int, warmup: int) -> float:

@@ -24,7 +24,7 @@ from matplotlib.colors import ListedColormap  # noqa: E402
 from ds_usp.attention.masks import MaskSpec, block_parts  # noqa: E402
 from ds_usp.cost import backward_bytes, forward_bytes, linear_bytes  # noqa: E402
 from ds_usp.sharding import padded_length, piece_runs, ring_piece_positions, shard_positions  # noqa: E402
-from ds_usp.topology import plan_groups  # noqa: E402
+from ds_usp.topology import group_ranks  # noqa: E402
 
 OUT = ROOT / "docs" / "img"
 CHUNK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
@@ -45,7 +45,7 @@ def figure_usp_2x2(path: Path) -> None:
     """Which rank holds which tokens and heads before and after the Ulysses all-to-all, 2 x 2 zigzag."""
     u, r, seq, heads = 2, 2, 16, 4
     layout = "zigzag"
-    plan = plan_groups(u, r, u * r)
+    plan = group_ranks(u, r, u * r)
     padded = padded_length(seq, u, r, layout)
     chunk = padded // (2 * r)
     cmap = ListedColormap([EMPTY] + CHUNK_COLORS[: 2 * r])

@@ -13,7 +13,7 @@ from ds_usp.integration import data, hf
 from ds_usp.integration.data import USPDataLoader, shard_batch, sp_cross_entropy
 from ds_usp.integration.engine import USPState, initialize, install_deepspeed_hook
 from ds_usp.sharding import gather_sequence, shard_sequence
-from ds_usp.topology import GroupPlan, USPMpu, USPTopology, plan_groups
+from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,7 @@ def __getattr__(name: str):
         return getattr(hf_trainer, name)
     raise AttributeError(f"module 'ds_usp' has no attribute {name!r}")
 
-__all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupPlan", "USPMpu", "USPTopology", "plan_groups",
+__all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupRanks", "USPMpu", "USPTopology", "group_ranks",
            "USPAttention", "gather_sequence", "ring_attention", "shard_sequence", "ulysses_attention",
            "usp_attention", "data", "hf", "USPDataLoader", "shard_batch", "sp_cross_entropy",
            "USPState", "initialize", "USPTrainer", "USPSFTTrainer", "__version__"]

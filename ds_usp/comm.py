@@ -1,6 +1,6 @@
 """The collectives of USP, one function each. Groups are always passed in (or named, for custom ops).
 
-* :func:`all_to_all`: the Ulysses exchange of one packed buffer (packing is :mod:`ds_usp.ops`).
+* :func:`all_to_all`: the Ulysses exchange of one packed buffer (packing is :mod:`ds_usp.native`).
 * :func:`fp8_encode` / :func:`fp8_decode`: ``usp.comm_dtype = "fp8"``, activations on the wire as float8
   e4m3 with one fp32 scale per row of the last dim, in one ``uint8`` message.
 * :func:`ring_shift`: non-blocking send to the next ring rank and receive from the previous one,

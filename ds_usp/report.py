@@ -33,7 +33,7 @@ def collect(build: bool = False) -> list[tuple[str, str]]:
     """
     import ds_usp
     from ds_usp.kernels import available_backends
-    from ds_usp.ops import NativeOpUnavailable, load_native_op, native_op_state
+    from ds_usp.native import NativeOpUnavailable, load_native_op, native_op_state
 
     rows = [("torch", f"{torch.__version__} (cuda {torch.version.cuda or 'none'}, "
                       f"cuda available: {torch.cuda.is_available()})"),

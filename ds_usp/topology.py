@@ -10,8 +10,8 @@ Rank layout (``N = U * R`` sequence-parallel ranks, ``dp = world / N`` replicas)
 * a data-parallel (DP) group holds the ranks at the same SP position in every replica,
 * the sequence x data-parallel group (where ZeRO shards and reduces) is every rank.
 
-:func:`plan_groups` is the pure part (rank lists only) and :meth:`USPTopology.build` turns the
-plan into process groups. Groups travel as the frozen :class:`USPTopology` value; nothing is
+:func:`group_ranks` is the pure part (rank lists only) and :meth:`USPTopology.build` turns the
+rank lists into process groups. Groups travel as the frozen :class:`USPTopology` value; nothing is
 kept in module globals.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ Ranks = tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class GroupPlan:
+class GroupRanks:
     """Every group of every kind, as tuples of global ranks (a pure function of the degrees).
 
     Attributes:
@@ -99,7 +99,7 @@ def validate_degrees(ulysses_degree: int, ring_degree: int, world_size: int) -> 
                          f"the world size ({world_size})")
 
 
-def plan_groups(ulysses_degree: int, ring_degree: int, world_size: int) -> GroupPlan:
+def group_ranks(ulysses_degree: int, ring_degree: int, world_size: int) -> GroupRanks:
     """Compute every group's ranks for a USP layout (no communication).
 
     Args:
@@ -108,7 +108,7 @@ def plan_groups(ulysses_degree: int, ring_degree: int, world_size: int) -> Group
         world_size: all ranks; must be a multiple of ``U * R``.
 
     Returns:
-        The :class:`GroupPlan`.
+        The :class:`GroupRanks`.
 
     Raises:
         ValueError: see :func:`validate_degrees`.
@@ -121,7 +121,7 @@ def plan_groups(ulysses_degree: int, ring_degree: int, world_size: int) -> Group
     def rank(d: int, ri: int, ui: int) -> int:
         return d * sp + ri * u + ui
 
-    return GroupPlan(
+    return GroupRanks(
         ulysses_degree=u,
         ring_degree=r,
         world_size=world_size,
@@ -138,7 +138,7 @@ class USPTopology:
     """This rank's USP groups. Build it with :meth:`USPTopology.build` after ``deepspeed.init_distributed()``.
 
     Attributes:
-        plan: the rank lists of every group.
+        ranks: the rank lists of every group.
         rank: this process's global rank.
         ulysses_group, ring_group, sp_group, dp_group, sp_dp_group: this rank's process groups.
         model_parallel_group: a group of this rank alone (the model is replicated, not split),
@@ -149,7 +149,7 @@ class USPTopology:
             uses it, so a model numbering from ``padding_idx + 1`` (RoBERTa) gets its own positions.
     """
 
-    plan: GroupPlan
+    ranks: GroupRanks
     rank: int
     ulysses_group: Any = field(repr=False)
     ring_group: Any = field(repr=False)
@@ -183,65 +183,65 @@ class USPTopology:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("USPTopology.build needs an initialized process group: call "
                                "deepspeed.init_distributed() (or torch.distributed.init_process_group) first")
-        plan = plan_groups(ulysses_degree, ring_degree, dist.get_world_size())
+        ranks = group_ranks(ulysses_degree, ring_degree, dist.get_world_size())
         me = dist.get_rank()
         kwargs = {} if timeout is None else {"timeout": timeout}
 
         def mine(kind: str) -> Any:
             found = None
-            for ranks in getattr(plan, kind):
-                group = dist.new_group(list(ranks), **kwargs)
-                if me in ranks:
+            for members in getattr(ranks, kind):
+                group = dist.new_group(list(members), **kwargs)
+                if me in members:
                     found = group
             return found
 
         groups = {kind: mine(kind) for kind in ("ulysses", "ring", "sp", "dp", "sp_dp")}
         # Only this rank is in its model-parallel group, so only it needs to take part in creating it.
         solo = dist.new_group([me], use_local_synchronization=True, **kwargs)
-        return cls(plan=plan, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
+        return cls(ranks=ranks, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
                    sp_group=groups["sp"], dp_group=groups["dp"], sp_dp_group=groups["sp_dp"],
                    model_parallel_group=solo)
 
-    # ---- sizes and this rank's coordinates (all derived from the plan) ----
+    # ---- sizes and this rank's coordinates (all derived from the rank lists) ----
     @property
     def ulysses_degree(self) -> int:
         """Ranks per Ulysses group (U)."""
-        return self.plan.ulysses_degree
+        return self.ranks.ulysses_degree
 
     @property
     def ring_degree(self) -> int:
         """Ranks per ring (R)."""
-        return self.plan.ring_degree
+        return self.ranks.ring_degree
 
     @property
     def sp_size(self) -> int:
         """Sequence-parallel size N = U x R."""
-        return self.plan.sp_size
+        return self.ranks.sp_size
 
     @property
     def dp_size(self) -> int:
         """Data-parallel size."""
-        return self.plan.dp_size
+        return self.ranks.dp_size
 
     @property
     def ulysses_ranks(self) -> Ranks:
         """Global ranks of this rank's Ulysses group."""
-        return self.plan.member_of("ulysses", self.rank)
+        return self.ranks.member_of("ulysses", self.rank)
 
     @property
     def ring_ranks(self) -> Ranks:
         """Global ranks of this rank's ring, in ring order."""
-        return self.plan.member_of("ring", self.rank)
+        return self.ranks.member_of("ring", self.rank)
 
     @property
     def sp_ranks(self) -> Ranks:
         """Global ranks of this rank's sequence-parallel group."""
-        return self.plan.member_of("sp", self.rank)
+        return self.ranks.member_of("sp", self.rank)
 
     @property
     def dp_ranks(self) -> Ranks:
         """Global ranks of this rank's data-parallel group."""
-        return self.plan.member_of("dp", self.rank)
+        return self.ranks.member_of("dp", self.rank)
 
     @property
     def ulysses_rank(self) -> int:

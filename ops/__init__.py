@@ -4,12 +4,12 @@ Two variants, as DeepSpeed does it for ops that run on both: :class:`USPCPUBuild
 ``CPUOpBuilder``: C++ kernels, OpenMP, ``-march=native``) and :class:`USPCUDABuilder` (a
 ``CUDAOpBuilder``: the same frontend and CPU kernels plus the ``.cu`` kernels, built with
 ``-DUSP_WITH_CUDA``). This folder is the repository's top-level ``ops/`` (beside ``ds_usp/``, as DeepSpeed
-keeps ``op_builder/`` and ``csrc/``); setup.py installs it as ``ds_usp.ops.op_builder`` with ``csrc/`` as
+keeps ``op_builder/`` and ``csrc/``); setup.py installs it as ``ds_usp.native.op_builder`` with ``csrc/`` as
 package data, so a plain ``pip install .`` can JIT-build it; both builders return absolute source paths.
 
 * ``builder.jit_load()`` (DeepSpeed's) builds with ninja into torch's extension cache
   (``~/.cache/torch_extensions``, in a directory per build command: ``build_name()``; rebuilt only when a source
-  changes); :mod:`ds_usp.ops` calls it.
+  changes); :mod:`ds_usp.native` calls it.
 * ``builder.is_compatible()`` checks for the compilers and sets ``error_log`` to the reason.
 * ``builder.builder()`` returns the setuptools extension for ``DS_BUILD_USP=1 pip install``.
 
@@ -93,7 +93,7 @@ class USPCPUBuilder(_USPBuilderMixin, CPUOpBuilder):
 
     def absolute_name(self) -> str:
         """Import path of the prebuilt module."""
-        return "ds_usp.ops._usp_cpu"
+        return "ds_usp.native._usp_cpu"
 
     def sources(self) -> list[str]:
         """Absolute source paths."""
@@ -122,7 +122,7 @@ class USPCUDABuilder(_USPBuilderMixin, CUDAOpBuilder):
 
     def absolute_name(self) -> str:
         """Import path of the prebuilt module."""
-        return "ds_usp.ops._usp_cuda"
+        return "ds_usp.native._usp_cuda"
 
     def sources(self) -> list[str]:
         """Absolute source paths."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_usp.config import USPConfigError, choose_degrees, load_usp_config
-from ds_usp.topology import plan_groups
+from ds_usp.topology import group_ranks
 
 # (config, world_size, expected message fragment)
 BAD_CONFIGS = [
@@ -157,7 +157,7 @@ def test_plan_partitions_the_world_for_every_factorization(world):
         for r in range(1, world // u + 1):
             if world % (u * r):
                 continue
-            p = plan_groups(u, r, world)
+            p = group_ranks(u, r, world)
             for kind, size in (("ulysses", u), ("ring", r), ("sp", u * r), ("dp", world // (u * r)), ("sp_dp", world)):
                 groups = getattr(p, kind)
                 flat = sorted(x for g in groups for x in g)
@@ -172,7 +172,7 @@ def test_plan_partitions_the_world_for_every_factorization(world):
             for g in p.dp:  # same SP position in every replica
                 assert all(b - a == u * r for a, b in zip(g, g[1:]))
     with pytest.raises(ValueError, match=r"ulysses_degree \(3\) x ring_degree \(1\) = 3 must divide the world size \(4\)"):
-        plan_groups(3, 1, 4)
+        group_ranks(3, 1, 4)
 
 
 # ---------------------------------------------------------------- multi-process cases
@@ -213,7 +213,7 @@ def build_all_layouts(world):
 
 def _check_layouts(world, results):
     for u, r in _factorizations(world):
-        plan = plan_groups(u, r, world)
+        plan = group_ranks(u, r, world)
         for rank, per_rank in enumerate(results):
             entry = next(e for e in per_rank if e[:2] == (u, r))
             assert entry[2:] == tuple(plan.member_of(k, rank) for k in ("ulysses", "ring", "sp", "dp"))

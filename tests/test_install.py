@@ -1,7 +1,7 @@
 """A plain (not editable) ``pip install .`` ships the top-level ``ops/`` and JIT-builds the native op from it.
 
 In a fresh virtual environment (system site-packages for torch and DeepSpeed, ``--no-deps``), outside the
-repository: the installed package holds ``ds_usp/ops/op_builder`` with the C++ sources as package data, and
+repository: the installed package holds ``ds_usp/native/op_builder`` with the C++ sources as package data, and
 ``python -m ds_usp.report --build`` builds the op from them (into a temporary extension cache: a build of its own,
 about a minute) and reports it JIT-built. The editable install the other tests use reads the same builders from
 the repository's ``ops/``.
@@ -25,7 +25,7 @@ def test_plain_install_ships_and_jit_builds_the_op(tmp_path):
     done = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(ROOT)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    where = subprocess.run([str(python), "-c", "import ds_usp.ops.op_builder as b; print(b.CSRC)"], env=env,
+    where = subprocess.run([str(python), "-c", "import ds_usp.native.op_builder as b; print(b.CSRC)"], env=env,
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     csrc = Path(where.stdout.strip().splitlines()[-1])
     assert str(csrc).startswith(str(venv)) and (csrc / "cpu" / "usp_cpu.cpp").is_file(), where.stdout + where.stderr

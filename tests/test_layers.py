@@ -3,7 +3,7 @@
 The layer table of docs/architecture.md (``| layer | modules |``) is parsed here, so the picture and the code
 cannot drift: every ``ds_usp`` module must appear in it, and every import of a ``ds_usp`` module (module level
 or inside a function) must go to the same layer or one below. The native op's builders (the top-level ``ops/``,
-installed as ``ds_usp.ops.op_builder``) import nothing from ``ds_usp``: setup.py loads them before it exists.
+installed as ``ds_usp.native.op_builder``) import nothing from ``ds_usp``: setup.py loads them before it exists.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def _module_name(path: Path) -> str:
 
 def _layer_of(module: str, layers: dict[str, int]) -> int:
     """The layer of the longest table entry that is ``module`` or a package containing it."""
-    if module == "ds_usp.ops.op_builder" or module.startswith("ds_usp.ops.op_builder."):
-        module = "ds_usp.ops"  # the native op's builders belong to the native-op layer
+    if module == "ds_usp.native.op_builder" or module.startswith("ds_usp.native.op_builder."):
+        module = "ds_usp.native"  # the native op's builders belong to the native-op layer
     best = max((name for name in layers if module == name or module.startswith(name + ".")), key=len, default=None)
     assert best is not None, f"{module} is not in docs/architecture.md's layer table"
     return layers[best]

@@ -423,7 +423,7 @@ def layer_case(family: str, u: int, r: int, layout: str, docs, detail: bool = Fa
     difference."""
     import ds_usp
     from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.linear import is_linear_attention, wrap_linear_layers
+    from ds_usp.integration.hybrid import is_linear_attention, wrap_linear_layers
 
     module = importlib.import_module(FAMILIES[family])
     saved = getattr(module, _rule_name(family))
@@ -599,7 +599,7 @@ def test_other_recurrent_families_are_refused_by_name(family, config):
     import transformers
 
     import ds_usp
-    from ds_usp.integration.linear import is_linear_attention
+    from ds_usp.integration.hybrid import is_linear_attention
     from ds_usp.integration.models import check_model
 
     ds_usp.hf.register_usp_attention()

@@ -67,7 +67,7 @@ def train_with_features(tmp_dir: str, stage: int, u: int, r: int, memory: dict, 
         engine.backward(out.loss)
         engine.step()
         losses.append(float(out.loss))  # the whole sequence's loss on every rank
-        plans.append(engine.usp.memory.plan)
+        plans.append(engine.usp.memory.choices)
     plan = plans[-1]
     assert bool(plan.loss_chunk) == memory["chunked_loss"] and bool(plan.mlp_tiles) == memory["tiled_mlp"]
     assert plan.checkpoint == (memory["activation_checkpointing"] or "")
@@ -231,12 +231,12 @@ def test_checkpointing_peaks_below_six_tenths(world4):
 def test_auto_plan_follows_the_tokens_per_rank():
     """``"auto"``: nothing for short sequences; chunked loss, selective checkpointing and (free under it) tiled MLP
     for long ones; ``false`` keeps everything off. The issue's model: vocab 32000, hidden 256, intermediate 896."""
-    from ds_usp.integration.step_plan import MemoryContext, MemorySettings
+    from ds_usp.integration.step_choices import MemoryContext, MemorySettings
 
     def plan(tokens: int, **settings):
         ctx = MemoryContext(settings=MemorySettings(**settings), topo=None, layout="zigzag", hidden=256,
                             intermediate=896, vocab=32000, layers=4, zero3=False)
-        return ctx.make_plan(tokens, torch.device("cpu"), torch.float32)
+        return ctx.make_choices(tokens, torch.device("cpu"), torch.float32)
 
     short = plan(512)  # 62.5 MiB of fp32 logits and 10.5 MiB of MLP work: below the 128 MiB tile
     assert (short.loss_chunk, short.mlp_tiles, short.checkpoint, short.offload) == (0, 0, "", False)

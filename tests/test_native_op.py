@@ -1,4 +1,4 @@
-"""The native op (ds_usp.ops) against its PyTorch twins (ds_usp.ops.twins.TorchOps), and USP attention with it on and off.
+"""The native op (ds_usp.native) against its PyTorch twins (ds_usp.native.twins.TorchOps), and USP attention with it on and off.
 
 * Kernels, single process: the ring LSE merge (tolerance: the twin uses PyTorch's vectorized exp/log1p,
   the op glibc's, so they differ by a few ulp: atol = rtol = 1e-6 on fp32), the fp32 gradient
@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ds_usp.ops as native
+import ds_usp.native as native
 from dist_harness import get_topo
-from ds_usp.ops import NativeOps, NativeOpUnavailable, TorchOps, load_native_op, resolve_native_op
+from ds_usp.native import NativeOps, NativeOpUnavailable, TorchOps, load_native_op, resolve_native_op
 
 TWINS = TorchOps()
 merge_block_ = TWINS.merge_block_
@@ -328,7 +328,7 @@ def test_cuda_sources_compile(tmp_path):
 
 def test_cuda_builder_takes_arch_specific_entries(monkeypatch):
     """An H100 image sets TORCH_CUDA_ARCH_LIST=9.0a; DeepSpeed 0.19.8 fails on it, ours builds for 9.0."""
-    from ds_usp.ops.op_builder import USPCUDABuilder, plain_arch_list
+    from ds_usp.native.op_builder import USPCUDABuilder, plain_arch_list
 
     assert plain_arch_list("8.0 9.0a+PTX;10.0f") == "8.0 9.0+PTX;10.0"
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")

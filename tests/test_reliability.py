@@ -284,7 +284,7 @@ def test_low_precision_keeps_fp32_lse_and_accumulators():
     from ds_usp.kernels import get_backend
     from ds_usp.attention.masks import MaskSpec
     from ds_usp.attention.ring import RingSpec, ring_forward
-    from ds_usp.ops import TorchOps
+    from ds_usp.native import TorchOps
 
     q, k, v = _qkv(s=8, dtype=torch.bfloat16)
     spec = RingSpec(group=None, ranks=(0,), rank=0, layout="contiguous", padded_len=8)

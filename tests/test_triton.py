@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ds_usp.kernels import band, triton_attn
-from ds_usp.ops.twins import TorchOps
+from ds_usp.native.twins import TorchOps
 
 pytest.importorskip("triton", reason="triton is installed with the dev extra")
 

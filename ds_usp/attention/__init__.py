@@ -1,7 +1,7 @@
 """The attention algorithms: Ulysses (:mod:`.ulysses`), ring (:mod:`.ring`) and USP (:mod:`.usp`), their checks.
 
 Data flows down the layers of docs/architecture.md: these modules use :mod:`ds_usp.comm`,
-:mod:`ds_usp.kernels` and :mod:`ds_usp.ops`, never the integration layer.
+:mod:`ds_usp.kernels` and :mod:`ds_usp.native`, never the integration layer.
 """
 from ds_usp.attention.usp import USPAttention, ring_attention, ulysses_attention, usp_attention
 

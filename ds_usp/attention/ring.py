@@ -5,7 +5,7 @@ Every rank holds its "ring piece" of the sequence (see :mod:`ds_usp.sharding`). 
 its queries against (part of) that block, while the next block is already in flight
 (:func:`ds_usp.comm.ring_shift`, double buffered). Which parts, and how many steps at all, is
 decided in one place, :mod:`ds_usp.attention.masks` (causal, documents, windows, padding). The
-partial ``(out, lse)`` pairs are merged exactly in fp32 by ``ops.merge_block_`` (:mod:`ds_usp.ops`).
+partial ``(out, lse)`` pairs are merged exactly in fp32 by ``ops.merge_block_`` (:mod:`ds_usp.native`).
 The backward walks the same schedule with the merged ``(out, lse)``; the gradients a rank computes for a
 visiting block go straight to the block's owner in the training dtype, which sums them in fp32. With
 ``usp.comm_dtype = "fp8"`` the K/V blocks travel as float8 e4m3 messages (:func:`ds_usp.comm.fp8_encode`), encoded
@@ -25,7 +25,7 @@ from torch import Tensor
 from ds_usp.attention.masks import MaskSpec, block_parts, needed_steps
 from ds_usp.comm import fp8_decode, fp8_encode, ring_shift
 from ds_usp.kernels import AttnBackend, backward_pieces, forward_pieces
-from ds_usp.ops import TorchOps
+from ds_usp.native import TorchOps
 from ds_usp.sharding import Runs, piece_runs
 
 

@@ -4,7 +4,7 @@ GQA/MQA: with ``hkv`` KV heads and Ulysses degree ``U``, KV heads are split when
 and otherwise (``U % hkv == 0``) each KV head is replicated ``U / hkv`` times *before* the
 all-to-all, so each rank receives exactly the one KV head its query heads use; the way back sums
 the replicas' gradients. Nothing repeated ever travels around the ring. The packing into and out of
-the all-to-all buffers is ``ops`` (:mod:`ds_usp.ops`: the native op or its PyTorch twins).
+the all-to-all buffers is ``ops`` (:mod:`ds_usp.native`: the native op or its PyTorch twins).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from torch import Tensor
 
 from ds_usp.comm import all_to_all
-from ds_usp.ops import TorchOps
+from ds_usp.native import TorchOps
 
 
 def check_heads(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:

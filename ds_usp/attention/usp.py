@@ -20,7 +20,7 @@ One call is three ``torch.library`` custom ops, each with a registered derivativ
 ``torch.compile`` therefore sees opaque operators with known derivatives: it neither traces into the
 collectives (an autograd function that fills ``empty_like`` buffers through collectives gets a
 silently zero gradient under compile, as DeepSpeed documents in ``deepspeed/sequence/layer.py``) nor
-breaks the graph; and selective activation checkpointing (:mod:`ds_usp.integration.checkpointing`) can keep
+breaks the graph; and selective activation checkpointing (:mod:`ds_usp.integration.recompute`) can keep
 the ring's result instead of recomputing it. Process groups cannot appear in an operator schema,
 so the ops take the groups' names and look them up in torch.distributed's own registry
 (:func:`ds_usp.comm.resolve_group`).
@@ -42,7 +42,7 @@ from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, se
 from ds_usp.comm import resolve_group
 from ds_usp.config import COMM_DTYPES
 from ds_usp.kernels import BACKEND_CHOICES, get_backend
-from ds_usp.ops import TorchOps, check_native_op, resolve_native_op
+from ds_usp.native import TorchOps, check_native_op, resolve_native_op
 from ds_usp.sharding import check_layout, normalize_docs, resolve_seq_len, segment_bounds
 from ds_usp.topology import USPTopology
 
@@ -259,7 +259,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         seq_len: real global length when the sequence was padded by ``shard_sequence``;
             ``None`` means ``s_local * U * R`` (no padding).
         attn_backend: local kernel: ``"auto"``, ``"torch"``, ``"flash_attn"``, ``"triton"``.
-        native_op: ``usp.native_op``: ``"auto"`` uses the native op (:mod:`ds_usp.ops`) for the
+        native_op: ``usp.native_op``: ``"auto"`` uses the native op (:mod:`ds_usp.native`) for the
             packing, merge and accumulation when it builds and else the PyTorch twins, with one
             warning; ``True`` requires it; ``False`` never builds it. Same numbers either way.
         doc_lens: packed documents: their lengths over the *global* sequence, one list for every row
@@ -289,7 +289,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
             before any communication; or ranks of the SP group that pass different shapes or arguments (checked
             once per signature with one small all-gather, the same error on every rank; skipped under
             ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
-        ds_usp.ops.NativeOpUnavailable: ``native_op=True`` and the op cannot be built or loaded.
+        ds_usp.native.NativeOpUnavailable: ``native_op=True`` and the op cannot be built or loaded.
     """
     u = topo.ulysses_degree
     check_qkv(q, k, v, u)

@@ -37,14 +37,14 @@ import torch.distributed as dist
 from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
                            read_ds_config)
 from ds_usp.integration.hf import USPContext, attach
-from ds_usp.integration.step_plan import MemoryContext, MemorySettings
+from ds_usp.integration.step_choices import MemoryContext, MemorySettings
 from ds_usp.integration.memory import apply as apply_memory_features
-from ds_usp.integration.linear import check_hybrid, is_wrapped_mixer, wrap_linear_layers
+from ds_usp.integration.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
 from ds_usp.integration.models import check_model, default_positions, model_shape, plan_refusal
 from ds_usp.comm import group_device
 from ds_usp.cost import Hardware, ModelShape, StepSettings, step_time
 from ds_usp.log import log_info, log_rank0
-from ds_usp.ops import resolve_native_op
+from ds_usp.native import resolve_native_op
 from ds_usp.topology import USPTopology
 
 
@@ -55,8 +55,8 @@ class USPState:
     Attributes:
         config: the validated sequence-parallel config.
         topo: the topology (``None`` when sequence parallelism is off).
-        memory: the memory features applied to the model (``None`` when none is); ``memory.plan`` is what
-            the last forward call did (see :class:`ds_usp.integration.step_plan.StepPlan`).
+        memory: the memory features applied to the model (``None`` when none is); ``memory.choices`` is what
+            the last forward call did (see :class:`ds_usp.integration.step_choices.StepChoices`).
     """
 
     config: USPConfig

@@ -10,7 +10,7 @@ attention layers know nothing about it. Each concern lives in its own module:
 * :mod:`.tiling`: every decoder layer's MLP over sequence tiles, recomputed per tile (``usp.tiled_mlp``).
 * :mod:`.checkpointing`: per-layer activation checkpointing, selective or full, and the offload of the kept
   layer inputs (``usp.activation_checkpointing``, ``usp.offload_activations``).
-* :mod:`.step_plan`: the settings and the per-call :class:`~ds_usp.integration.step_plan.StepPlan` ("auto"
+* :mod:`.step_choices`: the settings and the per-call :class:`~ds_usp.integration.step_choices.StepChoices` ("auto"
   features turn on when the tokens a rank holds need them).
 
 This module only patches the model: its forward (the loss), its layers (checkpointing) and their MLPs (tiling).
@@ -25,14 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_usp.integration.checkpointing import checkpointed_layer_forward
+from ds_usp.integration.recompute import checkpointed_layer_forward
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens
 from ds_usp.integration.data import shift_labels as shift_sequence_labels
 from ds_usp.integration.hf import context_of
 from ds_usp.integration.loss import chunked_lm_loss, load_balancing_loss, sp_loss
 from ds_usp.integration.models import (LogitsTail, RouterAux, feed_forward_blocks, find_logits_tail,
                                        find_router_aux)
-from ds_usp.integration.step_plan import MemoryContext, MemorySettings
+from ds_usp.integration.step_choices import MemoryContext, MemorySettings
 from ds_usp.integration.tiling import TiledMLP, tile_bounds
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
@@ -126,7 +126,7 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
 def _tiled_mlp_forward(original: Callable[[Tensor], Tensor], params: tuple, ctx: MemoryContext) -> Callable:
     @functools.wraps(original)
     def forward(x: Tensor) -> Tensor:
-        tiles = ctx.plan.mlp_tiles if ctx.plan is not None else 0
+        tiles = ctx.choices.mlp_tiles if ctx.choices is not None else 0
         if not tiles or x.dim() != 3:
             return original(x)
         return TiledMLP.apply(x, original, tiles, params)
@@ -140,8 +140,8 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
     from ds_usp.sharding import gather_sequence, shard_sequence
 
     def router_loss(out: Any, attention_mask: Optional[Tensor], rows: int, length: int) -> Tensor:
-        plan = ctx.plan
-        tiles = tile_bounds(length, plan.mlp_tiles) if plan is not None and plan.mlp_tiles else None
+        choices = ctx.choices
+        tiles = tile_bounds(length, choices.mlp_tiles) if choices is not None and choices.mlp_tiles else None
         valid = None if attention_mask is None else attention_mask.reshape(-1) != 0
         return load_balancing_loss(tuple(out.router_logits), tail.router.num_experts, tail.router.top_k, valid,
                                    ctx.topo, tiles, rows)
@@ -153,7 +153,7 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
                 num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
                 **kwargs: Any) -> Any:
         ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        ctx.plan = ctx.make_plan(ref.shape[0] * ref.shape[1], ref.device,
+        ctx.choices = ctx.make_choices(ref.shape[0] * ref.shape[1], ref.device,
                                  head.weight.dtype if head.weight.is_floating_point() else torch.float32)
         hf = context_of(model)
         if hf is not None:  # the batch's documents, for decoder layers that do not pass them to their attention
@@ -183,10 +183,10 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
             full = gather_sequence(labels, topo, dim=1, layout=layout, seq_len=seq, doc_lens=docs)  # (b, S)
             shift_labels = shard_sequence(shift_sequence_labels(full, docs), topo, dim=1, layout=layout,
                                           pad_value=IGNORE_INDEX, doc_lens=docs)
-        plan = ctx.plan
-        logits = tail.logits.apply(head(hidden)) if return_logits or not plan.loss_chunk else None
-        if plan.loss_chunk:
-            loss = chunked_lm_loss(hidden, head, shift_labels, ctx.topo, plan.loss_chunk, plan.loss_grad_in_forward,
+        choices = ctx.choices
+        logits = tail.logits.apply(head(hidden)) if return_logits or not choices.loss_chunk else None
+        if choices.loss_chunk:
+            loss = chunked_lm_loss(hidden, head, shift_labels, ctx.topo, choices.loss_chunk, choices.loss_grad_in_forward,
                                    num_items_in_batch, tail.logits)
         else:  # the whole logits, plain autograd: (b, s, V) -> (b*s, V)
             loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),

@@ -344,7 +344,7 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from ds_usp.integration.hf import refuse_non_interface_family
-    from ds_usp.integration.linear import is_linear_attention, is_wrapped_mixer, linear_dims
+    from ds_usp.integration.hybrid import is_linear_attention, is_wrapped_mixer, linear_dims
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if model is None:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ds_usp.ops.twins import TorchOps
+from ds_usp.native.twins import TorchOps
 
 _MERGE = TorchOps()  # the one LSE merge rule (stateless)
 

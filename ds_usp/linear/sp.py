@@ -38,7 +38,7 @@ from ds_usp.attention.usp import as_units, head_to_seq_op, seq_to_head_op
 from ds_usp.comm import all_gather_rows, all_reduce_sum_
 from ds_usp.linear.delta import (Rule, Segment, SegmentRun, causal_conv, halo_of, initial_states, row_groups,
                                  run_segment, segments, state_dtype, with_initial_state)
-from ds_usp.ops import check_native_op
+from ds_usp.native import check_native_op
 from ds_usp.sharding import check_layout, normalize_docs, piece_runs, resolve_seq_len, segment_bounds
 from ds_usp.topology import USPTopology
 

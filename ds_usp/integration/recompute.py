@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
-from ds_usp.integration.step_plan import MemoryContext
+from ds_usp.integration.step_choices import MemoryContext
 
 # ---------------------------------------------------------------------- activation checkpointing
 
@@ -116,12 +116,12 @@ def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callab
 
     @functools.wraps(original)
     def forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
-        plan = ctx.plan
-        if plan is None or not plan.checkpoint or not torch.is_grad_enabled():
+        choices = ctx.choices
+        if choices is None or not choices.checkpoint or not torch.is_grad_enabled():
             return original(hidden_states, *args, **kwargs)
 
-        def run(hidden: Tensor, *rest: Any, **kw: Any) -> Any:  # also the recomputation: the same plan
-            ctx.plan = plan
+        def run(hidden: Tensor, *rest: Any, **kw: Any) -> Any:  # also the recomputation: the same choices
+            ctx.choices = choices
             if device.type == "cpu":
                 trim_host_heap()
             return original(hidden.to(device), *rest, **kw)
@@ -134,9 +134,9 @@ def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callab
                 args[names.index(key)] = value
             else:
                 kwargs[key] = value
-        stored = to_host(hidden_states) if plan.offload else hidden_states
+        stored = to_host(hidden_states) if choices.offload else hidden_states
         if device.type == "cpu" and hidden_states.requires_grad:  # and once the layer's backward is done
             hidden_states.register_hook(_trim_after)
         return checkpoint(run, stored, *args, use_reentrant=False,
-                          context_fn=_selective_contexts if plan.checkpoint == "selective" else noop_context_fn, **kwargs)
+                          context_fn=_selective_contexts if choices.checkpoint == "selective" else noop_context_fn, **kwargs)
     return forward

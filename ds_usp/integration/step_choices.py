@@ -1,8 +1,8 @@
-"""What one forward call of a long-sequence step does: the ``usp`` memory keys and the plan decided from them.
+"""What one forward call of a long-sequence step does: the ``usp`` memory keys and the choices made from them.
 
 :class:`MemoryContext` is shared by a wrapped model's top-level forward and its layers
-(:mod:`ds_usp.integration.memory`); :meth:`MemoryContext.make_plan` turns the settings and the tokens a rank
-holds into a :class:`StepPlan`: "auto" features turn on when sequence parallelism is on and the sequence is long
+(:mod:`ds_usp.integration.memory`); :meth:`MemoryContext.make_choices` turns the settings and the tokens a rank
+holds into a :class:`StepChoices`: "auto" features turn on when sequence parallelism is on and the sequence is long
 enough to need them.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class MemorySettings:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepChoices:
     """What one forward call does, decided from the tokens per rank (the same on every rank).
 
     Attributes:
@@ -77,9 +77,9 @@ class MemoryContext:
     vocab: int
     layers: int
     zero3: bool
-    plan: Optional[StepPlan] = field(default=None)
+    choices: Optional[StepChoices] = field(default=None)
 
-    def make_plan(self, tokens: int, device: torch.device, dtype: torch.dtype) -> StepPlan:
+    def make_choices(self, tokens: int, device: torch.device, dtype: torch.dtype) -> StepChoices:
         """Decide the features for a forward call over ``tokens`` tokens per rank.
 
         Args:
@@ -88,7 +88,7 @@ class MemoryContext:
             dtype: the activations' dtype.
 
         Returns:
-            The plan.
+            The choices.
         """
         if self.zero3 and dist.get_world_size() > 1:  # tile counts decide how often ZeRO-3 gathers: agree on them
             t = torch.tensor([tokens], device=_group_device(device))
@@ -109,7 +109,7 @@ class MemoryContext:
         if s.offload_activations == "auto" and ckpt and device.type == "cuda":
             held = self.layers * tokens * self.hidden * elem
             offload = held > OFFLOAD_SHARE * torch.cuda.get_device_properties(device).total_memory
-        return StepPlan(tokens=tokens, loss_chunk=loss_chunk,
+        return StepChoices(tokens=tokens, loss_chunk=loss_chunk,
                         loss_grad_in_forward=chunked and self.vocab * self.hidden * 4 <= tile,
                         mlp_tiles=max(1, math.ceil(mlp_bytes / tile)) if tiled else 0, checkpoint=ckpt,
                         offload=bool(offload and ckpt))

@@ -1,11 +1,11 @@
 """The native op and its PyTorch twins behind one interface, and the ``usp.native_op`` setting.
 
 The op is built from ``ops/csrc`` by the DeepSpeed op builders of the top-level ``ops/`` (installed as
-:mod:`ds_usp.ops.op_builder`):
+:mod:`ds_usp.native.op_builder`):
 prebuilt by ``DS_BUILD_USP=1 pip install --no-build-isolation .``, otherwise JIT-built with ninja on
 first use and cached in torch's extension directory. Nothing happens at import time.
 
-:func:`resolve_native_op` returns a :class:`NativeOps` (the op) or a :class:`~ds_usp.ops.twins.TorchOps`
+:func:`resolve_native_op` returns a :class:`NativeOps` (the op) or a :class:`~ds_usp.native.twins.TorchOps`
 (the PyTorch twins, the fallback and the test oracle): both have the same six methods with the same
 numbers, so the attention code calls ``ops.merge_block_(...)`` without ever asking which it holds.
 The one piece of module state is ``_LOADED``, a cache keyed by device type (``"cpu"``/``"cuda"``)
@@ -28,13 +28,13 @@ import torch
 from torch import Tensor
 
 from ds_usp.log import log_rank0
-from ds_usp.ops.twins import TorchOps
+from ds_usp.native.twins import TorchOps
 
 __all__ = ["NativeOps", "NativeOpUnavailable", "NativeOpState", "TorchOps", "check_native_op", "load_native_op",
            "native_op_state", "resolve_native_op"]
 
 NativeOpSetting = Union[bool, str]
-_PREBUILT = {"cpu": "ds_usp.ops._usp_cpu", "cuda": "ds_usp.ops._usp_cuda"}
+_PREBUILT = {"cpu": "ds_usp.native._usp_cpu", "cuda": "ds_usp.native._usp_cuda"}
 
 # device type -> NativeOps, or the NativeOpUnavailable that loading raised (filled lazily, see module doc)
 _LOADED: dict[str, Union["NativeOps", "NativeOpUnavailable"]] = {}
@@ -111,7 +111,7 @@ class NativeOpState:
 
 
 def _builder(device_type: str) -> Any:
-    from ds_usp.ops.op_builder import builder_for  # imports DeepSpeed's op builders: only when needed
+    from ds_usp.native.op_builder import builder_for  # imports DeepSpeed's op builders: only when needed
 
     try:
         return builder_for(device_type)

@@ -1,7 +1,7 @@
 """The PyTorch twins of the native op: the same six functions, signatures and numbers, in plain PyTorch.
 
-:class:`TorchOps` is what :func:`ds_usp.ops.resolve_native_op` hands out when the native op is off or
-cannot be built, and the oracle the native op is tested against. :class:`ds_usp.ops.NativeOps`
+:class:`TorchOps` is what :func:`ds_usp.native.resolve_native_op` hands out when the native op is off or
+cannot be built, and the oracle the native op is tested against. :class:`ds_usp.native.NativeOps`
 subclasses it and replaces each method with one native kernel pass, so callers never branch on
 which one they hold. Shapes use the legend of docs/architecture.md (``U`` the Ulysses degree,
 ``Hp`` the head columns of one all-to-all chunk).
