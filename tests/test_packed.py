@@ -309,8 +309,11 @@ def packed_reference(steps: int) -> tuple[list[float], dict]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_packed(stage: int, u: int, r: int, layout: str, steps: int) -> tuple[list[float], dict]:
-    """On every rank: ds_usp.initialize, packed rows through shard_batch and ``engine(**shard)``."""
+def train_packed(stage: int, u: int, r: int, layout: str, steps: int,
+                 readme_loop: bool = False) -> tuple[list[float], dict]:
+    """On every rank: ds_usp.initialize, packed rows through shard_batch and ``engine(**shard)``; ``readme_loop``:
+    the README's loop literally, ``engine(input_ids=..., position_ids=..., shift_labels=...)``, which passes no
+    document boundaries (ds-usp finds them from the restarting positions)."""
     import ds_usp
     from test_training import _ds_config, _llama, _params
 
@@ -321,7 +324,12 @@ def train_packed(stage: int, u: int, r: int, layout: str, steps: int) -> tuple[l
     losses = []
     for step in range(steps):
         shard = ds_usp.shard_batch(_packed_batch(step), engine.usp.topo, layout=engine.usp.layout)
-        loss = engine(**shard).loss
+        if readme_loop:
+            out = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                         shift_labels=shard["shift_labels"])
+        else:
+            out = engine(**shard)
+        loss = out.loss
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
@@ -349,17 +357,40 @@ def test_reference_masks_documents():
             start += n
 
 
-@pytest.mark.parametrize("stage,u,r,layout", [(2, 2, 2, "zigzag"), (3, 1, 4, "balanced"), (3, 4, 1, "contiguous")])
-def test_hf_packed_training_equals_single_process(world4, stage, u, r, layout):
+@pytest.mark.parametrize("stage,u,r,layout,readme_loop", [(2, 2, 2, "zigzag", False), (3, 1, 4, "balanced", False),
+                                                          (3, 4, 1, "contiguous", False), (2, 2, 2, "zigzag", True),
+                                                          (1, 1, 4, "contiguous", True)])
+def test_hf_packed_training_equals_single_process(world4, stage, u, r, layout, readme_loop):
     from test_training import TOL
 
     steps = 3
     want_losses, want_params = packed_reference(steps)
-    results = world4.run(train_packed, stage, u, r, layout, steps)
+    results = world4.run(train_packed, stage, u, r, layout, steps, readme_loop)
     losses, params = results[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL)
     for name, value in params.items():
         torch.testing.assert_close(value, want_params[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def readme_loop_balanced() -> str:
+    """On every rank: the README's loop on packed rows under the "balanced" layout (whose shards are placed by the
+    documents it is not given): refused by name."""
+    import ds_usp
+    from test_training import _ds_config, _llama
+
+    ds_usp.hf.register_usp_attention()
+    model = _llama("usp")
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(),
+                                   config=_ds_config(2, 4, 2, 2, "balanced"))
+    shard = ds_usp.shard_batch(_packed_batch(0), engine.usp.topo, layout="balanced")
+    with pytest.raises(ValueError, match="balanced") as caught:
+        engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"], shift_labels=shard["shift_labels"])
+    return str(caught.value)
+
+
+def test_readme_loop_on_packed_rows_refused_under_balanced(world4):
+    messages = world4.run(readme_loop_balanced)
+    assert len(set(messages)) == 1 and "cu_seq_lens_q" in messages[0]
 
 
 def mistral_window(layout: str) -> float:

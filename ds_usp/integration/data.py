@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ds_usp.comm import all_gather_rows, all_reduce_sum_, group_device, sum_over_group
-from ds_usp.sharding import check_layout, normalize_docs, shard_sequence
+from ds_usp.sharding import check_layout, gather_sequence, normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
 
 IGNORE_INDEX = -100
@@ -73,13 +73,64 @@ def packed_doc_lens(batch: Mapping[str, Any], rows: int, seq: int) -> Optional[l
     if batch.get("cu_seq_lens_q") is not None:
         return docs_from_cu_seq_lens(batch["cu_seq_lens_q"], rows)[1]
     positions = batch.get("position_ids")
-    if positions is None or not bool((positions[:, 1:] == 0).any()):
+    return None if positions is None else docs_from_positions(positions)
+
+
+def docs_from_positions(positions: Tensor) -> Optional[list[list[int]]]:
+    """The documents of full rows whose ``position_ids`` restart at 0 where a document starts (HF's
+    ``DataCollatorWithFlattening``); None when no row restarts.
+
+    Args:
+        positions: ``(b, S)`` positions of full rows.
+
+    Returns:
+        Per row, the document lengths (summing to ``S``), or None.
+    """
+    if positions.dim() != 2 or not bool((positions[:, 1:] == 0).any()):
         return None
+    seq = positions.shape[1]
     out = []
     for row in positions:
         starts = [0] + (torch.nonzero(row[1:] == 0).flatten() + 1).tolist()
         out.append([b - a for a, b in zip(starts, starts[1:] + [seq])])
     return out
+
+
+def documents_of_shard(positions: Tensor, topo: USPTopology, layout: str) -> Optional[Tensor]:
+    """The documents of a sharded batch found from its ``position_ids``, for a model called without them.
+
+    The README's loop, ``engine(input_ids=..., position_ids=..., shift_labels=...)``, passes no document boundaries:
+    the positions of the whole rows are gathered over the SP group (one all-gather of ``b x S`` integers) and a
+    document starts wherever they restart at 0, as HF's own packed path reads them; the end padding
+    :func:`shard_batch` adds (position 0) is cut off as the real length.
+
+    Args:
+        positions: ``(b, s_local)`` this rank's positions (as :func:`shard_batch` returns them).
+        topo: the topology.
+        layout: the batch's layout.
+
+    Returns:
+        ``cu_seq_lens_q`` as :func:`shard_batch` would have returned it, or None when every row is one document
+        over the whole padded length (nothing to tell the attention).
+
+    Raises:
+        ValueError: packed rows under the ``"balanced"`` layout, whose shards are placed by the documents, so the
+            rows cannot be put back together without them (on every rank of the group alike).
+    """
+    full = gather_sequence(positions, topo, dim=1, layout=layout) if topo.sp_size > 1 else positions  # (b, L)
+    rows, padded = full.shape
+    # the real length: up to the last non-zero position of any row (the trailing zeros are the end padding)
+    last = int(((full != 0) * torch.arange(1, padded + 1, device=full.device)).max())
+    real = last or padded
+    docs = docs_from_positions(full[:, :real])
+    if docs is not None and layout == "balanced" and topo.sp_size > 1:
+        raise ValueError("the model was called with packed rows (position_ids restart at 0) but without their "
+                         "documents, under the 'balanced' layout, which places each rank's tokens by the documents: "
+                         "call engine(**shard) with everything ds_usp.shard_batch returned (its cu_seq_lens_q), or "
+                         "use layout 'zigzag'")
+    if docs is None and real == padded:
+        return None
+    return cu_seq_lens(docs, rows, real, positions.device)
 
 
 def docs_from_cu_seq_lens(cu: Tensor, rows: int) -> tuple[int, list[list[int]]]:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ds_usp.attention import usp_attention
-from ds_usp.integration.data import docs_from_cu_seq_lens
+from ds_usp.integration.data import docs_from_cu_seq_lens, documents_of_shard
 from ds_usp.integration.hf_masks import HFMask, usp_mask
 from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.topology import USPTopology
@@ -298,6 +298,29 @@ def attach(model: nn.Module, context: USPContext) -> None:
         context.model_name = type(model).__name__
     for m in model.modules():
         setattr(m, _CONTEXT_ATTR, context)
+    if not hasattr(model, "_ds_usp_documents_hook"):
+        model._ds_usp_documents_hook = model.register_forward_pre_hook(_documents_of_call, with_kwargs=True)
+
+
+def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Before each call of the model: the batch's documents, passed on to every layer.
+
+    A call with ``cu_seq_lens_q`` (``engine(**shard)``) keeps them; a call with ``position_ids`` only (the README's
+    loop) gets them from the positions (:func:`~ds_usp.integration.data.documents_of_shard`), so that packed rows
+    never attend across documents, however the model is called. Either way the context keeps them for decoder layers
+    that do not pass their keyword arguments on to the attention (StableLM, Nemotron) and the hybrid layers.
+    """
+    ctx = context_of(model)
+    cu = kwargs.get("cu_seq_lens_q")
+    positions = kwargs.get("position_ids")
+    if cu is None and isinstance(positions, Tensor) and positions.dim() == 2:
+        cu = documents_of_shard(positions, ctx.topo, ctx.layout)
+        if cu is not None:
+            longest = int((cu[1:] - cu[:-1]).max())
+            kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
+                      "max_length_k": longest}
+    ctx.cu_seq_lens = cu
+    return args, kwargs
 
 
 def context_of(model: nn.Module) -> Optional[USPContext]:

@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from ds_usp.integration.recompute import checkpointed_layer_forward
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens
 from ds_usp.integration.data import shift_labels as shift_sequence_labels
-from ds_usp.integration.hf import context_of
 from ds_usp.integration.loss import chunked_lm_loss, load_balancing_loss, sp_loss
 from ds_usp.integration.models import (LogitsTail, RouterAux, feed_forward_blocks, find_logits_tail,
                                        find_router_aux)
@@ -155,9 +154,6 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
         ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         ctx.choices = ctx.make_choices(ref.shape[0] * ref.shape[1], ref.device,
                                  head.weight.dtype if head.weight.is_floating_point() else torch.float32)
-        hf = context_of(model)
-        if hf is not None:  # the batch's documents, for decoder layers that do not pass them to their attention
-            hf.cu_seq_lens = kwargs.get("cu_seq_lens_q")
         routed = bool(output_router_logits if output_router_logits is not None else
                       (tail.router is not None and tail.router.default_on))
         if routed and tail.router is None and tail.router_problem:
