@@ -48,19 +48,29 @@ setup(
     package_dir={OP_PACKAGE: "ops"},
     package_data={OP_PACKAGE: ["csrc/*.cpp", "csrc/*/*.cpp", "csrc/*/*.cu", "csrc/*/*.h"]},
     python_requires=">=3.11",  # exception notes (BaseException.add_note) name the rank and step of a failure
-    # torch is pinned by the install command on CPU machines (torch==2.13.0); any torch>=2.3 works.
-    install_requires=["torch>=2.3", "deepspeed>=0.16", "pydantic>=2"],
+    # The floors of torch, deepspeed, transformers, accelerate and trl are the versions CI runs (the dev extra pins
+    # them; tests/test_docs.py fails when a floor is not what CI runs). Older releases are not tested: the custom
+    # ops need torch>=2.4 (torch.library.custom_op) and the ZeRO-3 correction calls a private method of DeepSpeed's
+    # stage-3 optimizer (ds_usp/integration/engine.py). pydantic, hjson, matplotlib and datasets: CI runs the release
+    # pip resolves; their floors are the major versions whose API is used, not tested as such.
+    # The README's install command pins torch==2.13.0; on GPU machines install the torch for your CUDA first.
+    install_requires=["torch>=2.13", "deepspeed>=0.19.8", "pydantic>=2", "hjson"],
     extras_require={
-        "hf": ["transformers>=4.51"],  # attn_implementation="usp" (tested with 5.23)
-        "demo": ["transformers>=4.51", "matplotlib>=3.7"],  # examples/train_llama.py with its loss.png
+        "hf": ["transformers>=5.23"],  # attn_implementation="usp"
+        "demo": ["transformers>=5.23", "matplotlib>=3.7"],  # examples/train_llama.py with its loss.png
         # ds_usp.USPTrainer, USPSFTTrainer: later releases are accepted when they have every hook the integration uses
-        # (ds_usp.integration.hf_trainer.check_hooks); the dev extra pins the versions CI tests
+        # (ds_usp.integration.hf_trainer.check_hooks checks transformers' and accelerate's, not the versions)
         "trainer": ["transformers>=5.23", "accelerate>=1.15", "trl>=1.16", "datasets>=3"],
-        "dev": ["pytest>=7", "hypothesis>=6", "transformers>=5.23,<5.24", "accelerate>=1.15,<1.16", "trl>=1.16,<1.17",
+        # the versions CI runs: torch and deepspeed exactly (README: pip install torch==2.13.0 first), the HF stack
+        # within its minor version
+        "dev": ["torch==2.13.0", "deepspeed==0.19.8", "pytest>=7", "hypothesis>=6", "transformers>=5.23,<5.24",
+                "accelerate>=1.15,<1.16", "trl>=1.16,<1.17",
                 # triton: its kernels run on CPU under TRITON_INTERPRET=1 in the tests, and one test compiles them
                 # for sm_90 through triton's non-public compiler entry points, hence the pinned minor version
                 "datasets>=3", "triton>=3.9,<3.10"],
-        "gpu": ["flash-attn>=2.5", "triton>=3.6"],  # the Triton kernels ran on an H100 with 3.6
+        # not run by CI (no GPU): the Triton kernels ran on an H100 with triton 3.6 (before soft-capping and sinks);
+        # flash-attn is supported but has not run on a GPU yet
+        "gpu": ["flash-attn>=2.5", "triton>=3.6"],
     },
     **_prebuilt_native_op(),
 )

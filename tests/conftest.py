@@ -6,11 +6,15 @@ The same suite runs on CPU machines and on GPU hosts:
   any test imports triton (ds-usp still compiles the kernels for CUDA tensors, see ``triton_attn._kernels``);
 * on a GPU host this process keeps the GPU for the ``gpu`` tests, and every process it starts (gloo worlds,
   launchers, jobs) sees none: the multi-rank tests are CPU tests over gloo wherever they run.
+
+``python -m pytest -m fast`` runs the quick subset listed in :data:`FAST` (no gloo world, no launcher, no build of
+the native op; under 3 minutes on 2 cores) for local work; CI (``.ci/run``) runs the whole suite.
 """
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -25,6 +29,64 @@ sys.path.insert(0, os.path.dirname(__file__))
 _BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, _BENCHMARKS)
 from dist_harness import World  # noqa: E402
+
+# The ``fast`` subset: a test file -> "*" (all its tests) or the names of its quick test functions (every
+# parametrization of a name). Nothing here starts a gloo world, a launcher or a native-op build (the plan tests
+# run the planner's command line, one short process at a time).
+FAST: dict[str, object] = {
+    "test_docs.py": "*",
+    "test_layers.py": "*",
+    "test_kernels.py": "*",  # CPU kernels on small tensors (the gpu ones skip without CUDA)
+    "test_config_topology.py": {
+        "test_bad_config_names_the_key", "test_head_constraints_are_checked_when_heads_are_known",
+        "test_timeout_default_and_value", "test_file_path_and_missing_file", "test_modes_and_defaults",
+        "test_ranks_per_node_from_either_launcher", "test_automatic_degrees_follow_the_paper",
+        "test_plan_partitions_the_world_for_every_factorization", "test_shipped_configs_load",
+        "test_reliability_doc_counts_the_bad_configs", "test_config_docs_table_is_the_schema"},
+    "test_native_op.py": {  # the ones that need neither the built op nor a world
+        "test_twin_packing_matches_a_hand_written_layout", "test_native_op_true_without_compiler_is_an_error",
+        "test_native_op_auto_without_compiler_warns_once", "test_native_op_false_never_builds",
+        "test_native_op_bad_setting", "test_unsupported_device_type", "test_cuda_builder_takes_arch_specific_entries"},
+    "test_triton.py": {  # the kernels in Triton's interpreter on small shapes; not the sm_90 compile (a subprocess)
+        "test_matches_exact_attention_cpu", "test_half_precision_cpu",
+        "test_plain_entries_are_the_causal_and_full_bands", "test_unavailable_reason_on_cpu",
+        "test_bad_inputs_are_refused", "test_interpreter_is_chosen_per_tensor_not_per_process"},
+    "test_hf_trainer.py": {"test_hook_check_names_what_is_missing", "test_the_patched_hf_function_is_still_hfs"},
+    "test_models.py": {  # tiny models in one process; not the 4-rank family runs
+        "test_reference_variants_agree", "test_logits_tail_is_found_in_every_training_dtype",
+        "test_every_interface_keyword_is_classified", "test_non_interface_families_are_refused_by_name",
+        "test_unknown_keywords_are_refused", "test_models_doc_lists_the_tested_families",
+        "test_masks_are_read_from_transformers_mask_functions", "test_default_positions_follow_the_model"},
+    "test_linear.py": {
+        "test_segments_combine_to_the_recurrence", "test_response_and_transition_are_the_affine_map",
+        "test_other_recurrent_families_are_refused_by_name", "test_linear_heads_the_degree_cannot_split_are_refused"},
+    "test_memory.py": {"test_chunked_loss_equals_cross_entropy", "test_auto_plan_follows_the_tokens_per_rank"},
+    "test_plan.py": {  # the cost model and its command line; not the measured 4-rank steps
+        "test_cli_ranks_plans_and_writes_the_json", "test_cli_answers_impossible_requests",
+        "test_cli_prices_one_split", "test_model_shapes_from_hf_configs",
+        "test_auto_degrees_are_priced_at_the_models_length"},
+    "test_usp_attention.py": {"test_fp8_codec_error_bound"},
+    "test_packed.py": {"test_balanced_layout_balances_packed_rows", "test_reference_masks_documents"},
+    "test_reliability.py": {"test_low_precision_keeps_fp32_lse_and_accumulators"},
+    "test_comm_volume.py": {"test_closed_form_hand_values"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of :data:`FAST` ``fast``; warn about listed names a test module no longer has."""
+    modules = {}
+    for item in items:
+        wanted = FAST.get(item.path.name)
+        name = getattr(item, "originalname", item.name)
+        if wanted == "*" or (wanted is not None and name in wanted):
+            item.add_marker(pytest.mark.fast)
+        if wanted is not None and wanted != "*" and getattr(item, "module", None) is not None:
+            modules[item.path.name] = item.module
+    for file, module in modules.items():
+        stale = sorted(name for name in FAST[file] if not hasattr(module, name))
+        if stale:
+            warnings.warn(f"tests/conftest.py FAST lists tests {file} no longer has: {', '.join(stale)}",
+                          pytest.PytestWarning)
 
 
 def _world(request, size: int):

@@ -14,10 +14,19 @@ Conventions shared by every backend:
 * ``backward`` uses the (out, lse) it is given as the final softmax statistics, so ring attention
   can call it per KV block with the globally merged out/lse.
 
-Backends: "torch" (PyTorch fused SDPA ATen ops, CPU + CUDA), "flash_attn" (flash-attn 2.x, CUDA,
-fp16/bf16), "triton" (ds-usp's Triton kernels: CUDA/ROCm, or CPU under ``TRITON_INTERPRET=1`` for tests;
-band masks computed in-kernel and the ring's LSE merge fused into the forward). Select one with
-:func:`get_backend`.
+Backends, selected with :func:`get_backend` (``usp.attn_backend``):
+
+* "torch": PyTorch's fused SDPA ATen ops (:mod:`ds_usp.kernels.torch_sdpa`); CPU and CUDA, fp32/bf16/fp16.
+* "flash_attn": flash-attn 2.x (:mod:`ds_usp.kernels.flash_attn`); CUDA, fp16/bf16. Supported but untested on a
+  GPU so far: the adapter is tested on CPU against stand-ins of flash-attn's private API only.
+* "triton": ds-usp's own Triton kernels (:mod:`ds_usp.kernels.triton_attn`); fp16/bf16/fp32, head dims up to 256;
+  CUDA/ROCm tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests); band and document
+  masks computed in the kernel, the ring's LSE merge fused into the forward (``band_forward_merge_``), and a band
+  backward in one call.
+* "auto": "flash_attn" on a CUDA device when flash-attn 2.x imports and the dtype is fp16/bf16 (or not known yet),
+  else "torch"; never "triton".
+
+:func:`available_backends` says which of the three can run on a device, and why not.
 """
 from __future__ import annotations
 
@@ -48,7 +57,7 @@ class AttnBackend:
     """A local attention implementation: forward returning (out, lse) and the matching backward.
 
     Attributes:
-        name: "torch" or "flash_attn".
+        name: "torch", "flash_attn" or "triton".
         forward_fn: kernel forward on validated inputs with a resolved float scale.
         backward_fn: kernel backward on validated inputs with a resolved float scale.
         masked_forward: ``(q, k, v, keep, scale, softcap)``: attention of a small tile with an explicit

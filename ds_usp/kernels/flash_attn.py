@@ -17,6 +17,11 @@ All flash-attn version differences are handled here:
 
 Inputs/outputs are bshd, which is flash-attn's native layout; flash-attn supports GQA/MQA
 natively and returns lse as a contiguous (b, h, sq) float32 tensor.
+
+Untested on a GPU so far: flash-attn has not been installed on a GPU host of this project (PyPI has no
+binary wheel of it, and building it from source was out of reach there), so these version rules are tested
+only on CPU, against stand-ins of the 2.5 and 2.7 private APIs (tests/test_kernels.py); the CUDA tests of this
+backend skip without it.
 """
 from __future__ import annotations
 

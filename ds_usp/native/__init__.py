@@ -1,16 +1,19 @@
 """The native op and its PyTorch twins behind one interface, and the ``usp.native_op`` setting.
 
-The op is built from ``ops/csrc`` by the DeepSpeed op builders of the top-level ``ops/`` (installed as
-:mod:`ds_usp.native.op_builder`):
-prebuilt by ``DS_BUILD_USP=1 pip install --no-build-isolation .``, otherwise JIT-built with ninja on
-first use and cached in torch's extension directory. Nothing happens at import time.
+The op (the ring's LSE merge, the Ulysses all-to-all packing with GQA replication, the ring backward's fp32
+accumulation; C++ with OpenMP for CPU tensors, CUDA kernels for CUDA tensors) is built from ``ops/csrc`` by the
+DeepSpeed op builders of the repository's top-level ``ops/``, installed as :mod:`ds_usp.native.op_builder`: prebuilt
+by ``DS_BUILD_USP=1 pip install --no-build-isolation .``, otherwise JIT-built with ninja on first use (about a
+minute) and cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``, by default under
+``~/.cache/torch_extensions``). Nothing happens at import time.
 
 :func:`resolve_native_op` returns a :class:`NativeOps` (the op) or a :class:`~ds_usp.native.twins.TorchOps`
 (the PyTorch twins, the fallback and the test oracle): both have the same six methods with the same
-numbers, so the attention code calls ``ops.merge_block_(...)`` without ever asking which it holds.
-The one piece of module state is ``_LOADED``, a cache keyed by device type (``"cpu"``/``"cuda"``)
-holding the loaded op or the reason it could not be loaded, so a process builds/loads at most once
-per device type and warns at most once.
+signatures and numbers (bitwise, except the merge, whose exp/log1p agree within a few ulp, and the replica
+sums of ``unpack_head_to_seq``, within fp32 rounding), so the attention code calls ``ops.merge_block_(...)``
+without ever asking which it holds. The one piece of module state is ``_LOADED``, a cache keyed by device
+type (``"cpu"``/``"cuda"``) holding the loaded op or the reason it could not be loaded, so a process
+builds/loads at most once per device type and warns at most once per device type.
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The PyTorch twins of the native op: the same six functions, signatures and numbers, in plain PyTorch.
+"""The PyTorch twins of the native op: the same six functions and signatures, in plain PyTorch, with the same
+numbers (bitwise, except the merge, whose exp/log1p agree within a few ulp, and the replica sums of
+``unpack_head_to_seq``, within fp32 rounding).
 
 :class:`TorchOps` is what :func:`ds_usp.native.resolve_native_op` hands out when the native op is off or
 cannot be built, and the oracle the native op is tested against. :class:`ds_usp.native.NativeOps`
