@@ -2,8 +2,9 @@
 
 The scripts run as ``python benchmarks/X.py`` or under the launcher (``deepspeed --num_gpus 4
 benchmarks/X.py``); either way this folder is ``sys.path[0]``, so they ``from _common import ...``.
-Raw runs go to ``benchmarks/results/*.json`` (:func:`save_results`); docs/benchmarks.md keeps the
-method, the tables and the command behind each.
+Raw runs go to ``benchmarks/results/*.json`` (:func:`save_results`, or :func:`write_result` for another shape),
+each with a :func:`provenance` record: the command, commit, date, device and library versions it came from;
+docs/benchmarks.md keeps the method, the tables and the command behind each.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import json
 import math
 import os
 import platform
+import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +31,8 @@ from torch import Tensor
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NATIVE_OP: dict[str, Union[bool, str]] = {"auto": "auto", "on": True, "off": False}  # --native-op -> usp.native_op
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+RESULTS = ROOT / "benchmarks" / "results"
 MIB = 2.0 ** 20
 NAME = Path(sys.argv[0]).stem  # the running benchmark: log tag and default result file name
 
@@ -307,26 +311,109 @@ def result_path(path: str) -> Path:
     return RESULTS / path if Path(path).parent == Path(".") else Path(path)
 
 
+def _command_line(argv: Sequence[str]) -> str:
+    """The command a person typed to start this process, as far as the environment tells it.
+
+    Under the DeepSpeed launcher (which sets ``LOCAL_SIZE`` and ``CROSS_SIZE`` and appends ``--local_rank=N``):
+    ``deepspeed --num_gpus N [--num_nodes M] [--master_port P] script args``; under torchrun:
+    ``torchrun --nproc_per_node N script args``; otherwise ``python script args``.
+    """
+    args = [a for a in argv[1:] if not a.startswith("--local_rank")]
+    env = os.environ
+    if "LOCAL_SIZE" in env and "CROSS_SIZE" in env:
+        head = ["deepspeed", "--num_gpus", env["LOCAL_SIZE"]]
+        if env["CROSS_SIZE"] != "1":
+            head += ["--num_nodes", env["CROSS_SIZE"]]
+        if env.get("MASTER_PORT", "29500") != "29500":
+            head += ["--master_port", env["MASTER_PORT"]]
+    elif "TORCHELASTIC_RUN_ID" in env:
+        head = ["torchrun", "--nproc_per_node", env.get("LOCAL_WORLD_SIZE", "?")]
+    else:
+        head = ["python"]
+    script = Path(argv[0]) if argv else Path("-")
+    try:
+        script = script.resolve().relative_to(ROOT)
+    except ValueError:
+        pass
+    return shlex.join(head + [str(script)] + args)
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Where a result comes from: the command, commit, date, device and library versions.
+
+    Args:
+        argv: the process's arguments (default ``sys.argv``).
+
+    Returns:
+        ``{"command", "commit", "date", "device", "versions"}``: ``commit`` is ``git rev-parse HEAD``, with
+        ``+dirty`` (and ``"changed"``: the paths) when tracked or untracked files outside ``benchmarks/results/``
+        differ from it; ``device`` the CPU model and cores, plus the GPUs when CUDA is there.
+    """
+    from importlib import metadata
+
+    head = (_git("rev-parse", "HEAD") or "").strip() or "unknown (not a git checkout)"
+    changed = [line[3:] for line in (_git("status", "--porcelain") or "").splitlines()
+               if not line[3:].startswith("benchmarks/results/")]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    device = f"cpu: {_cpu_name()}, {cores} cores"
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        device += "; gpu: " + ", ".join(f"{n} x {gpus.count(n)}" for n in dict.fromkeys(gpus))
+    versions: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for dist_name in ("torch", "deepspeed", "transformers", "triton", "ds-usp"):
+        try:
+            versions[dist_name.replace("-", "_")] = metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            versions[dist_name.replace("-", "_")] = None
+    record = {"command": _command_line(sys.argv if argv is None else argv),
+              "commit": head + ("+dirty" if changed else ""),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": device, "versions": versions}
+    if changed:
+        record["changed"] = changed
+    return record
+
+
+def write_result(path: Union[str, Path], payload: Any) -> Path:
+    """Write ``payload`` as JSON with this process's :func:`provenance` (the one writer of ``benchmarks/results``).
+
+    A dict payload gets a ``"provenance"`` key (first); anything else becomes ``{"provenance": ...,
+    "results": payload}``. A bare file name goes into ``benchmarks/results/``. Returns the path written.
+    """
+    record = provenance()
+    body = ({"provenance": record, **{k: v for k, v in payload.items() if k != "provenance"}}
+            if isinstance(payload, Mapping) else {"provenance": record, "results": payload})
+    target = result_path(str(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(_json_safe(body), indent=1) + "\n")
+    return target
+
+
 def save_results(path: Optional[str], meta: Union[Mapping[str, Any], argparse.Namespace], rows: Sequence[Any]) -> Path:
-    """Write one run as JSON: the command line, date, torch/deepspeed versions, device, world size, ``args``
+    """Write one run as JSON through :func:`write_result`: its provenance, the benchmark, the world size, ``args``
     (``meta``) and ``rows``. A bare file name goes into ``benchmarks/results/``; none:
     ``benchmarks/results/<benchmark>-<UTC date and time>.json``. Returns the path written."""
     meta = vars(meta) if isinstance(meta, argparse.Namespace) else meta
     now = datetime.datetime.now(datetime.timezone.utc)
-    target = result_path(path or f"{NAME}-{now:%Y%m%d-%H%M%S}.json")
-    try:
-        import deepspeed
-
-        ds_version = deepspeed.__version__
-    except ImportError:
-        ds_version = None
-    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
-              else f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    payload = {"benchmark": NAME, "command": " ".join([Path(sys.executable).name] + sys.argv),
-               "date": now.isoformat(timespec="seconds"), "torch": torch.__version__, "deepspeed": ds_version,
-               "device": device, "world_size": world,
-               "args": {k: v for k, v in meta.items() if k != "local_rank"}, "rows": [_plain(r) for r in rows]}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
-    return target
+    args = {k: v for k, v in meta.items() if k != "local_rank"}
+    return write_result(path or f"{NAME}-{now:%Y%m%d-%H%M%S}.json",
+                        {"benchmark": NAME, "world_size": world, "args": args, "rows": [_plain(r) for r in rows]})

@@ -416,10 +416,11 @@ def plot(rows: list[dict], path: str, args: argparse.Namespace) -> None:
            ylabel="per-rank peak growth of a step (MiB)",
            title=f"Llama {args.layers}x{args.hidden}, vocab {args.vocab}, {args.dtype}, ZeRO-{args.zero}")
     ax.set_xticks(seqs, [f"{s // 1024}K" for s in seqs])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # only the measured lengths on the axis
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": None})  # same bytes on every run
     print(f"{TAG} plot written to {path}")
 
 
@@ -430,10 +431,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.worker:
         run_worker(args)
         return 0
+    meta = vars(args)
     if args.from_json:
+        runs = {path: json.loads(result_path(path).read_text()) for path in args.from_json}
         merged = {(r["system"], r["S"]): {k: None if v == "-" else v for k, v in r.items()}
-                  for path in args.from_json for r in json.loads(result_path(path).read_text())["rows"]}
+                  for run in runs.values() for r in run["rows"]}
         rows = sorted(merged.values(), key=lambda r: r["S"])
+        meta = dict(meta, sources={path: run.get("provenance") for path, run in runs.items()})  # the rows' origins
     else:
         scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"long_seq_{os.getpid()}"
         scratch.mkdir(parents=True, exist_ok=True)
@@ -447,7 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(pivot(rows))
     text, agree = compare(rows)
     print(text)
-    print(f"{TAG} results written to {save_results(args.json, vars(args), rows)}")
+    print(f"{TAG} results written to {save_results(args.json, meta, rows)}")
     if args.plot:
         plot(rows, args.plot, args)
     return 0 if agree else 1

@@ -4,13 +4,16 @@ Run (one 4-rank job measures every row in turn, a few minutes on 2 cores):
 
     deepspeed --num_gpus 4 --master_port 29650 benchmarks/plan_calibration.py --json plan_calibration.json
     python benchmarks/plan_calibration.py --fit plan_calibration.json     # least squares on log(predicted/measured)
+    python benchmarks/plan_calibration.py --table plan_calibration.json   # the rows against today's constants
 
 Each row trains an HF Llama (fp32, AdamW, 8 heads, 4 key/value heads) through ``ds_usp.initialize`` for two steps
 and records the per-rank peak, the largest over the ranks, in live bytes as ``max_memory_allocated`` counts them on
 a GPU (``meters.step_peak``: glibc's mmap threshold fixed at 64 KiB, so a freed tensor leaves the resident set;
 with glibc's default the heap keeps freed blocks resident, a slack that depends on the order of allocations and
-that ds-usp trims on CPU only around checkpointed layers). ``--fit`` prints the
-:class:`ds_usp.cost.Calibration` constants that fit the rows best and each row's ratio with them.
+that ds-usp trims on CPU only around checkpointed layers). The file (a bare name: in ``benchmarks/results/``) is
+``{"provenance": ..., "benchmark", "rows": [{"row", "plan", "measured"}, ...]}`` (``_common.write_result``).
+``--fit`` prints the :class:`ds_usp.cost.Calibration` constants that fit the rows best and each row's ratio with
+them; ``--table`` each row's ratio with the library's constants (docs/planner.md's table).
 """
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ import dataclasses
 import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 
@@ -82,7 +84,28 @@ def run_rows(path: str) -> None:
             print(f"[plan_calibration] {row}: measured {measured / 2 ** 20:.0f} MiB, predicted "
                   f"{predicted(list(row), plan) / 2 ** 20:.0f} MiB", flush=True)
     if dist.get_rank() == 0:
-        Path(path).write_text(json.dumps(results, indent=1))
+        from _common import write_result
+
+        written = write_result(path, {"benchmark": "plan_calibration", "rows": results})
+        print(f"[plan_calibration] rows written to {written}")
+
+
+def load_rows(path: str) -> list[dict]:
+    """The measured rows of a file written by :func:`run_rows` (a bare name: in ``benchmarks/results/``)."""
+    from _common import result_path
+
+    return json.loads(result_path(path).read_text())["rows"]
+
+
+def print_table(rows: list[dict], cal=None) -> None:
+    """docs/planner.md's table: each row's prediction with ``cal`` (default: the library's constants), measured."""
+    print("| S | U x R | ZeRO | features | layers | vocab | hidden | MLP | predicted MiB | measured MiB | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        seq, u, rr, zero, features, layers, vocab, hidden, mlp = r["row"]
+        p, m = predicted(r["row"], r["plan"], cal), r["measured"]
+        print(f"| {seq} | {u}x{rr} | {zero} | {features} | {layers} | {vocab} | {hidden} | {mlp} | {p / 2 ** 20:.0f} | "
+              f"{m / 2 ** 20:.0f} | {p / m:.2f} |")
 
 
 def fit(path: str) -> None:
@@ -91,7 +114,7 @@ def fit(path: str) -> None:
 
     from ds_usp.cost import Calibration
 
-    rows = json.loads(Path(path).read_text())
+    rows = load_rows(path)
     names = ["per_layer_hidden", "per_layer_mlp", "selective_hidden", "logits", "fixed"]
     start = Calibration()
     x0 = [getattr(start, n) for n in names[:-1]] + [start.fixed / 2 ** 20] + list(start.per_param)
@@ -109,24 +132,22 @@ def fit(path: str) -> None:
     cal = calibration(best.x)
     print("Calibration(" + ", ".join(f"{n}={getattr(cal, n)!r}" for n in names[:4]) +
           f", fixed={best.x[4]:.0f} * 2 ** 20, per_param={tuple(round(v, 2) for v in best.x[5:8])})")
-    print("| S | U x R | ZeRO | features | layers | vocab | hidden | MLP | predicted MiB | measured MiB | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        seq, u, rr, zero, features, layers, vocab, hidden, mlp = r["row"]
-        p, m = predicted(r["row"], r["plan"], cal), r["measured"]
-        print(f"| {seq} | {u}x{rr} | {zero} | {features} | {layers} | {vocab} | {hidden} | {mlp} | {p / 2 ** 20:.0f} | "
-              f"{m / 2 ** 20:.0f} | {p / m:.2f} |")
+    print_table(rows, cal)
     print("today's constants:", dataclasses.asdict(Calibration()))
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", default="plan_calibration.json", help="where the measured rows go")
+    p.add_argument("--json", default="plan_calibration.json",
+                   help="where the measured rows go (a bare name: in benchmarks/results/)")
     p.add_argument("--fit", default="", help="fit the constants to this file of measured rows instead of running")
+    p.add_argument("--table", default="", help="print this file's rows against the library's constants, run nothing")
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fit:
         fit(args.fit)
+    elif args.table:
+        print_table(load_rows(args.table))
     else:
         import deepspeed
 

@@ -1,18 +1,25 @@
-"""Draw the figures of docs/how_usp_works.md into docs/img/ (deterministic, no network).
+"""Draw every figure of docs/ into docs/img/ (deterministic, no network; needs matplotlib).
 
-    python docs/make_figures.py
+    python docs/make_figures.py                      # all of them
+    python docs/make_figures.py wire_loss.png        # some of them
 
-Every number in the figures comes from ds-usp's own code: which positions a rank holds from
-``ds_usp.sharding``, which (query, key) pairs the ring computes at each step from ``ds_usp.attention.masks``, and
-the bytes a layer sends from ``ds_usp.cost``, so the pictures change when the code does.
+The figures of docs/how_usp_works.md (``usp_2x2.png``, ``zigzag_balance.png``, ``linear_vs_attention.png``) come
+from ds-usp's own code: which positions a rank holds from ``ds_usp.sharding``, which (query, key) pairs the ring
+computes at each step from ``ds_usp.attention.masks``, and the bytes a layer sends from ``ds_usp.cost``, so the
+pictures change when the code does. The figures of docs/benchmarks.md are drawn from result files in
+``benchmarks/results/`` by the benchmark's own plot function: ``long_seq_memory.png`` from ``long_seq.json``
+(``benchmarks/long_seq.py``), ``wire_loss.png`` from ``wire_loss.json`` (``benchmarks/wire_loss.py``).
 """
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing the package
+RESULTS = ROOT / "benchmarks" / "results"
 
 import matplotlib  # noqa: E402
 
@@ -201,14 +208,41 @@ def figure_linear_vs_attention(path: Path) -> None:
     plt.close(fig)
 
 
+def _benchmark(name: str):
+    """A script of ``benchmarks/`` as a module (its folder first on ``sys.path``, as when it runs)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def figure_long_seq_memory(path: Path) -> None:
+    """Per-rank peak of a training step against S, one line per system, from ``benchmarks/results/long_seq.json``."""
+    data = json.loads((RESULTS / "long_seq.json").read_text())
+    rows = [{k: None if v == "-" else v for k, v in r.items()} for r in data["rows"]]
+    _benchmark("long_seq").plot(rows, str(path), argparse.Namespace(**data["args"]))
+
+
+def figure_wire_loss(path: Path) -> None:
+    """The demo's loss curves per wire and their differences, from ``benchmarks/results/wire_loss.json``."""
+    data = json.loads((RESULTS / "wire_loss.json").read_text())
+    runs = {r["run"]: [{"step": i + 1, "loss": x} for i, x in enumerate(r["losses"])] for r in data["rows"]}
+    _benchmark("wire_loss").plot(runs, path)
+
+
 FIGURES = {"usp_2x2.png": figure_usp_2x2, "zigzag_balance.png": figure_zigzag_balance,
-           "linear_vs_attention.png": figure_linear_vs_attention}
+           "linear_vs_attention.png": figure_linear_vs_attention, "long_seq_memory.png": figure_long_seq_memory,
+           "wire_loss.png": figure_wire_loss}
 
 
 def main() -> None:
+    names = sys.argv[1:] or list(FIGURES)
+    unknown = [n for n in names if n not in FIGURES]
+    if unknown:
+        raise SystemExit(f"unknown figure(s) {', '.join(unknown)}; known: {', '.join(FIGURES)}")
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, draw in FIGURES.items():
-        draw(OUT / name)
+    for name in names:
+        FIGURES[name](OUT / name)
         print(OUT / name)
 
 

@@ -10,7 +10,8 @@ TRL) on first use.
 from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, usp_attention
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.integration import data, hf
-from ds_usp.integration.data import USPDataLoader, shard_batch, sp_cross_entropy
+from ds_usp.integration.data import USPDataLoader, shard_batch
+from ds_usp.integration.loss import sp_cross_entropy
 from ds_usp.integration.engine import USPState, initialize, install_deepspeed_hook
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks

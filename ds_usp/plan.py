@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
 from ds_usp.cost import GIB, Hardware, ModelShape, StepMemory, StepSettings, StepTime, step_memory, step_time
-from ds_usp.integration.models import model_shape, plan_refusal
+from ds_usp.integration.model_shape import model_shape, split_refusal
 
 # the memory-feature presets the planner tries: name -> (checkpointing, tiled feed-forward, chunked loss, offloaded
 # layer inputs); "full-offload" is ALST's recipe (with --offload, the optimizer state goes to the host too)
@@ -123,7 +123,7 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
             r = sp // u
             if (ulysses and u != ulysses) or (ring and r != ring):
                 continue
-            refused = plan_refusal(shape, u, r, seq)
+            refused = split_refusal(shape, u, r, seq)
             for stage in ([zero] if zero else [1, 2, 3]):
                 for preset in presets:
                     ckpt, tiled, chunked, off_act = PRESETS[preset]

@@ -145,7 +145,7 @@ class USPTopology:
             handed to DeepSpeed through :attr:`mpu`.
         default_positions: how the model numbers the tokens of a full sequence ``(b, S)`` when it is given no
             ``position_ids`` (``ds_usp.initialize`` sets it from the model, see
-            :func:`ds_usp.integration.models.default_positions`; ``None``: ``0..S-1``). :func:`ds_usp.shard_batch`
+            :func:`ds_usp.integration.model_checks.default_positions`; ``None``: ``0..S-1``). :func:`ds_usp.shard_batch`
             uses it, so a model numbering from ``padding_idx + 1`` (RoBERTa) gets its own positions.
     """
 

@@ -36,6 +36,7 @@ from dist_harness import World  # noqa: E402
 FAST: dict[str, object] = {
     "test_docs.py": "*",
     "test_layers.py": "*",
+    "test_patches.py": "*",
     "test_kernels.py": "*",  # CPU kernels on small tensors (the gpu ones skip without CUDA)
     "test_config_topology.py": {
         "test_bad_config_names_the_key", "test_head_constraints_are_checked_when_heads_are_known",

@@ -40,13 +40,71 @@ def _layer_of(module: str, layers: dict[str, int]) -> int:
 
 
 def _imports(path: Path) -> set[str]:
+    """The ``ds_usp`` modules a file imports, at module level or inside a function (``from pkg import mod`` counts
+    as ``pkg.mod`` when ``mod`` is a module of the package)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            for alias in node.names:
+                sub = ROOT.joinpath(*node.module.split("."), alias.name)
+                if sub.with_suffix(".py").exists() or (sub / "__init__.py").exists():
+                    found.add(f"{node.module}.{alias.name}")
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return {m for m in found if m == "ds_usp" or m.startswith("ds_usp.")}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """``module -> the ds_usp modules it imports`` over the whole package (a package's own ``__init__`` excluded
+    from its children's imports of it: Python runs it before them anyway)."""
+    modules = {_module_name(p): p for p in (ROOT / "ds_usp").rglob("*.py")}
+    return {me: {t for t in _imports(path) if t in modules and t != me and not me.startswith(t + ".")}
+            for me, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected set of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or around a circle, also inside one layer and also through an
+    import hidden in a function (the layer rule alone cannot see a circle between two modules of one layer)."""
+    circles = _cycles(_import_graph())
+    assert not circles, "modules that import each other (around a circle): " + "; ".join(" <-> ".join(c)
+                                                                                       for c in circles)
+
+
+def test_the_circle_check_sees_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_no_module_imports_upward():

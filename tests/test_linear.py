@@ -600,7 +600,7 @@ def test_other_recurrent_families_are_refused_by_name(family, config):
 
     import ds_usp
     from ds_usp.integration.hybrid import is_linear_attention
-    from ds_usp.integration.models import check_model
+    from ds_usp.integration.model_checks import check_model
 
     ds_usp.hf.register_usp_attention()
     base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

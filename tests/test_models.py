@@ -285,7 +285,7 @@ def test_logits_tail_is_found_in_every_training_dtype(dtype):
     from transformers import AutoModelForCausalLM
 
     from ds_usp.integration.memory import decoder_of
-    from ds_usp.integration.models import find_logits_tail
+    from ds_usp.integration.model_tail import find_logits_tail
 
     for family in FAMILIES:
         torch.manual_seed(0)
@@ -306,7 +306,7 @@ def test_non_interface_families_are_refused_by_name():
         transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="usp")
     built_with_sdpa = transformers.AutoModelForCausalLM.from_config(_config("llama", "usual"),
                                                                     attn_implementation="sdpa")
-    from ds_usp.integration.models import check_model
+    from ds_usp.integration.model_checks import check_model
 
     with pytest.raises(ValueError, match="LlamaForCausalLM was built with attn_implementation='sdpa'"):
         check_model(built_with_sdpa)
@@ -448,7 +448,7 @@ def test_default_positions_follow_the_model():
     hands that rule to shard_batch (topo.default_positions); a rotary model keeps 0..S-1 (no rule)."""
     from transformers import LlamaConfig, LlamaForCausalLM, RobertaConfig, RobertaForCausalLM
 
-    from ds_usp.integration.models import default_positions
+    from ds_usp.integration.model_checks import default_positions
 
     tiny = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     roberta = RobertaForCausalLM(RobertaConfig(**tiny, is_decoder=True, pad_token_id=1))

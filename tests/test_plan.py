@@ -104,7 +104,7 @@ def test_model_shapes_from_hf_configs(tmp_path):
     """MoE (total vs active), MLA head dims and hybrid linear layers from the config; an unshardable family refused."""
     import transformers
 
-    from ds_usp.integration.models import model_shape
+    from ds_usp.integration.model_shape import model_shape
 
     moe = model_shape(transformers.DeepseekV3Config(num_hidden_layers=3, hidden_size=256, intermediate_size=512,
                                                     moe_intermediate_size=64, n_routed_experts=16,
@@ -147,15 +147,15 @@ def test_auto_degrees_are_priced_at_the_models_length(monkeypatch):
     import transformers
 
     from ds_usp.config import load_usp_config
-    from ds_usp.integration.engine import _ask_the_cost_model
-    from ds_usp.integration.models import model_shape
+    from ds_usp.integration.degrees import choose_degrees
+    from ds_usp.integration.model_shape import model_shape
 
     monkeypatch.setenv("LOCAL_SIZE", "2")
     cfg = load_usp_config({"sequence_parallel": "usp", "sequence_parallel_size": 4}, 4, num_heads=4, num_kv_heads=2)
     assert (cfg.ulysses_degree, cfg.ring_degree, cfg.degrees_chosen_automatically) == (2, 2, True)
     shape = model_shape(transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    short = _ask_the_cost_model(cfg, shape, 2, 2, max_positions=128)
-    long = _ask_the_cost_model(cfg, shape, 2, 2, max_positions=None)
+    short = choose_degrees(cfg, shape, 2, 2, max_positions=128)
+    long = choose_degrees(cfg, shape, 2, 2, max_positions=None)
     assert (short.ulysses_degree, short.ring_degree) == (2, 2)
     assert (long.ulysses_degree, long.ring_degree) == (1, 4)

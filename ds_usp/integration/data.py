@@ -9,21 +9,17 @@ sampler already gives every SP rank of a replica the same batch) becomes this ra
 * the sequence is padded at its end to the layout's multiple (pad token, label ``-100``), which a
   causal model never attends to.
 
-:func:`sp_cross_entropy` is the token-weighted mean loss of the whole sequence held by the SP
-group: the same value on every rank of the group (log it as it is), while each rank's ``backward``
-yields exactly its own tokens' share of the single-device gradient, so that DeepSpeed's sum over the
-sequence x data ranks (divided by the data-parallel size only) is the single-device gradient. The
-chunked loss of ``engine(..., shift_labels=...)`` (:mod:`ds_usp.integration.loss`) is the same.
+The loss of those shards, the whole sequence's token-weighted mean on every rank, is
+:mod:`ds_usp.integration.loss`'s (``sp_cross_entropy``, or ``engine(..., shift_labels=...).loss``).
 """
 from __future__ import annotations
 
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ds_usp.comm import all_gather_rows, all_reduce_sum_, group_device, sum_over_group
+from ds_usp.comm import all_gather_rows, group_device
 from ds_usp.sharding import check_layout, gather_sequence, normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
 
@@ -290,47 +286,3 @@ class USPDataLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
-
-
-def sp_token_mean(loss_sum: Tensor, count: Tensor, topo: Optional[USPTopology]) -> Tensor:
-    """``sum over the SP group of loss_sum / sum of count``: the value on every rank, each rank's share as gradient.
-
-    Args:
-        loss_sum: this rank's summed token losses (a differentiable scalar).
-        count: this rank's number of targets (a scalar; not differentiated).
-        topo: the topology (None or SP size 1: this rank's tokens are the whole sequence).
-
-    Returns:
-        The token-weighted mean, fp32.
-    """
-    count = count.to(torch.float32)
-    if topo is not None and topo.sp_size > 1:
-        loss_sum = sum_over_group(loss_sum, topo.sp_group)
-        all_reduce_sum_(count, topo.sp_group, "SP loss all-reduce")
-    return loss_sum / count.clamp_min(1.0)
-
-
-def sp_cross_entropy(logits: Tensor, shift_labels: Tensor, topo: USPTopology) -> Tensor:
-    """The token-weighted mean cross-entropy of the whole sequence held by the SP group (see the module doc).
-
-    The value is the single-device mean loss of the full sequences on every rank of the group, however
-    unevenly the ignored (``-100``) labels fall over the ranks; call ``backward`` (or ``engine.backward``)
-    on it directly on every rank.
-
-    Args:
-        logits: ``(b, s_local, vocab)``.
-        shift_labels: ``(b, s_local)`` from :func:`shard_batch`.
-        topo: the topology.
-
-    Returns:
-        A scalar tensor (fp32).
-
-    Raises:
-        ValueError: shapes disagree.
-    """
-    if logits.shape[:2] != shift_labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree")
-    # (b, s, V) -> (b*s, V)
-    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
-    return sp_token_mean(loss_sum, (shift_labels != IGNORE_INDEX).sum(), topo)

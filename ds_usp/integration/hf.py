@@ -19,7 +19,6 @@ the query/key one) needs nothing special: the output has the value head dim, as 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 from ds_usp.attention import usp_attention
 from ds_usp.integration.data import docs_from_cu_seq_lens, documents_of_shard
 from ds_usp.integration.hf_masks import HFMask, usp_mask
+from ds_usp.integration.patches import wrap_attn_implementation_check
 from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.topology import USPTopology
 
@@ -252,21 +252,12 @@ def register_usp_attention() -> str:
     Raises:
         ImportError: transformers is not installed.
     """
-    from transformers import AttentionInterface, PreTrainedModel
+    from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, usp_hf_attention)
     AttentionMaskInterface.register(ATTN_NAME, usp_mask)
-    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
-    if check is not None and not getattr(check, "_ds_usp", False):
-        @functools.wraps(check)
-        def check_usp_is_possible(self: Any, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
-            if attn_implementation == ATTN_NAME:
-                refuse_non_interface_family(type(self))
-            return check(self, attn_implementation, *args, **kwargs)
-
-        check_usp_is_possible._ds_usp = True
-        PreTrainedModel._check_and_adjust_attn_implementation = check_usp_is_possible
+    wrap_attn_implementation_check(refuse_non_interface_family, ATTN_NAME)
     return ATTN_NAME
 
 

@@ -17,7 +17,7 @@ naming it, see :func:`check_hooks`):
 
 * the engine: accelerate creates it with ``deepspeed.initialize`` and offers no way to pass an
   ``mpu``; ``import ds_usp`` makes ``deepspeed.initialize`` with a ``"sequence_parallel"`` config
-  :func:`ds_usp.initialize` (:func:`ds_usp.integration.engine.install_deepspeed_hook`), which builds the groups
+  :func:`ds_usp.initialize` (:func:`ds_usp.integration.patches.install_deepspeed_hook`), which builds the groups
   and hands DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks; while the
   trainer's ``accelerator.prepare`` runs it marks the call as a USP trainer's (a plain Trainer is refused);
 * data: the loaders split batches over replicas only (every rank of an SP group gets the same
@@ -33,7 +33,7 @@ naming it, see :func:`check_hooks`):
 
 DeepSpeed's ``train_batch_size``: HF fills an ``"auto"`` one with ``world x micro x accumulation``
 while DeepSpeed counts replicas only (``world / sequence_parallel_size``); importing this module
-corrects that one value in HF's config processing (:func:`_divide_train_batch_size_by_sp`).
+corrects that one value in HF's config processing (:func:`_replicas_batch`).
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens, shard_batch
-from ds_usp.integration.engine import TRAINER_ROUTE
+from ds_usp.integration.patches import (TRAINER_ROUTE, check_accelerate_reads_deepspeed_initialize,
+                                       fix_trainer_batch_size)
 from ds_usp.integration.hf import register_usp_attention
 
 # The Trainer / accelerate / HF-DeepSpeed pieces this module overrides or calls: (module, class, method, parameters
@@ -118,33 +119,17 @@ def _sp_size(ds_config: dict) -> int:
     return int(ds_config.get("sequence_parallel_size", dist.get_world_size() if dist.is_initialized() else 1))
 
 
-def _divide_train_batch_size_by_sp() -> None:
-    """Make HF fill an ``"auto"`` ``train_batch_size`` with replicas (``world / sp``), not the world.
+def _replicas_batch(config: Any, args: Any) -> Optional[int]:
+    """An ``"auto"`` ``train_batch_size`` over replicas (``world / sp``) when ``"sequence_parallel"`` is set.
 
-    ``HfTrainerDeepSpeedConfig.trainer_config_process`` runs when ``TrainingArguments`` is created and
-    computes ``world x micro x accumulation``. DeepSpeed's own config divides the world by
-    ``sequence_parallel_size`` (``deepspeed/runtime/config.py``) and refuses the mismatch, already in
-    ``zero.Init`` when ZeRO-3 builds the model. The wrapper fixes the value after the original fills it;
-    ``tests/test_hf_trainer.py`` checks that the patched function is still HF's.
-    """
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    cls = hf_deepspeed.HfTrainerDeepSpeedConfig
-    original = cls.trainer_config_process
-    if getattr(original, "_ds_usp", False):
-        return
-
-    @functools.wraps(original)
-    def trainer_config_process(self: Any, args: Any, auto_find_batch_size: bool = False) -> None:
-        was_auto = self.config.get("train_batch_size") == "auto"
-        original(self, args, auto_find_batch_size)
-        sp = _sp_size(self.config) if self.config.get("sequence_parallel") else 1
-        if sp > 1 and was_auto:
-            self.config["train_batch_size"] = (args.world_size // sp * args.per_device_train_batch_size
-                                               * args.gradient_accumulation_steps)
-
-    trainer_config_process._ds_usp = True
-    cls.trainer_config_process = trainer_config_process
+    ``HfTrainerDeepSpeedConfig.trainer_config_process`` runs when ``TrainingArguments`` is created and computes
+    ``world x micro x accumulation``; DeepSpeed's own config divides the world by ``sequence_parallel_size``
+    (``deepspeed/runtime/config.py``) and refuses the mismatch, already in ``zero.Init`` when ZeRO-3 builds the model
+    (:func:`ds_usp.integration.patches.fix_trainer_batch_size` applies this)."""
+    sp = _sp_size(config)
+    if sp <= 1:
+        return None
+    return args.world_size // sp * args.per_device_train_batch_size * args.gradient_accumulation_steps
 
 
 class USPTrainerMixin:
@@ -303,7 +288,8 @@ def _doc_lens(shard: dict) -> Optional[list[list[int]]]:
 
 
 check_hooks()
-_divide_train_batch_size_by_sp()  # must precede TrainingArguments, which fills the DeepSpeed config's "auto" values
+fix_trainer_batch_size(_replicas_batch)  # before TrainingArguments, which fills the DeepSpeed config's "auto" values
+check_accelerate_reads_deepspeed_initialize()
 register_usp_attention()
 
 from transformers import Trainer  # noqa: E402 - after the hook check

@@ -41,7 +41,7 @@ rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is re
   ``rg_lru`` whose own forward computes the gates; its ``_rnn_scan`` runs each segment from zero and the state is
   passed over the SP group (:func:`ds_usp.linear.sharded_linear_recurrence`).
 
-Other linear-attention and state-space layers are refused by ``ds_usp.integration.models.check_model``.
+Other linear-attention and state-space layers are refused by ``ds_usp.integration.model_checks.check_model``.
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ from torch import Tensor, nn
 
 from ds_usp.integration.data import docs_from_cu_seq_lens
 from ds_usp.integration.hf import USPContext, context_of
+from ds_usp.integration.patches import replace_family_functions
 from ds_usp.linear import (check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_linear_recurrence,
                            sharded_selective_scan)
 
@@ -350,13 +351,17 @@ def _shard_family_functions(family: Any) -> None:
     declined); at any other time they call the family's own (idempotent)."""
     from transformers.activations import ACT2FN
 
-    if getattr(family, "_ds_usp_sharded", False):
-        return
-    conv, scan, inner = family.causal_conv1d_fn, family.mamba_selective_scan, getattr(family, "mamba_inner_fn", None)
+    def sharded_conv(conv: Callable) -> Callable:
+        return lambda *args, **kwargs: causal_conv1d_fn(conv, *args, **kwargs)
 
-    @functools.wraps(conv)
-    def causal_conv1d_fn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
-                         **kwargs: Any) -> Tensor:
+    def sharded_scan(scan: Callable) -> Callable:
+        return lambda *args, **kwargs: mamba_selective_scan(scan, *args, **kwargs)
+
+    def declined(inner: Callable) -> Callable:  # the fused training kernel: None makes the family take the other path
+        return lambda *args, **kwargs: None if _RUNNING.get() is not None else inner(*args, **kwargs)
+
+    def causal_conv1d_fn(conv: Callable, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                         activation: Optional[str] = None, **kwargs: Any) -> Tensor:
         running = _RUNNING.get()
         if running is None:
             return conv(x, weight, bias, activation=activation, **kwargs)
@@ -365,9 +370,8 @@ def _shard_family_functions(family: Any) -> None:
                                    doc_lens=docs, activation=None if activation is None else ACT2FN[activation]
                                    ).transpose(1, 2)
 
-    @functools.wraps(scan)
-    def mamba_selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,
-                             z: Optional[Tensor] = None, delta_bias: Optional[Tensor] = None,
+    def mamba_selective_scan(scan: Callable, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                             D: Optional[Tensor] = None, z: Optional[Tensor] = None, delta_bias: Optional[Tensor] = None,
                              delta_softplus: bool = False, return_last_state: bool = False, **kwargs: Any) -> Any:
         running = _RUNNING.get()
         if running is None or return_last_state:  # the state is for a cache: the wrapped forward passes none
@@ -377,11 +381,12 @@ def _shard_family_functions(family: Any) -> None:
         return sharded_selective_scan(scan, x, dt, A, B, C, D, z, delta_bias, delta_softplus, ctx.topo,
                                       layout=ctx.layout, seq_len=seq_len, doc_lens=docs, **kwargs)
 
-    family.causal_conv1d_fn, family.mamba_selective_scan = causal_conv1d_fn, mamba_selective_scan
-    if callable(inner):
-        family.mamba_inner_fn = functools.wraps(inner)(
-            lambda *args, **kwargs: None if _RUNNING.get() is not None else inner(*args, **kwargs))
-    family._ds_usp_sharded = True
+    replace_family_functions(family, {"causal_conv1d_fn": sharded_conv, "mamba_selective_scan": sharded_scan,
+                                      "mamba_inner_fn": declined},
+                             {"causal_conv1d_fn": ("weight", "bias", "activation"),
+                              "mamba_selective_scan": ("dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+                                                       "return_last_state")},
+                             optional=("mamba_inner_fn",))
 
 
 def _documents(hidden_states: Tensor, ctx: USPContext, kwargs: dict) -> tuple[Optional[int], Optional[list]]:

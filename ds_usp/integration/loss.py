@@ -1,5 +1,9 @@
 """The SP loss of a causal LM: the token-weighted cross-entropy of the whole sequence, through ``lm_head`` in chunks.
 
+Every SP loss lives here: :func:`sp_token_mean` (a rank's summed token losses -> the SP group's mean, the value on
+every rank, each rank's share as gradient), :func:`sp_cross_entropy` (from logits), :func:`sp_loss` (with HF's
+``num_items_in_batch``), :func:`chunked_lm_loss` (through ``lm_head`` in chunks, after the model's
+:class:`LogitsTail`) and the MoE router's :func:`load_balancing_loss` over the whole group.
 :func:`chunked_lm_loss` never holds the whole logits (:class:`ChunkedLMLoss`); :func:`sp_loss` turns a rank's
 summed token losses into the SP group's mean. The loss is the same value on every rank of the group, and its
 gradient on each rank is that rank's exact share.
@@ -11,6 +15,7 @@ accumulation, loss scaling or a later division, as with ArcticTraining's wiring)
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -18,9 +23,82 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds_usp.comm import all_reduce_sum_, sum_over_group
-from ds_usp.integration.data import IGNORE_INDEX, sp_token_mean
-from ds_usp.integration.models import LogitsTail
+from ds_usp.integration.data import IGNORE_INDEX
 from ds_usp.topology import USPTopology
+
+
+# -------------------------------------------------------------------------------- the SP loss
+
+
+def sp_token_mean(loss_sum: Tensor, count: Tensor, topo: Optional[USPTopology]) -> Tensor:
+    """``sum over the SP group of loss_sum / sum of count``: the value on every rank, each rank's share as gradient.
+
+    Args:
+        loss_sum: this rank's summed token losses (a differentiable scalar).
+        count: this rank's number of targets (a scalar; not differentiated).
+        topo: the topology (None or SP size 1: this rank's tokens are the whole sequence).
+
+    Returns:
+        The token-weighted mean, fp32.
+    """
+    count = count.to(torch.float32)
+    if topo is not None and topo.sp_size > 1:
+        loss_sum = sum_over_group(loss_sum, topo.sp_group)
+        all_reduce_sum_(count, topo.sp_group, "SP loss all-reduce")
+    return loss_sum / count.clamp_min(1.0)
+
+
+def sp_cross_entropy(logits: Tensor, shift_labels: Tensor, topo: USPTopology) -> Tensor:
+    """The token-weighted mean cross-entropy of the whole sequence held by the SP group (see the module doc).
+
+    The value is the single-device mean loss of the full sequences on every rank of the group, however
+    unevenly the ignored (``-100``) labels fall over the ranks; call ``backward`` (or ``engine.backward``)
+    on it directly on every rank.
+
+    Args:
+        logits: ``(b, s_local, vocab)``.
+        shift_labels: ``(b, s_local)`` from :func:`shard_batch`.
+        topo: the topology.
+
+    Returns:
+        A scalar tensor (fp32).
+
+    Raises:
+        ValueError: shapes disagree.
+    """
+    if logits.shape[:2] != shift_labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} disagree")
+    # (b, s, V) -> (b*s, V)
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    return sp_token_mean(loss_sum, (shift_labels != IGNORE_INDEX).sum(), topo)
+
+
+@dataclass(frozen=True)
+class LogitsTail:
+    """What a causal LM applies to ``lm_head``'s output ``z`` before its loss: ``softcap * tanh(scale z / softcap)``.
+
+    Attributes:
+        scale: multiplies the logits (Cohere's ``logit_scale``; ``1 / logits_scaling`` for Granite).
+        softcap: the final logit soft-cap (Gemma 2/3's ``final_logit_softcapping``); 0: none.
+    """
+
+    scale: float = 1.0
+    softcap: float = 0.0
+
+    @property
+    def identity(self) -> bool:
+        """Nothing is applied."""
+        return self.scale == 1.0 and not self.softcap
+
+    def apply(self, z: Tensor) -> Tensor:
+        """The model's logits from ``lm_head``'s output (differentiable)."""
+        if self.scale != 1.0:
+            z = z * self.scale
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
 
 NO_TAIL = LogitsTail()
 
@@ -174,7 +252,7 @@ def chunked_lm_loss(hidden: Tensor, lm_head: nn.Module, shift_labels: Tensor, to
         num_items: divide by this count instead of the SP group's valid targets (HF's
             ``num_items_in_batch``, for gradient accumulation).
         tail: what the model applies to ``lm_head``'s output before its loss
-            (:func:`ds_usp.integration.models.find_logits_tail`).
+            (:func:`ds_usp.integration.model_tail.find_logits_tail`).
 
     Returns:
         A scalar fp32 loss: the same value on every rank of the SP group; each rank's backward gives
@@ -189,7 +267,7 @@ def chunked_lm_loss(hidden: Tensor, lm_head: nn.Module, shift_labels: Tensor, to
 
 def sp_loss(loss_sum: Tensor, shift_labels: Tensor, topo: Optional[USPTopology],
             num_items: Optional[Tensor] = None) -> Tensor:
-    """This rank's summed token losses -> the SP group's mean (:func:`ds_usp.integration.data.sp_token_mean`).
+    """This rank's summed token losses -> the SP group's mean (:func:`sp_token_mean`).
 
     Args:
         loss_sum: this rank's summed token losses.

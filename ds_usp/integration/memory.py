@@ -28,17 +28,33 @@ from torch import Tensor, nn
 from ds_usp.integration.recompute import checkpointed_layer_forward
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens
 from ds_usp.integration.data import shift_labels as shift_sequence_labels
-from ds_usp.integration.loss import chunked_lm_loss, load_balancing_loss, sp_loss
-from ds_usp.integration.models import (LogitsTail, RouterAux, feed_forward_blocks, find_logits_tail,
-                                       find_router_aux)
+from ds_usp.integration.loss import LogitsTail, chunked_lm_loss, load_balancing_loss, sp_loss
+from ds_usp.integration.model_tail import RouterAux, find_logits_tail, find_router_aux
 from ds_usp.integration.step_choices import MemoryContext, MemorySettings
 from ds_usp.integration.tiling import TiledMLP, tile_bounds
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 
+# attribute names of a decoder layer's feed-forward block: dense MLPs and MoE blocks (Mixtral, Qwen3-MoE, GPT-OSS,
+# DeepSeek-V3: mlp; Granite-MoE: block_sparse_moe; Jamba: feed_forward; DBRX: ffn)
+FEED_FORWARD_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "moe")
+
+
+def feed_forward_blocks(layer: nn.Module) -> list[nn.Module]:
+    """The feed-forward blocks (dense MLP or MoE) of a decoder layer, by the attribute names families use.
+
+    Args:
+        layer: one decoder layer.
+
+    Returns:
+        The blocks found (none for a layer without one).
+    """
+    return [block for name in FEED_FORWARD_NAMES if isinstance(block := getattr(layer, name, None), nn.Module)]
+
+
 @dataclass
 class ModelTail:
-    """What the wrapped forward of a causal LM computes after its decoder, found from the model (models.py).
+    """What the wrapped forward of a causal LM computes after its decoder, found from the model (model_tail.py).
 
     Attributes:
         name: the model's class, named in errors.

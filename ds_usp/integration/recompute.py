@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
+from ds_usp.integration.patches import tolerant_recompute
 from ds_usp.integration.step_choices import MemoryContext
 
 # ---------------------------------------------------------------------- activation checkpointing
@@ -54,34 +55,11 @@ def _keep_ring_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkp
         else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_CACHED = getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None)  # torch's (private) recomputation mode
-
-
-class _TolerantRecompute(_CACHED or object):  # type: ignore[misc]
-    """torch's recomputation mode of selective checkpointing, running the ops the forward did not run.
-
-    torch refuses any op its recomputation did not see in the forward. ZeRO-3's hooks run inside the checkpointed
-    layer and need not repeat themselves: a parameter the forward found prefetched (its trace from an earlier step,
-    or an earlier forward under ``no_grad`` such as an evaluation) is fetched in the recomputation, allocating and
-    gathering, and torch would raise "encountered during backward but not found in storage". Such ops are run; every
-    op the forward ran is replayed as torch does (the ring attention's kept outputs included).
-    """
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        except RuntimeError as e:
-            if "not found in storage" not in str(e):
-                raise
-            return func(*args, **(kwargs or {}))
-
-
 def _selective_contexts() -> tuple[Any, Any]:
-    """torch's selective-checkpointing contexts keeping the ring attention, the recomputation tolerant (above)."""
+    """torch's selective-checkpointing contexts keeping the ring attention, the recomputation tolerant of ops the forward
+    did not run (:func:`ds_usp.integration.patches.tolerant_recompute`)."""
     forward, recompute = create_selective_checkpoint_contexts(_keep_ring_attention)
-    if _CACHED is not None and type(recompute) is _CACHED:
-        recompute.__class__ = _TolerantRecompute  # the same state, the tolerant dispatch
-    return forward, recompute
+    return forward, tolerant_recompute(recompute)
 
 
 class _ToHost(torch.autograd.Function):
