@@ -7,14 +7,17 @@
 
 Tensors are ``(batch, seq, heads, head_dim)``. When the global length is not a multiple of the
 layout's shard count, :func:`~ds_usp.sharding.shard_sequence` pads it at the end; pass the real
-length as ``seq_len=`` so padding is masked out. All inputs are checked before any collective runs.
+length as ``seq_len=`` so padding is masked out. All inputs are checked before any collective runs. Layouts:
+``"contiguous"``, ``"zigzag"`` (causal work balanced over the ring) and ``"balanced"`` (packed documents placed so
+each rank's causal work is even; shard with the same ``doc_lens``). The local kernel (``attn_backend``) is torch's
+SDPA ops, flash-attn or ds-usp's Triton kernels (:mod:`ds_usp.kernels`).
 
 One call is three ``torch.library`` custom ops, each with a registered derivative:
 
 * ``ds_usp::seq_to_head``: q, k, v (kv heads replicated where needed) through one all-to-all;
   its derivative is ``ds_usp::head_to_seq`` and the other way round;
 * ``ds_usp::ring_attention``: the ring over the Ulysses group's piece, returning ``(out, lse)``;
-  its derivative is ``ds_usp::ring_attention_bwd``;
+  its derivative is ``ds_usp::ring_attention_bwd``; its options are one :class:`RingOptions` record;
 * ``ds_usp::head_to_seq``: the output back to this rank's sequence shard.
 
 ``torch.compile`` therefore sees opaque operators with known derivatives: it neither traces into the
@@ -28,7 +31,7 @@ so the ops take the groups' names and look them up in torch.distributed's own re
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -162,6 +165,35 @@ def as_units(x: Tensor, unit: int) -> Tensor:
     return x if x.shape[-1] == unit else x.reshape(*x.shape[:2], -1, unit)
 
 
+class RingOptions(NamedTuple):
+    """The ring op's arguments after ``(qkv, heads, dims)``, in the op's order: callers build them by name and the
+    derivative reads them by name (an operator schema takes no record, so the ops list them as parameters).
+
+    ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``window_left`` < 0: no window;
+    ``chunk`` 0: no chunked attention; ``softcap`` 0: none; ``sinks``: ``(hq',)`` this rank's heads' sink logits or
+    None; ``comm_dtype``: ``usp.comm_dtype`` of the K/V blocks.
+    """
+
+    ulysses_degree: int
+    ring_group: str
+    causal: bool
+    layout: str
+    seq_len: int
+    scale: float
+    softcap: float
+    sinks: Optional[Tensor]
+    attn_backend: str
+    native_op: str
+    docs: Optional[Tensor]
+    window_left: int
+    window_right: int
+    chunk: int
+    comm_dtype: str
+
+
+_SINKS = RingOptions._fields.index("sinks")
+
+
 @torch.library.custom_op("ds_usp::ring_attention", mutates_args=())
 def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str,
                     causal: bool, layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor],
@@ -169,11 +201,8 @@ def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysse
                     window_right: int, chunk: int, comm_dtype: str) -> tuple[Tensor, Tensor]:
     """``(out (b, U*s, hq', dv), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
 
-    ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``/``dims``.
-    ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``window_left`` < 0: no window;
-    ``chunk`` 0: no chunked attention;
-    ``softcap`` 0: none; ``sinks``: ``(hq',)`` this rank's heads' sink logits or None; ``comm_dtype``:
-    ``usp.comm_dtype`` of the K/V blocks.
+    ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``/``dims``;
+    the rest is :class:`RingOptions`.
     """
     q, k, v = _split(qkv, heads, dims)
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
@@ -183,10 +212,7 @@ def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysse
 
 
 @_ring_attention.register_fake
-def _(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str, causal: bool,
-      layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor], attn_backend: str,
-      native_op: str, docs: Optional[Tensor], window_left: int, window_right: int, chunk: int,
-      comm_dtype: str) -> tuple[Tensor, Tensor]:
+def _(qkv: list[Tensor], heads: list[int], dims: list[int], *options: Any) -> tuple[Tensor, Tensor]:
     b, s = qkv[0].shape[:2]
     return qkv[0].new_empty(b, s, heads[0], dims[2]), qkv[0].new_empty(b, heads[0], s, dtype=torch.float32)
 
@@ -212,25 +238,25 @@ def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tenso
 
 @_ring_attention_bwd.register_fake
 def _(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
-      ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float, softcap: float,
-      sinks: Optional[Tensor], attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
-      window_right: int, chunk: int, comm_dtype: str) -> list[Tensor]:
+      *options: Any) -> list[Tensor]:
+    sinks = RingOptions(*options).sinks
     return [torch.empty_like(x) for x in qkv] + ([] if sinks is None else [torch.empty_like(sinks)])
 
 
 def _ring_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    qkv, *args = inputs
+    qkv, heads, dims, *options = inputs
     out, lse = output
-    ctx.n, ctx.args, ctx.has_sinks = len(qkv), args, args[9] is not None
+    ctx.heads, ctx.dims, ctx.options = heads, dims, RingOptions(*options)
     ctx.save_for_backward(*qkv, out, lse)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx: Any, dout: Tensor, _dlse: Any) -> tuple:
     *qkv, out, lse = ctx.saved_tensors
-    grads = _ring_attention_bwd(dout, qkv, out, lse, *ctx.args)
-    dsinks = grads.pop() if ctx.has_sinks else None
-    return (grads,) + (None,) * 9 + (dsinks,) + (None,) * 7
+    grads = _ring_attention_bwd(dout, qkv, out, lse, ctx.heads, ctx.dims, *ctx.options)
+    dsinks = grads.pop() if ctx.options.sinks is not None else None
+    # one gradient per op input: qkv, heads, dims, then the options (only sinks is differentiable)
+    return (grads, None, None) + tuple(dsinks if i == _SINKS else None for i in range(len(RingOptions._fields)))
 
 
 torch.library.register_autograd("ds_usp::ring_attention", _ring_backward, setup_context=_ring_setup)
@@ -320,11 +346,14 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
     docs_t = None if docs is None else _doc_tensor(docs, real_len)
     ulysses, ring, _ = topo.group_names
     hq, hkv, dk, dv = q.shape[2], k.shape[2], k.shape[3], v.shape[3]
-    common = (layout, real_len, scale, cap)
-    mask_args = (attn_backend, native, docs_t, left, right, chunk or 0, comm_dtype)
+
+    def options(sinks: Optional[Tensor]) -> RingOptions:
+        return RingOptions(ulysses_degree=u, ring_group=ring, causal=causal, layout=layout, seq_len=real_len,
+                           scale=scale, softcap=cap, sinks=sinks, attn_backend=attn_backend, native_op=native,
+                           docs=docs_t, window_left=left, window_right=right, chunk=chunk or 0, comm_dtype=comm_dtype)
+
     if u == 1:
-        out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], [dk, dk, dv], 1, ring, causal, *common, sinks,
-                                 *mask_args)
+        out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], [dk, dk, dv], *options(sinks))
         return out
     rep = kv_replication(hkv, u)
     unit = math.gcd(dk, dv)
@@ -334,8 +363,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         sinks = sinks.narrow(0, topo.ulysses_rank * (hq // u), hq // u)
     qkv = _seq_to_head([as_units(x, unit) for x in (q, k, v)], [1, rep, rep], ulysses, native,
                        comm_dtype)  # (b, U*s, Hp, unit)
-    out_heads, _ = _ring_attention([qkv], head_split(hq, hkv, u), [dk, dk, dv], u, ring, causal, *common, sinks,
-                                   *mask_args)
+    out_heads, _ = _ring_attention([qkv], head_split(hq, hkv, u), [dk, dk, dv], *options(sinks))
     return _head_to_seq(out_heads, [hq // u], [1], ulysses, native, comm_dtype)[0]  # (b, s, hq, dv)
 
 
