@@ -300,3 +300,12 @@ def all_gather_rows(x: Tensor, group: Any, what: str) -> list[Tensor]:
     with _named(what, group):
         dist.all_gather(parts, x, group=group)
     return parts
+
+
+def all_gather_objects(obj: Any, group: Any, what: str) -> list[Any]:
+    """:func:`all_gather_rows` for any picklable ``obj`` (tensors of any shape travel on the CPU): one per rank of
+    ``group``, in group-rank order; ``USPCommError`` when the collective fails."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    with _named(what, group):
+        dist.all_gather_object(parts, obj, group=group)
+    return parts

@@ -119,6 +119,43 @@ def train_usp(tmp_dir: str, stage: int, u: int, r: int, dp: int, impl: str,
     return losses, _params(engine, stage)
 
 
+def train_all_ranks_sampler(stage: int, u: int, r: int) -> tuple[list[float], dict]:
+    """On every rank: the user's own DataLoader with an ordinary DistributedSampler over all 4 ranks (each rank its
+    own sample per step), wrapped in ds_usp.USPDataLoader, which trains the SP group's samples in turn; gradient
+    accumulation over the group's sp samples. Returns the losses of each optimizer step (the mean over the world's
+    4 samples) and the parameters."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    import ds_usp
+
+    ds_usp.hf.register_usp_attention()
+    sp = u * r
+    cfg = _ds_config(stage, sp, u, r, "zigzag")
+    cfg["gradient_accumulation_steps"] = sp
+    model = _llama("usp")
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    topo = engine.usp.topo
+    samples = [{k: v[0] for k, v in _batch(i).items()} for i in range(4 * STEPS)]
+    loader = DataLoader(samples, batch_size=1, sampler=DistributedSampler(samples, num_replicas=4,
+                                                                          rank=dist.get_rank(), shuffle=False))
+    shards = ds_usp.USPDataLoader(loader, topo, layout=engine.usp.layout)
+    assert shards.per_rank and len(shards) == STEPS * sp
+    losses, total = [], torch.zeros(())
+    for micro, shard in enumerate(shards):
+        loss = engine(**shard).loss
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach()
+        if (micro + 1) % sp == 0:  # an optimizer step: every rank's sample of the world trained once
+            if topo.dp_size > 1:
+                dist.all_reduce(total, group=topo.dp_group)
+            losses.append(float(total) / 4)
+            total = torch.zeros(())
+    return losses, _params(engine, stage)
+
+
 def train_plain(tmp_dir: str) -> tuple[list[float], dict]:
     """The same JSON without "sequence_parallel": plain DeepSpeed data parallelism on 4 ranks."""
     import torch.distributed as dist
@@ -218,6 +255,15 @@ def hf_family_matches(family: str) -> float:
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_other_hf_families(world4, family):
     assert len(set(world4.run(hf_family_matches, family))) == 1
+
+
+@pytest.mark.parametrize("stage,u,r", [(2, 2, 1), (3, 2, 2)])
+def test_a_distributed_sampler_over_all_ranks_equals_single_process(world4, references, stage, u, r):
+    """Bring your own loader: an ordinary DistributedSampler over the world, each SP group taking its ranks' samples
+    in turn (1x2 x dp 2 under ZeRO-2, 2x2 under ZeRO-3), equals one process on the same 4 samples per step."""
+    results = world4.run(train_all_ranks_sampler, stage, u, r)
+    for got in results:
+        _compare(got, references[4], f"all-ranks sampler {u}x{r} ZeRO-{stage}")
 
 
 def test_fp8_wire_trains_close_to_single_process(world4, tmp_path_factory, references):

@@ -69,23 +69,29 @@ def _tile_docs(D, start, end, offs, n, HAS_DOC: tl.constexpr, OTHER: tl.constexp
 
 
 @triton.jit
+def _query_tile(Q, sqb, sqs, sqh, nq, hq, groups, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (query tile, batch x head): batch, head, kv head, the tile's rows and its queries."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    bi = pid_bh // hq
+    h = pid_bh % hq
+    m_start = pid_m * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < nq
+    q = tl.load(Q + bi * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    return bi, h, h // groups, m_start, tl.minimum(m_start + BLOCK_M, nq), offs_m, offs_d, row_ok, q
+
+
+@triton.jit
 def fwd(Q, K, V, O, L, QD, KD,
         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, sls,
         nq, nk, hq, groups, scale_log2, softcap, lo, hi,
         HAS_DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (query tile, batch x head): online softmax over the key tiles the mask allows."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    bi = pid_bh // hq
-    h = pid_bh % hq
-    kh = h // groups
-    m_start = pid_m * BLOCK_M
-    m_end = tl.minimum(m_start + BLOCK_M, nq)
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < nq
-    q = tl.load(Q + bi * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    bi, h, kh, m_start, m_end, offs_m, offs_d, row_ok, q = _query_tile(Q, sqb, sqs, sqh, nq, hq, groups, BLOCK_M,
+                                                                       BLOCK_D)
     qdoc, qd_first, qd_last = _tile_docs(QD, m_start, m_end, offs_m, nq, HAS_DOC, -1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -206,17 +212,8 @@ def bwd_dq(Q, K, V, DO, L, DELTA, DQ, QD, KD,
            HAS_DOC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (query tile, batch x head): dQ over the key tiles the mask allows."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    bi = pid_bh // hq
-    h = pid_bh % hq
-    kh = h // groups
-    m_start = pid_m * BLOCK_M
-    m_end = tl.minimum(m_start + BLOCK_M, nq)
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < nq
-    q = tl.load(Q + bi * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    bi, h, kh, m_start, m_end, offs_m, offs_d, row_ok, q = _query_tile(Q, sqb, sqs, sqh, nq, hq, groups, BLOCK_M,
+                                                                       BLOCK_D)
     do = tl.load(DO + bi * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(L + bi * slb + h * slh + offs_m * sls, mask=row_ok, other=float("-inf")) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
