@@ -1,0 +1,90 @@
+"""Per-token log-probs through lm_head in chunks on a sharded sequence (ds_usp.integration.logprobs), the piece the
+RL and preference trainers share, against one process over the whole sequence.
+
+Every (U, R) of 4 ranks and both layouts; two rows of 37 tokens (padding needed), ignored targets, a temperature, a
+soft-capped logits tail, chunks smaller than a shard; values (per token and per sequence, entropies too) and the
+gradients of hidden states and lm_head equal the reference within fp32 rounding (rtol 1e-5, atol 1e-6).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_harness import get_topo
+
+B, S, H, V = 2, 37, 16, 50
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(B, S, H, generator=g)
+    head = torch.nn.Linear(H, V, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g) * 0.3)
+        head.bias.copy_(torch.randn(V, generator=g) * 0.1)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[0, :5] = -100
+    labels[1, 30:] = -100
+    coef = torch.tensor([0.7, -1.3])
+    return hidden, head, labels, coef
+
+
+def _reference(temperature: float, softcap: float):
+    hidden, head, labels, coef = _inputs()
+    hidden.requires_grad_()
+    logits = F.linear(hidden, head.weight, head.bias)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp = (logits / temperature).log_softmax(-1)
+    valid = labels != -100
+    picked = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) * valid
+    ent = -(logp.exp() * logp).sum(-1) * valid
+    loss = (picked.sum(-1) * coef).sum() + 0.1 * ent.sum()
+    loss.backward()
+    return picked.detach(), ent.detach(), hidden.grad, head.weight.grad, head.bias.grad
+
+
+def sharded(u: int, r: int, layout: str, temperature: float, softcap: float) -> str:
+    """On every rank: the same computation on this rank's shard; compares with the reference itself."""
+    import torch.distributed as dist
+
+    import ds_usp
+    from ds_usp.integration.logprobs import sequence_sums, token_logprobs
+    from ds_usp.integration.loss import LogitsTail
+
+    topo = get_topo(u, r)
+    want = _reference(temperature, softcap)
+    hidden, head, labels, coef = _inputs()
+    local = ds_usp.shard_sequence(hidden, topo, layout=layout).requires_grad_()
+    local_labels = ds_usp.shard_sequence(labels, topo, layout=layout, pad_value=-100)
+    logp, ent = token_logprobs(local, head, local_labels, temperature=temperature, chunk=5,
+                               tail=LogitsTail(softcap=softcap), entropy=True)
+    loss = (sequence_sums(logp, topo) * coef).sum() + 0.1 * sequence_sums(ent, topo).sum()
+    loss.backward()
+    gather = lambda x: ds_usp.gather_sequence(x, topo, layout=layout, seq_len=S)  # noqa: E731
+    torch.testing.assert_close(gather(logp.detach()), want[0], **TOL)
+    torch.testing.assert_close(gather(ent.detach()), want[1], **TOL)
+    torch.testing.assert_close(sequence_sums(logp.detach(), topo), want[0].sum(-1), **TOL)
+    torch.testing.assert_close(gather(local.grad), want[2], **TOL)
+    for got, ref in ((head.weight.grad, want[3]), (head.bias.grad, want[4])):
+        dist.all_reduce(got, group=topo.sp_group)  # each rank's share of the head's gradient
+        torch.testing.assert_close(got, ref, **TOL)
+    return "ok"
+
+
+@pytest.mark.parametrize("u,r,layout,temperature,softcap", [(4, 1, "zigzag", 1.0, 0.0), (2, 2, "zigzag", 0.7, 5.0),
+                                                           (1, 4, "contiguous", 1.3, 0.0)])
+def test_sharded_logprobs_equal_one_process(world4, u, r, layout, temperature, softcap):
+    assert world4.run(sharded, u, r, layout, temperature, softcap) == ["ok"] * 4
+
+
+def test_bad_arguments_are_refused():
+    from ds_usp.integration.logprobs import token_logprobs
+
+    hidden, head, labels, _ = _inputs()
+    with pytest.raises(ValueError, match="disagree"):
+        token_logprobs(hidden, head, labels[:, :-1])
+    with pytest.raises(ValueError, match="must be positive"):
+        token_logprobs(hidden, head, labels, temperature=0.0)
