@@ -34,6 +34,7 @@ from ds_usp.integration.hf import USPContext, attach
 from ds_usp.integration.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
 from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.integration.model_checks import check_model, default_positions
+from ds_usp.integration import patches
 from ds_usp.integration.patches import (deepspeed_initialize, fix_zero3_sequence_parallel_scaling,
                                         quiet_deepspeed_deprecations, unlink_shm_buffer)
 from ds_usp.integration.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
@@ -218,6 +219,4 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 def install_deepspeed_hook() -> None:
     """Make ``deepspeed.initialize`` given a ``"sequence_parallel"`` config be :func:`initialize` (``import ds_usp``
     calls it; see :func:`ds_usp.integration.patches.install_deepspeed_hook`)."""
-    from ds_usp.integration import patches
-
     patches.install_deepspeed_hook(initialize, lambda mpu: isinstance(mpu, USPMpu))

@@ -24,7 +24,7 @@ from ds_usp.topology import USPTopology
 
 
 @functools.lru_cache(maxsize=64)
-def _halo_plan(padded: int, u: int, r: int, layout: str, bounds: Optional[tuple[int, ...]], kernel: int,
+def _halo_rows(padded: int, u: int, r: int, layout: str, bounds: Optional[tuple[int, ...]], kernel: int,
                sp_rank: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """What one rank sends and where each of its taps reads, from the layout alone (the same on every rank;
     ``bounds``: the balanced layout's, else None).
@@ -120,7 +120,7 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
     if kernel > 1:
         send, source, before, mine, count = (
             t.to(x.device) if isinstance(t, Tensor) else t for t in
-            _halo_plan(padded, u, r, layout, layout_bounds(layout, doc_lens, real_len, padded), kernel, topo.sp_rank))
+            _halo_rows(padded, u, r, layout, layout_bounds(layout, doc_lens, real_len, padded), kernel, topo.sp_rank))
         rows = torch.zeros(b, count, channels, dtype=h.dtype, device=h.device)
         rows[:, :send.numel()] = h.index_select(1, send)
         gathered = exchange(rows, topo)

@@ -34,14 +34,14 @@ CHUNK = 256  # tokens per step of the state sums: (b, CHUNK, d, N) floats at a t
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(padded: int, u: int, r: int, layout: str, starts: tuple[int, ...], real_len: int,
+def _rank_segments(padded: int, u: int, r: int, layout: str, starts: tuple[int, ...], real_len: int,
           bounds: Optional[tuple[int, ...]]) -> tuple[tuple[Segment, ...], ...]:
     """Every SP rank's segments (its runs cut at document starts and at the real end), in shard order (``bounds``:
     the balanced layout's, else None)."""
     return tuple(segments(shard_runs(padded, u, r, i, layout, bounds), starts, real_len) for i in range(u * r))
 
 
-def _pass_states(parts: list[Tensor], plan: tuple[tuple[Segment, ...], ...],
+def _pass_states(parts: list[Tensor], segs: tuple[tuple[Segment, ...], ...],
                  topo: USPTopology) -> tuple[list[Optional[Tensor]], Tensor]:
     """Exchange this rank's segments' ``(P, F)`` (``parts``, each ``stack([P, F])``) over the SP group and combine
     the initial state of each of its segments.
@@ -51,20 +51,20 @@ def _pass_states(parts: list[Tensor], plan: tuple[tuple[Segment, ...], ...],
         exchange's backward (a collective), even one whose segments all start from zero and read nothing, so the
         gathered states take part in every rank's outputs with weight 0.
     """
-    count = max(len(p) for p in plan)
+    count = max(len(p) for p in segs)
     mine = torch.stack(parts + [torch.zeros_like(parts[0])] * (count - len(parts)))
     every = exchange(mine, topo)  # (n, count, 2, ...)
-    h0 = _initial_states(plan, every)
+    h0 = _initial_states(segs, every)
     return [h0[(topo.sp_rank, i)] for i in range(len(parts))], every.sum() * 0
 
 
-def _initial_states(plan: tuple[tuple[Segment, ...], ...], every: Tensor) -> dict[tuple[int, int], Optional[Tensor]]:
+def _initial_states(segs: tuple[tuple[Segment, ...], ...], every: Tensor) -> dict[tuple[int, int], Optional[Tensor]]:
     """Each segment's initial state (None: zero, at a document start), keyed ``(rank, index)``, from every segment's
     ``(P, F)`` (``every[rank, index]``): in global order, ``h0 = P_prev * h0_prev + F_prev`` (diagonal transitions)."""
     h0: dict[tuple[int, int], Optional[Tensor]] = {}
     prev: Optional[tuple[int, int]] = None
-    for _, rank, i in sorted((seg.start, rank, i) for rank, p in enumerate(plan) for i, seg in enumerate(p)):
-        if plan[rank][i].first or prev is None:
+    for _, rank, i in sorted((seg.start, rank, i) for rank, p in enumerate(segs) for i, seg in enumerate(p)):
+        if segs[rank][i].first or prev is None:
             h0[(rank, i)] = None
         else:
             before, (p_prev, f_prev) = h0[prev], every[prev[0], prev[1]]
@@ -129,8 +129,8 @@ def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A
     step = (F.softplus(step) if delta_softplus else step).to(torch.promote_types(dt.dtype, torch.float32))
     outs = []
     for rows, starts in row_groups(docs):
-        plan = _plan(padded, u, r, layout, starts, real_len, bounds)
-        mine = plan[topo.sp_rank]
+        segs = _rank_segments(padded, u, r, layout, starts, real_len, bounds)
+        mine = segs[topo.sp_rank]
         ys, sums, parts = [], [], []
         for seg in mine:
             at = slice(seg.row, seg.row + seg.length)
@@ -140,7 +140,7 @@ def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A
             s, p, f = _state_sums(step[rows, ..., at], cut[0].to(step.dtype), A.to(step.dtype), cut[2].to(step.dtype))
             sums.append(s)
             parts.append(torch.stack([p, f]))
-        h0, zero = _pass_states(parts, plan, topo)
+        h0, zero = _pass_states(parts, segs, topo)
         ys[0] = ys[0] + zero.to(ys[0].dtype)
         row_out = []
         for seg, y, s, state in zip(mine, ys, sums, h0):
@@ -180,8 +180,8 @@ def sharded_linear_recurrence(scan: Callable[[Tensor, Tensor], Tensor], u: Tenso
     u_, r_ = topo.ulysses_degree, topo.ring_degree
     real_len, padded = resolve_seq_len(seq_len, u.shape[1], u_, r_, layout)
     bounds = layout_bounds(layout, doc_lens, real_len, padded)
-    plan = _plan(padded, u_, r_, layout, (0,), padded, bounds)  # no cuts: the resets are in ``a``
-    mine = plan[topo.sp_rank]
+    segs = _rank_segments(padded, u_, r_, layout, (0,), padded, bounds)  # no cuts: the resets are in ``a``
+    mine = segs[topo.sp_rank]
     acc = torch.promote_types(u.dtype, torch.float32)
     ys, decays, parts = [], [], []
     for seg in mine:
@@ -191,7 +191,7 @@ def sharded_linear_recurrence(scan: Callable[[Tensor, Tensor], Tensor], u: Tenso
         ys.append(y)
         decays.append(decay)
         parts.append(torch.stack([decay[:, -1], y[:, -1].to(acc)]))
-    h0, zero = _pass_states(parts, plan, topo)
+    h0, zero = _pass_states(parts, segs, topo)
     ys[0] = ys[0] + zero.to(ys[0].dtype)
     out = [y if state is None else (y.to(acc) + decay * state[:, None]).to(y.dtype)
            for y, decay, state in zip(ys, decays, h0)]

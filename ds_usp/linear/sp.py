@@ -145,10 +145,10 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     bias = None if conv_bias is None else conv_bias.index_select(0, channels)
     x = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # (b, T, C_local): the convolution's input
     bounds = segment_bounds(docs, real_len, padded)
-    plans = [piece_runs(padded, r, i, layout, bounds) for i in range(r)]
+    rank_runs = [piece_runs(padded, r, i, layout, bounds) for i in range(r)]
     groups = row_groups(docs)
     outs = [_StatePassing.apply(x[rows], g[rows], beta[rows], weight, bias,
-                                _RowsSpec(rule, activation, tuple(segments(p, starts, real_len) for p in plans),
+                                _RowsSpec(rule, activation, tuple(segments(p, starts, real_len) for p in rank_runs),
                                           topo.ring_rank, r, topo.ring_group, (hk, dk, nv // u, dv)))
             for rows, starts in groups]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # (b, T, nv/U, dv); row groups are rows in order
@@ -159,11 +159,11 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
 
 @dataclass(frozen=True)
 class _RowsSpec:
-    """What :class:`_StatePassing` needs besides tensors: the plan of every ring rank and the layer's functions."""
+    """What :class:`_StatePassing` needs besides tensors: the segments of every ring rank and the layer's functions."""
 
     rule: Rule
     activation: Callable[[Tensor], Tensor]
-    plan: tuple[tuple[Segment, ...], ...]
+    segs: tuple[tuple[Segment, ...], ...]
     ring_rank: int
     ring: int
     group: Any
@@ -246,13 +246,13 @@ def _ring_rows(x: Tensor, g: Tensor, beta: Tensor, weight: Tensor, bias: Optiona
         ``(out (b, T, hv, dv), my tails, my states, every rank's tails, every rank's states)``.
     """
     hk, dk, hv, dv = spec.dims
-    plan, ring_rank = spec.plan, spec.ring_rank
+    segs, ring_rank = spec.segs, spec.ring_rank
     kernel = weight.shape[1]
-    mine = plan[ring_rank]
-    count = max(len(p) for p in plan)
-    order = sorted(((seg.start, rank, i) for rank, p in enumerate(plan) for i, seg in enumerate(p)))
+    mine = segs[ring_rank]
+    count = max(len(p) for p in segs)
+    order = sorted(((seg.start, rank, i) for rank, p in enumerate(segs) for i, seg in enumerate(p)))
     position = {(rank, i): n for n, (_, rank, i) in enumerate(order)}
-    continued = {n for n in range(1, len(order)) if not plan[order[n][1]][order[n][2]].first}  # n continues n-1
+    continued = {n for n in range(1, len(order)) if not segs[order[n][1]][order[n][2]].first}  # n continues n-1
 
     # a. halos: every segment's last K-1 inputs, gathered over the ring
     b = x.shape[0]
@@ -268,8 +268,8 @@ def _ring_rows(x: Tensor, g: Tensor, beta: Tensor, weight: Tensor, bias: Optiona
             if m + 1 not in continued:
                 break
             rank, j = order[m][1], order[m][2]
-            earlier.insert(0, (plan[rank][j].first, gathered[rank, j], plan[rank][j].length))
-            if plan[rank][j].first or sum(e[2] for e in earlier) >= kernel - 1:
+            earlier.insert(0, (segs[rank][j].first, gathered[rank, j], segs[rank][j].length))
+            if segs[rank][j].first or sum(e[2] for e in earlier) >= kernel - 1:
                 break
         halo = halo_of(earlier, kernel) if earlier else template
         xs = causal_conv(x[:, seg.row:seg.row + seg.length], weight, bias, halo, spec.activation)
@@ -284,7 +284,7 @@ def _ring_rows(x: Tensor, g: Tensor, beta: Tensor, weight: Tensor, bias: Optiona
     parts = [torch.cat([run.transition if run.transition is not None else zero[..., :dk], run.final], dim=-1)
              for run in runs]
     my_states, every = _gather(parts, zero, count, spec, states)  # (R, count, b, hv, dk, dk + dv)
-    chain = [(plan[rank][j].first, every[rank, j][..., :dk], every[rank, j][..., dk:]) for _, rank, j in order]
+    chain = [(segs[rank][j].first, every[rank, j][..., :dk], every[rank, j][..., dk:]) for _, rank, j in order]
     starts = initial_states(chain)
     outs = [with_initial_state(run, starts[position[(ring_rank, i)]]) for i, run in enumerate(runs)]
     return torch.cat(outs, dim=1), my_tails, my_states, gathered, every
