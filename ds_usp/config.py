@@ -8,7 +8,8 @@ The user writes them in the same file they pass to ``deepspeed``::
 :func:`load_usp_config` turns that into a validated, frozen :class:`USPConfig`. It is a pure
 function of its arguments (no collectives, no process groups), so every rank that calls it with
 the same file raises the same :class:`USPConfigError` before any communication happens.
-DeepSpeed ignores the keys it does not know, so the same file keeps working with plain DeepSpeed.
+DeepSpeed itself ignores ``"sequence_parallel"`` and ``"usp"`` but reads ``sequence_parallel_size``: without an
+``mpu`` it divides the world by it for the batch size, while every rank trains a batch of its own (README).
 """
 from __future__ import annotations
 
