@@ -26,7 +26,7 @@ NOMINAL_TOKENS_PER_RANK = 16384  # the length "auto" degrees are priced at (the 
 
 
 def choose_degrees(cfg: USPConfig, shape: ModelShape, zero: int, per_node: int,
-                        max_positions: Optional[int] = None) -> USPConfig:
+                   max_positions: Optional[int] = None) -> USPConfig:
     """Degrees left out: the paper's rule (Ulysses inside a node) unless the cost model prices another split of the
     sequence-parallel ranks, whose all-to-alls stay inside a node, at least 10% faster; the choice is logged.
 

@@ -42,7 +42,7 @@ from ds_usp.integration.preflight import (check_launcher_environment, check_same
 from ds_usp.integration.step_choices import MemoryContext, MemorySettings
 from ds_usp.log import log_info
 from ds_usp.native import resolve_native_op
-from ds_usp.topology import USPMpu, USPTopology
+from ds_usp.topology import USPTopology
 
 
 @dataclass(frozen=True)
@@ -219,4 +219,4 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 def install_deepspeed_hook() -> None:
     """Make ``deepspeed.initialize`` given a ``"sequence_parallel"`` config be :func:`initialize` (``import ds_usp``
     calls it; see :func:`ds_usp.integration.patches.install_deepspeed_hook`)."""
-    patches.install_deepspeed_hook(initialize, lambda mpu: isinstance(mpu, USPMpu))
+    patches.install_deepspeed_hook(initialize)

@@ -352,34 +352,32 @@ def _shard_family_functions(family: Any) -> None:
     from transformers.activations import ACT2FN
 
     def sharded_conv(conv: Callable) -> Callable:
-        return lambda *args, **kwargs: causal_conv1d_fn(conv, *args, **kwargs)
+        def causal_conv1d_fn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                             activation: Optional[str] = None, **kwargs: Any) -> Tensor:
+            running = _RUNNING.get()
+            if running is None:
+                return conv(x, weight, bias, activation=activation, **kwargs)
+            ctx, seq_len, docs = running
+            return sharded_causal_conv(x.transpose(1, 2), weight, bias, ctx.topo, layout=ctx.layout, seq_len=seq_len,
+                                       doc_lens=docs, activation=None if activation is None else ACT2FN[activation]
+                                       ).transpose(1, 2)
+        return causal_conv1d_fn
 
     def sharded_scan(scan: Callable) -> Callable:
-        return lambda *args, **kwargs: mamba_selective_scan(scan, *args, **kwargs)
+        def mamba_selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor] = None,
+                                 z: Optional[Tensor] = None, delta_bias: Optional[Tensor] = None,
+                                 delta_softplus: bool = False, return_last_state: bool = False, **kwargs: Any) -> Any:
+            running = _RUNNING.get()
+            if running is None or return_last_state:  # the state is for a cache: the wrapped forward passes none
+                return scan(x, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                            return_last_state=return_last_state, **kwargs)
+            ctx, seq_len, docs = running
+            return sharded_selective_scan(scan, x, dt, A, B, C, D, z, delta_bias, delta_softplus, ctx.topo,
+                                          layout=ctx.layout, seq_len=seq_len, doc_lens=docs, **kwargs)
+        return mamba_selective_scan
 
     def declined(inner: Callable) -> Callable:  # the fused training kernel: None makes the family take the other path
         return lambda *args, **kwargs: None if _RUNNING.get() is not None else inner(*args, **kwargs)
-
-    def causal_conv1d_fn(conv: Callable, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
-                         activation: Optional[str] = None, **kwargs: Any) -> Tensor:
-        running = _RUNNING.get()
-        if running is None:
-            return conv(x, weight, bias, activation=activation, **kwargs)
-        ctx, seq_len, docs = running
-        return sharded_causal_conv(x.transpose(1, 2), weight, bias, ctx.topo, layout=ctx.layout, seq_len=seq_len,
-                                   doc_lens=docs, activation=None if activation is None else ACT2FN[activation]
-                                   ).transpose(1, 2)
-
-    def mamba_selective_scan(scan: Callable, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                             D: Optional[Tensor] = None, z: Optional[Tensor] = None, delta_bias: Optional[Tensor] = None,
-                             delta_softplus: bool = False, return_last_state: bool = False, **kwargs: Any) -> Any:
-        running = _RUNNING.get()
-        if running is None or return_last_state:  # the state is for a cache: the wrapped forward passes none
-            return scan(x, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                        return_last_state=return_last_state, **kwargs)
-        ctx, seq_len, docs = running
-        return sharded_selective_scan(scan, x, dt, A, B, C, D, z, delta_bias, delta_softplus, ctx.topo,
-                                      layout=ctx.layout, seq_len=seq_len, doc_lens=docs, **kwargs)
 
     replace_family_functions(family, {"causal_conv1d_fn": sharded_conv, "mamba_selective_scan": sharded_scan,
                                       "mamba_inner_fn": declined},

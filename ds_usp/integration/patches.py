@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.config import USPConfigError, read_ds_config
+from ds_usp.topology import USPMpu
 
 
 class UpstreamChanged(RuntimeError):
@@ -158,7 +159,7 @@ def _called_from_accelerate() -> bool:
     return any(frame.frame.f_globals.get("__name__", "").startswith("accelerate.") for frame in inspect.stack()[2:])
 
 
-def install_deepspeed_hook(initialize: Callable[..., Any], is_usp_mpu: Callable[[Any], bool]) -> None:
+def install_deepspeed_hook(initialize: Callable[..., Any]) -> None:
     """Make ``deepspeed.initialize`` honour ``"sequence_parallel"`` (idempotent).
 
     A call whose config sets the key is ``initialize`` (ds-usp's, same arguments, same engine), except under an HF
@@ -167,7 +168,6 @@ def install_deepspeed_hook(initialize: Callable[..., Any], is_usp_mpu: Callable[
 
     Args:
         initialize: :func:`ds_usp.initialize`.
-        is_usp_mpu: whether an ``mpu`` is ds-usp's own.
 
     Raises:
         UpstreamChanged: ``deepspeed.initialize`` lost a parameter the hook relies on.
@@ -185,7 +185,7 @@ def install_deepspeed_hook(initialize: Callable[..., Any], is_usp_mpu: Callable[
     @functools.wraps(original)
     def initialize_with_usp(args: Any = None, **kwargs: Any) -> Any:
         config = _config_of_call(args, kwargs)
-        if config is None or config.get("sequence_parallel") is None or is_usp_mpu(kwargs.get("mpu")):
+        if config is None or config.get("sequence_parallel") is None or isinstance(kwargs.get("mpu"), USPMpu):
             return original(args=args, **kwargs)
         if _called_from_accelerate() and not TRAINER_ROUTE.get():
             raise ValueError('the DeepSpeed config sets "sequence_parallel", but this HF Trainer is not ds-usp\'s: '

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ds_usp.comm import all_gather_objects
 from ds_usp.config import USPConfigError
 
 
@@ -41,8 +42,7 @@ def check_same_everywhere(facts: Mapping[str, Any]) -> None:
     if dist.get_backend() == "nccl":  # all_gather_object sends through this rank's GPU
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     mine = {key: json.dumps(val, sort_keys=True, default=str) for key, val in facts.items()}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gather_objects(mine, None, "check that every rank read the same config")
     diffs = []
     for key in mine:
         holders: dict[str, list[int]] = {}
