@@ -21,17 +21,21 @@ __version__ = "0.1.0"
 install_deepspeed_hook()
 
 
-def __getattr__(name: str):
-    """``USPTrainer`` / ``USPSFTTrainer``, imported on first use (they import transformers and TRL)."""
-    if name in ("USPTrainer", "USPSFTTrainer"):
-        from ds_usp.integration import hf_trainer
+_RL_TRAINERS = ("USPGRPOTrainer", "USPRLOOTrainer", "USPDPOTrainer")
 
-        if not hasattr(hf_trainer, name):  # USPSFTTrainer without TRL
+
+def __getattr__(name: str):
+    """The trainers, imported on first use (they import transformers and TRL)."""
+    if name in ("USPTrainer", "USPSFTTrainer", "USPGRPOTrainer", "USPRLOOTrainer", "USPDPOTrainer"):
+        import importlib
+
+        module = importlib.import_module("ds_usp.integration." + ("rl" if name in _RL_TRAINERS else "hf_trainer"))
+        if not hasattr(module, name):  # a TRL trainer without TRL
             raise AttributeError(f"ds_usp.{name} needs TRL: pip install trl")
-        return getattr(hf_trainer, name)
+        return getattr(module, name)
     raise AttributeError(f"module 'ds_usp' has no attribute {name!r}")
 
 __all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupRanks", "USPMpu", "USPTopology", "group_ranks",
            "USPAttention", "gather_sequence", "ring_attention", "shard_sequence", "ulysses_attention",
            "usp_attention", "data", "hf", "USPDataLoader", "shard_batch", "sp_cross_entropy",
-           "USPState", "initialize", "USPTrainer", "USPSFTTrainer", "__version__"]
+           "USPState", "initialize", "USPTrainer", "USPSFTTrainer", *_RL_TRAINERS, "__version__"]

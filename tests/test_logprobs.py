@@ -59,8 +59,8 @@ def sharded(u: int, r: int, layout: str, temperature: float, softcap: float) -> 
     hidden, head, labels, coef = _inputs()
     local = ds_usp.shard_sequence(hidden, topo, layout=layout).requires_grad_()
     local_labels = ds_usp.shard_sequence(labels, topo, layout=layout, pad_value=-100)
-    logp, ent = token_logprobs(local, head, local_labels, temperature=temperature, chunk=5,
-                               tail=LogitsTail(softcap=softcap), entropy=True)
+    logp, ent, *_ = token_logprobs(local, head, local_labels, temperature=temperature, chunk=5,
+                                   tail=LogitsTail(softcap=softcap))
     loss = (sequence_sums(logp, topo) * coef).sum() + 0.1 * sequence_sums(ent, topo).sum()
     loss.backward()
     gather = lambda x: ds_usp.gather_sequence(x, topo, layout=layout, seq_len=S)  # noqa: E731
@@ -88,3 +88,69 @@ def test_bad_arguments_are_refused():
         token_logprobs(hidden, head, labels[:, :-1])
     with pytest.raises(ValueError, match="must be positive"):
         token_logprobs(hidden, head, labels, temperature=0.0)
+
+
+# ---- TRL's fused LM head call under SP ---------------------------------------------------------------------------
+
+def _padded_batch():
+    """Rows as TRL builds them: left-padded prompts, right-padded completions, labels on the completions only."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 60, (3, 29), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[1, 25:] = 0  # right padding
+    mask[2, :2] = 0
+    mask[2, 27:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :12] = -100  # the prompt is not scored
+    return ids, mask, labels
+
+
+def fused_head(u: int, r: int, layout: str) -> str:
+    """On every rank: TRL's fused head on the plain model in this process vs ds-usp's on the shards."""
+    import copy
+
+    from trl.trainer.utils import add_fused_lm_head
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ds_usp
+    from ds_usp.integration.logprobs import FUSED_HEAD_ATTR, FusedHead
+
+    cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    model = copy.deepcopy(plain)
+    ds_usp.hf.register_usp_attention()
+    model.config._attn_implementation = "usp"
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    add_fused_lm_head(plain, temperature=0.8, outputs=outputs)
+    add_fused_lm_head(model, temperature=0.8, outputs=outputs)
+    ids, mask, labels = _padded_batch()
+    coef = torch.tensor([[0.5], [-1.0], [2.0]])
+    want = plain(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    ((want.log_probs * coef).sum() + 0.1 * want.entropy.sum()).backward()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}, "sequence_parallel": "usp",
+              "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+              "sequence_parallel_size": u * r, "usp": {"ulysses_degree": u, "ring_degree": r, "layout": layout}}
+    engine, *_ = ds_usp.initialize(model=model, config=config)
+    setattr(model, FUSED_HEAD_ATTR, FusedHead(temperature=0.8))
+    got = engine(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    engine.backward((got.log_probs * coef).sum() + 0.1 * got.entropy.sum())  # sums the ranks' shares
+    for name in outputs + ("label_mask", "loss"):
+        a, b = getattr(got, name), getattr(want, name)
+        if name == "is_top1":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a.detach(), b.detach(), **TOL, msg=lambda m: f"{name}: {m}")
+    grads = dict(plain.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return "ok"
+
+
+@pytest.mark.parametrize("u,r,layout", [(2, 2, "zigzag"), (1, 4, "contiguous"), (4, 1, "zigzag")])
+def test_fused_head_equals_trl_in_one_process(world4, u, r, layout):
+    pytest.importorskip("trl")
+    assert world4.run(fused_head, u, r, layout) == ["ok"] * 4

@@ -19,8 +19,9 @@ the query/key one) needs nothing special: the output has the value head dim, as 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +71,7 @@ class USPContext:
         cu_seq_lens: the documents of the batch the model was last called with (``cu_seq_lens_q`` of
             :func:`ds_usp.shard_batch`), set by the model's wrapped forward: the attention uses it when a family's
             decoder layer does not pass its keyword arguments on (StableLM, Nemotron).
+        unsharded: the model runs whole sequences on each rank, without USP (:func:`unsharded`: generation).
     """
 
     topo: USPTopology
@@ -79,6 +81,7 @@ class USPContext:
     comm_dtype: str = "input"
     model_name: str = "the model"
     cu_seq_lens: Optional[Tensor] = field(default=None, repr=False)
+    unsharded: bool = False
 
 
 def _refuse(module: nn.Module, ctx: USPContext, key: str, value: Any, why: str) -> None:
@@ -302,6 +305,8 @@ def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     that do not pass their keyword arguments on to the attention (StableLM, Nemotron) and the hybrid layers.
     """
     ctx = context_of(model)
+    if ctx.unsharded:
+        return args, kwargs
     cu = kwargs.get("cu_seq_lens_q")
     positions = kwargs.get("position_ids")
     if cu is None and isinstance(positions, Tensor) and positions.dim() == 2:
@@ -317,3 +322,32 @@ def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
 def context_of(model: nn.Module) -> Optional[USPContext]:
     """The :class:`USPContext` :func:`attach` gave ``model`` (None when it has none)."""
     return getattr(model, _CONTEXT_ATTR, None)
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module, implementation: str = "sdpa") -> Iterator[None]:
+    """Run ``model`` on whole sequences on each rank, without USP, for as long as the block lasts (generation).
+
+    The ``"usp"`` attention and mask functions are swapped for ``implementation``'s in every config of the model (HF
+    looks them up on each call), and the documents hook stands aside; the memory stack's wrapped forward passes calls
+    without labels through. Nothing is communicated over the SP group inside the block.
+
+    Args:
+        model: a model :func:`attach` gave a context (others are left alone).
+        implementation: the attention implementation to use instead of ``"usp"``.
+    """
+    ctx = context_of(model)
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if c is not None and getattr(c, "_attn_implementation", None) == "usp"}
+    if ctx is None or not configs:
+        yield
+        return
+    ctx.unsharded = True
+    for config in configs.values():
+        config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        ctx.unsharded = False
+        for config in configs.values():
+            config._attn_implementation = "usp"

@@ -132,8 +132,9 @@ def _replicas_batch(config: Any, args: Any) -> Optional[int]:
     return args.world_size // sp * args.per_device_train_batch_size * args.gradient_accumulation_steps
 
 
-class USPTrainerMixin:
-    """What turns a Trainer (or a subclass such as TRL's) into a USP one; see the module docstring."""
+class USPTrainerBase:
+    """What every USP trainer shares (SFT and RL alike): the engine through ``ds_usp.initialize``, one batch per SP
+    group (loaders split over replicas only), and the step's sequence count."""
 
     _usp_sp: int = 1
 
@@ -160,7 +161,6 @@ class USPTrainerMixin:
                 TRAINER_ROUTE.reset(token)
 
         self.accelerator.prepare = prepare_with_usp
-        self.loss_is_scaled_for_ga = True  # compute_loss returns the loss already divided as the step needs
 
     @property
     def _usp(self) -> Any:
@@ -194,6 +194,21 @@ class USPTrainerMixin:
         """The Trainer's loader, split over replicas only."""
         return self._replicas_only(super().get_test_dataloader(test_dataset))
 
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Sequences per optimizer step: the ranks of an SP group share one."""
+        return super().get_total_train_batch_size(args) // self._usp_sp
+
+
+class USPTrainerMixin(USPTrainerBase):
+    """What turns a Trainer (or a subclass such as TRL's ``SFTTrainer``) into a USP one; see the module docstring."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """:class:`USPTrainerBase`'s, and ``compute_loss`` returns the loss already divided as the step needs."""
+        super().create_accelerator_and_postprocess()
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and plugin.deepspeed_config.get("sequence_parallel"):
+            self.loss_is_scaled_for_ga = True
+
     def _shard(self, batch: dict) -> dict:
         usp = self._usp
         pad = getattr(getattr(self, "processing_class", None), "pad_token_id", None) or 0
@@ -215,10 +230,6 @@ class USPTrainerMixin:
         count = torch.tensor(sum(int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards), device=device)
         dist.all_reduce(count)  # the shards partition a group's targets, the replicas hold different ones
         return shards, count
-
-    def get_total_train_batch_size(self, args: Any) -> int:
-        """Sequences per optimizer step: the ranks of an SP group share one."""
-        return super().get_total_train_batch_size(args) // self._usp_sp
 
     # ---- the loss ------------------------------------------------------------------------------------------
     def _refuse_other_losses(self) -> None:

