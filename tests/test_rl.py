@@ -25,18 +25,28 @@ TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps
           "total_flos", "train_loss")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _config(family: str):
+    from transformers import LlamaConfig, Qwen3Config
 
-    path = str(tmp_path_factory.mktemp("tiny-llama"))
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=2)
+    return LlamaConfig(**common) if family == "llama" else Qwen3Config(**common, head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny random Llama and Qwen3, saved with the tokenizer (TRL loads the reference model from the path)."""
+    from transformers import AutoModelForCausalLM
+
+    dirs = {}
+    for family in ("llama", "qwen3"):
+        path = str(tmp_path_factory.mktemp(family))
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32).save_pretrained(path)
+        _tokenizer().save_pretrained(path)
+        dirs[family] = path
+    return dirs
 
 
 def _tokenizer():
@@ -58,19 +68,22 @@ def _prompts(n: int):
                                          for m in lens]})
 
 
-def _rollout(prompts: list, trainer) -> dict:
+def _completions(prompt_ids: list) -> list:
     """Deterministic completions: a function of the prompt and its place in the batch."""
-    tok = trainer.processing_class
-    prompt_ids, completion_ids = [], []
-    for i, prompt in enumerate(prompts):
-        ids = tok(prompt)["input_ids"]
+    completion_ids = []
+    for i, ids in enumerate(prompt_ids):
         g = torch.Generator().manual_seed(sum(ids) * 31 + i)
-        n = 3 + (sum(ids) + 5 * i) % 13
-        completion = torch.randint(4, VOCAB, (n,), generator=g).tolist()
+        completion = torch.randint(4, VOCAB, (3 + (sum(ids) + 5 * i) % 13,), generator=g).tolist()
         if i % 3:
             completion[-1] = 1  # EOS: two thirds terminate, the others are truncated
-        prompt_ids.append(ids)
         completion_ids.append(completion)
+    return completion_ids
+
+
+def _rollout(prompts: list, trainer) -> dict:
+    """GRPO's rollout_func: the prompts tokenized, :func:`_completions`."""
+    prompt_ids = [trainer.processing_class(prompt)["input_ids"] for prompt in prompts]
+    completion_ids = _completions(prompt_ids)
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
             "logprobs": [[0.0] * len(c) for c in completion_ids]}
 
@@ -113,35 +126,43 @@ def _null():
     return contextlib.nullcontext()
 
 
-GRPO_CASES = [  # (zero stage, U, R, layout, loss_type, beta, extra GRPOConfig)
-    (2, 2, 2, "zigzag", "dapo", 0.0, {}),
-    (3, 1, 4, "contiguous", "grpo", 0.05, {"importance_sampling_level": "sequence"}),
-    (2, 1, 4, "contiguous", "dr_grpo", 0.05, {"scale_rewards": "batch", "top_entropy_quantile": 0.5}),
-    (3, 2, 2, "zigzag", "bnpo", 0.0, {"num_iterations": 2, "epsilon": 0.05}),
+GRPO_CASES = [  # (model, zero stage, U, R, layout, loss_type, beta, extra GRPOConfig)
+    ("llama", 2, 2, 2, "zigzag", "dapo", 0.0, {}),
+    ("qwen3", 3, 1, 4, "contiguous", "grpo", 0.05, {"importance_sampling_level": "sequence"}),
+    ("llama", 2, 1, 4, "contiguous", "dr_grpo", 0.05, {"scale_rewards": "batch", "top_entropy_quantile": 0.5}),
+    ("qwen3", 3, 2, 2, "zigzag", "bnpo", 0.0, {"num_iterations": 2, "epsilon": 0.05}),
 ]
 
 
-def _grpo(model_dir: str, out: str, case: tuple, use_usp: bool, rollout: bool = True):
+def _grpo(model_dir: str, out: str, case: tuple, use_usp: bool, rollout: bool = True, rloo: bool = False):
     import ds_usp  # noqa: F401 - registers "usp" and the deepspeed.initialize hook
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    stage, u, r, layout, loss_type, beta, extra = case
+    _, stage, u, r, layout, loss_type, beta, extra = case
     extra = dict(extra)
     usp = extra.pop("usp", {})
-    cls = ds_usp.USPGRPOTrainer if use_usp else GRPOTrainer  # imported before the config, as a user script does
+    if rloo:
+        cls = ds_usp.USPRLOOTrainer if use_usp else RLOOTrainer
+    else:
+        cls = ds_usp.USPGRPOTrainer if use_usp else GRPOTrainer  # imported before the config, as a user script does
     _fresh_accelerate()
     settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16, temperature=0.8,
-                    loss_type=loss_type, beta=beta, shuffle_dataset=False)
-    args = GRPOConfig(**{**_common(out, _ds_config(stage, u, r, layout, usp) if use_usp else None), **settings, **extra})
-    trainer = cls(model=model_dir, reward_funcs=[_reward_even, _reward_long], args=args, train_dataset=_prompts(16),
-                  processing_class=_tokenizer(), rollout_func=_rollout if rollout else None)
+                    beta=beta, shuffle_dataset=False, **({} if rloo else {"loss_type": loss_type}))
+    args = (RLOOConfig if rloo else GRPOConfig)(**{**_common(out, _ds_config(stage, u, r, layout, usp) if use_usp else None), **settings, **extra})
+    kwargs = dict(model=model_dir, reward_funcs=[_reward_even, _reward_long], args=args, train_dataset=_prompts(16),
+                  processing_class=_tokenizer())
+    if rloo:  # RLOO takes no rollout_func: its generation step gives the same deterministic completions
+        cls = type(cls.__name__, (cls,), {"_generate_single_turn": lambda self, prompt_ids, *_: _completions(prompt_ids)})
+    elif rollout:
+        kwargs["rollout_func"] = _rollout
+    trainer = cls(**kwargs)
     trainer.train()
     return trainer
 
 
-def train_grpo(model_dir: str, out: str, case: tuple) -> dict:
-    """On every rank: USPGRPOTrainer; its logs and final parameters."""
-    return _summary(_grpo(model_dir, out, case, True), case[0])
+def train_grpo(model_dir: str, out: str, case: tuple, rloo: bool = False) -> dict:
+    """On every rank: USPGRPOTrainer (USPRLOOTrainer); its logs and final parameters."""
+    return _summary(_grpo(model_dir, out, case, True, rloo=rloo), case[1])
 
 
 def _same(got: dict, want: dict) -> None:
@@ -155,10 +176,95 @@ def _same(got: dict, want: dict) -> None:
         torch.testing.assert_close(value, want["params"][name], **TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("case", GRPO_CASES, ids=[f"zero{c[0]}-{c[1]}x{c[2]}-{c[4]}-beta{c[5]}" for c in GRPO_CASES])
-def test_grpo_equals_single_process(world4, model_dir, tmp_path_factory, case):
-    results = world4.run(train_grpo, model_dir, str(tmp_path_factory.mktemp("usp")), case)
-    want = _summary(_grpo(model_dir, str(tmp_path_factory.mktemp("ref")), case, False), 0)
+@pytest.mark.parametrize("case", GRPO_CASES, ids=[f"{c[0]}-zero{c[1]}-{c[2]}x{c[3]}-{c[5]}-beta{c[6]}"
+                                                 for c in GRPO_CASES])
+def test_grpo_equals_single_process(world4, model_dirs, tmp_path_factory, case):
+    path = model_dirs[case[0]]
+    results = world4.run(train_grpo, path, str(tmp_path_factory.mktemp("usp")), case)
+    want = _summary(_grpo(path, str(tmp_path_factory.mktemp("ref")), case, False), 0)
     _fresh_accelerate()
     assert all(res["logs"] == results[0]["logs"] for res in results)  # the ranks of the group log the same
+    _same(results[0], want)
+
+
+RLOO_CASE = ("qwen3", 2, 2, 2, "zigzag", None, 0.05, {})
+
+
+def test_rloo_equals_single_process(world4, model_dirs, tmp_path_factory):
+    path = model_dirs["qwen3"]
+    results = world4.run(train_grpo, path, str(tmp_path_factory.mktemp("usp")), RLOO_CASE, True)
+    want = _summary(_grpo(path, str(tmp_path_factory.mktemp("ref")), RLOO_CASE, False, rloo=True), 0)
+    _fresh_accelerate()
+    _same(results[0], want)
+
+
+def sampled_grpo(model_dir: str, out: str) -> list:
+    """On every rank: USPGRPOTrainer generating with the model (sampling); the completions each rank trained on."""
+    import trl.trainer.grpo_trainer as grpo
+
+    seen = []
+    score = grpo.GRPOTrainer._generate_and_score_completions
+
+    def keep(self, inputs):
+        batch = score(self, inputs)
+        seen.append(batch["completion_ids"].tolist())
+        return batch
+
+    grpo.GRPOTrainer._generate_and_score_completions = keep
+    try:
+        _grpo(model_dir, out, ("llama", 2, 2, 2, "zigzag", "dapo", 0.0, {"max_steps": 2}), True, rollout=False)
+    finally:
+        grpo.GRPOTrainer._generate_and_score_completions = score
+    return seen
+
+
+def test_sampled_rollouts_are_the_same_on_every_rank_of_the_group(world4, model_dirs, tmp_path_factory):
+    seen = world4.run(sampled_grpo, model_dirs["llama"], str(tmp_path_factory.mktemp("sampled")))
+    assert len(seen[0]) == 2 and all(s == seen[0] for s in seen)
+    assert len({tuple(row) for row in seen[0][0]}) > 1  # really sampled: the completions of a prompt differ
+
+
+# ---- DPO --------------------------------------------------------------------------------------------------------
+
+def _pairs(n: int):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(9)
+
+    def text(m: int) -> str:
+        return " ".join(f"t{t}" for t in torch.randint(4, VOCAB, (m,), generator=g).tolist())
+
+    return Dataset.from_dict({"prompt": [text(3 + 2 * (i % 5)) for i in range(n)],
+                              "chosen": [text(2 + (3 * i) % 11) for i in range(n)],
+                              "rejected": [text(4 + (5 * i) % 9) for i in range(n)]})
+
+
+DPO_CASES = [("llama", 2, 2, 2, "zigzag", ["sigmoid"]), ("qwen3", 3, 1, 4, "contiguous", ["ipo", "sft"])]
+
+
+def _dpo(model_dir: str, out: str, case: tuple, use_usp: bool):
+    import ds_usp
+    from trl import DPOConfig, DPOTrainer
+
+    _, stage, u, r, layout, loss_type = case
+    cls = ds_usp.USPDPOTrainer if use_usp else DPOTrainer
+    _fresh_accelerate()
+    args = DPOConfig(**_common(out, _ds_config(stage, u, r, layout) if use_usp else None),
+                     per_device_train_batch_size=4, loss_type=loss_type, beta=0.2, max_length=40)
+    trainer = cls(model=model_dir, args=args, train_dataset=_pairs(12), processing_class=_tokenizer())
+    trainer.train()
+    return trainer
+
+
+def train_dpo(model_dir: str, out: str, case: tuple) -> dict:
+    """On every rank: USPDPOTrainer; its logs and final parameters."""
+    return _summary(_dpo(model_dir, out, case, True), case[1])
+
+
+@pytest.mark.parametrize("case", DPO_CASES, ids=[f"{c[0]}-zero{c[1]}-{c[2]}x{c[3]}-{'+'.join(c[5])}" for c in DPO_CASES])
+def test_dpo_equals_single_process(world4, model_dirs, tmp_path_factory, case):
+    path = model_dirs[case[0]]
+    results = world4.run(train_dpo, path, str(tmp_path_factory.mktemp("usp")), case)
+    want = _summary(_dpo(path, str(tmp_path_factory.mktemp("ref")), case, False), 0)
+    _fresh_accelerate()
     _same(results[0], want)

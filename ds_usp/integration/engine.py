@@ -207,8 +207,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                       config=config, config_params=config_params,
                                                       dist_init_required=dist_init_required, collate_fn=collate_fn,
                                                       **kwargs)
-    if zero3_sp:
-        fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)
+    if zero3_sp and engine.optimizer is not None and type(engine.optimizer).__name__ != "DeepSpeedZeRoOffload":
+        fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)  # not for an inference engine (no grads)
     dist.barrier()  # deepspeed.initialize set DeepSpeed's communication up if distributed was not ours: past it
     unlink_shm_buffer()
     engine.usp = USPState(config=usp_cfg, topo=topo, memory=memory)
