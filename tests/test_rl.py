@@ -202,19 +202,27 @@ def sampled_grpo(model_dir: str, out: str) -> list:
     """On every rank: USPGRPOTrainer generating with the model (sampling); the completions each rank trained on."""
     import trl.trainer.grpo_trainer as grpo
 
+    import torch.distributed as dist
+
     seen = []
-    score = grpo.GRPOTrainer._generate_and_score_completions
+    score, generate = grpo.GRPOTrainer._generate_and_score_completions, grpo.GRPOTrainer._generate_single_turn
 
     def keep(self, inputs):
         batch = score(self, inputs)
         seen.append(batch["completion_ids"].tolist())
         return batch
 
+    def sample_differently(self, *args, **kwargs):
+        torch.manual_seed(100 + dist.get_rank())  # each rank samples other completions: only the first rank's count
+        return generate(self, *args, **kwargs)
+
     grpo.GRPOTrainer._generate_and_score_completions = keep
+    grpo.GRPOTrainer._generate_single_turn = sample_differently
     try:
         _grpo(model_dir, out, ("llama", 2, 2, 2, "zigzag", "dapo", 0.0, {"max_steps": 2}), True, rollout=False)
     finally:
         grpo.GRPOTrainer._generate_and_score_completions = score
+        grpo.GRPOTrainer._generate_single_turn = generate
     return seen
 
 

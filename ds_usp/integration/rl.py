@@ -110,13 +110,7 @@ class USPRLMixin(USPTrainerBase):
             self._usp_in_view = False
 
     def _prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's (rollouts, scoring and the shuffle of the generation batch for GRPO / RLOO), seeing the replicas as
-        accelerate's processes, with the group's first rank's CPU random state on every rank of the group (TRL
-        shuffles the batch with it)."""
-        usp = self._usp
-        if usp is not None and self._usp_sp > 1:
-            torch.set_rng_state(all_gather_objects(torch.get_rng_state(), usp.topo.sp_group,
-                                                   "random state of the SP group's first rank")[0])
+        """TRL's (rollouts and scoring for GRPO / RLOO), seeing the replicas as accelerate's processes."""
         with self._replicas():
             return super()._prepare_inputs(*args, **kwargs)
 
@@ -149,11 +143,14 @@ class USPRolloutMixin(USPRLMixin):
         return all_gather_objects(result, usp.topo.sp_group, "rollouts of the SP group's first rank")[0]
 
     def _generate_and_score_completions(self, inputs: Any) -> dict:
-        """TRL's, then the check that every rank of the SP group holds the same batch."""
+        """TRL's, then the check that every rank of the SP group holds the same batch, and the group's first rank's
+        CPU random state on every rank of the group (TRL shuffles the batch with it next)."""
         batch = super()._generate_and_score_completions(inputs)
         usp = self._usp
         if usp is not None and self._usp_sp > 1:
             check_group_holds_same(batch, usp.topo.sp_group)
+            torch.set_rng_state(all_gather_objects(torch.get_rng_state(), usp.topo.sp_group,
+                                                   "random state of the SP group's first rank")[0])
         return batch
 
 
