@@ -45,12 +45,13 @@ def documents(min_len: int = 16) -> list[list[int]]:
 
 def tokenizer():
     """A byte-level tokenizer object for TRL (it reads the pad and EOS ids from it)."""
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"<{i}>": i for i in range(VOCAB)} | {"<pad>": PAD, "<eos>": EOS}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
-                                   pad_token="<pad>", eos_token="<eos>")
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # text prompts (the RL examples): "<72> <105> ..."
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>")
 
 
 def main() -> None:

@@ -276,3 +276,56 @@ def test_dpo_equals_single_process(world4, model_dirs, tmp_path_factory, case):
     want = _summary(_dpo(path, str(tmp_path_factory.mktemp("ref")), case, False), 0)
     _fresh_accelerate()
     _same(results[0], want)
+
+
+# ---- refusals ---------------------------------------------------------------------------------------------------
+
+REFUSED = {  # what a user asks for -> the words of the refusal
+    "grpo_vllm": ("use_vllm=True", "USPGRPOTrainer"),
+    "grpo_liger": ("Liger kernels", "USPGRPOTrainer"),
+    "dpo_padding_free": ("padding_free=True", "USPDPOTrainer"),
+    "dpo_precompute": ("precompute_ref_log_probs=True", "USPDPOTrainer"),
+    "grpo_hybrid": ("linear attention / state-space layers", "USPGRPOTrainer"),
+}
+
+
+def refused(model_dir: str, out: str, what: str) -> str:
+    """On every rank: a USP RL trainer asked for something SP does not do; the error it raises before training."""
+    import ds_usp
+    from trl import DPOConfig, GRPOConfig
+
+    ds_config = _ds_config(2, 2, 2, "zigzag")
+    _fresh_accelerate()
+    try:
+        if what.startswith("dpo"):
+            extra = {"padding_free": True} if what == "dpo_padding_free" else {"precompute_ref_log_probs": True}
+            cls = ds_usp.USPDPOTrainer
+            args = DPOConfig(**_common(out, ds_config), per_device_train_batch_size=4, **extra)
+            cls(model=model_dir, args=args, train_dataset=_pairs(8), processing_class=_tokenizer())
+        else:
+            cls = ds_usp.USPGRPOTrainer
+            extra = {"grpo_vllm": {"use_vllm": True}, "grpo_liger": {"use_liger_kernel": True}}.get(what, {})
+            args = GRPOConfig(**_common(out, ds_config), per_device_train_batch_size=8, num_generations=4, **extra)
+            cls(model=_hybrid() if what == "grpo_hybrid" else model_dir, reward_funcs=_reward_even, args=args,
+                train_dataset=_prompts(8), processing_class=_tokenizer())
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def _hybrid():
+    """A tiny Qwen3.5-style hybrid (Gated DeltaNet layers) built with the "usp" attention."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                          linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                          layer_types=["linear_attention", "full_attention"], num_experts=0, pad_token_id=0,
+                          eos_token_id=1)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="usp", dtype=torch.float32)
+
+
+def test_what_sequence_parallelism_does_not_do_is_refused_by_name(world4, model_dirs, tmp_path_factory):
+    for what, words in REFUSED.items():
+        messages = world4.run(refused, model_dirs["llama"], str(tmp_path_factory.mktemp(what)), what)
+        assert all(all(w in m for w in words) and "not supported" in m for m in messages), (what, messages)
