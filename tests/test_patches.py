@@ -94,3 +94,32 @@ def test_family_functions_checked_before_they_are_replaced():
     assert family.scan(1, 2, 3) == "sharded family" and not hasattr(family, "inner")
     patches.replace_family_functions(family, {"scan": lambda f: lambda *a: "twice"}, {})  # idempotent per module
     assert family.scan(1, 2, 3) == "sharded family"
+
+
+def test_replicas_view_swaps_and_restores_and_refuses_a_changed_accelerate():
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    class Module(types.ModuleType):
+        pass
+
+    trl_like = Module("trl_like")
+    from accelerate.utils import gather, gather_object
+
+    trl_like.gather, trl_like.gather_object = gather, gather_object
+    accelerator = Accelerator.__new__(Accelerator)  # no state needed: the view's size is 1 (no collective)
+    cls = type(accelerator)
+    assert not dist.is_initialized()
+    with patches.replicas_view(accelerator, (trl_like,), group=None, size=1, index=0):
+        assert accelerator.num_processes == 1 and accelerator.process_index == 0
+        assert accelerator.gather(torch.tensor(3.0)).tolist() == [3.0]  # 0-d tensors become one row, as accelerate
+        assert trl_like.gather({"a": torch.ones(2)})["a"].tolist() == [1.0, 1.0]
+        assert accelerator.reduce(torch.tensor([2.0]), "mean").tolist() == [2.0]
+        assert trl_like.gather is not gather
+    assert type(accelerator) is cls and trl_like.gather is gather and trl_like.gather_object is gather_object
+
+    trl_like.gather = lambda tensor: tensor  # a TRL that no longer uses accelerate's gather
+    with pytest.raises(UpstreamChanged, match="trl_like.gather is not accelerate's"):
+        with patches.replicas_view(accelerator, (trl_like,), group=None, size=1, index=0):
+            pass
+    assert type(accelerator) is cls

@@ -450,8 +450,10 @@ def _gather_rows(data: Any, group: Any, size: int) -> Any:
     return torch.cat(all_gather_rows(data, group, "gather over replicas"))
 
 
-def _gather_objects(obj: Any, group: Any) -> list:
+def _gather_objects(obj: Any, group: Any, size: int) -> list:
     """accelerate's ``gather_object`` over ``group`` (each rank gives a list; the lists are concatenated)."""
+    if size == 1:
+        return list(obj)
     from ds_usp.comm import all_gather_objects
 
     return [x for part in all_gather_objects(obj, group, "gather_object over replicas") for x in part]
@@ -461,7 +463,7 @@ def _replicas_class(cls: type, group: Any, size: int, index: int) -> type:
     """A subclass of the accelerator's class whose processes are the data-parallel replicas of ``group``."""
 
     def gather_for_metrics(self: Any, input_data: Any, use_gather_object: bool = False) -> Any:
-        data = (_gather_objects(input_data, group) if use_gather_object or not isinstance(input_data, torch.Tensor)
+        data = (_gather_objects(input_data, group, size) if use_gather_object or not isinstance(input_data, torch.Tensor)
                 else _gather_rows(input_data, group, size))
         state = self.gradient_state
         return data[:state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
@@ -511,7 +513,7 @@ def replicas_view(accelerator: Any, modules: tuple, group: Any, size: int, index
     accelerator.__class__ = _replicas_class(cls, group, size, index)
     for module, _, _ in saved:
         module.gather = lambda tensor: _gather_rows(tensor, group, size)
-        module.gather_object = lambda obj: _gather_objects(obj, group)
+        module.gather_object = lambda obj: _gather_objects(obj, group, size)
     try:
         yield
     finally:
