@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ds_usp.comm import all_gather_objects, all_gather_rows, group_device
+from ds_usp.integration.multimodal import MULTIMODAL_KEY, VISUAL_KEYS, is_multimodal
 from ds_usp.sharding import check_layout, gather_sequence, normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
 
@@ -259,7 +260,11 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         return shard_sequence(x, topo, dim=1, layout=layout, pad_value=pad, doc_lens=docs)
 
     longest = max(max(row) for row in docs) if docs else s
-    return {
+    extra = {}
+    if is_multimodal(batch):  # a VLM: its body resolves the visual inputs on the whole sequence, then shards
+        extra[MULTIMODAL_KEY] = {"input_ids": ids, "docs": docs,
+                                 **{k: batch[k] for k in VISUAL_KEYS if batch.get(k) is not None}}
+    return {**extra,
         "input_ids": shard(ids.long(), pad_token_id),
         "position_ids": shard(positions.long()),  # padding gets position 0: it belongs to no document, meets nothing
         "shift_labels": shard(shift_labels(labels.long(), docs), IGNORE_INDEX),

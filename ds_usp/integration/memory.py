@@ -29,6 +29,7 @@ from ds_usp.integration.recompute import checkpointed_layer_forward
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens
 from ds_usp.integration.data import shift_labels as shift_sequence_labels
 from ds_usp.integration.logprobs import FUSED_HEAD_ATTR, fused_forward
+from ds_usp.integration.multimodal import MULTIMODAL_KEY, body_and_language_model, sharded_language_model
 from ds_usp.integration.loss import LogitsTail, chunked_lm_loss, load_balancing_loss, sp_loss
 from ds_usp.integration.model_tail import RouterAux, find_logits_tail, find_router_aux
 from ds_usp.integration.step_choices import MemoryContext, MemorySettings
@@ -203,12 +204,26 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
             fields["loss"] = fields["loss"] + tail.router.coef * aux[0]
         return FusedCausalLMOutput(**fields, aux_loss=aux[0] if aux else None)
 
+    def multimodal_call(multimodal: dict, kwargs: dict) -> Any:
+        body, language = body_and_language_model(model)
+        if body is None:
+            raise ValueError(f"{tail.name} is given visual inputs, but ds-usp finds no VLM body with a language_model "
+                             f"in it (docs/models.md lists the vision-language families)")
+        inputs = dict(multimodal)
+        documents = {"docs": inputs.pop("docs"), **{k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k",
+                                                                             "max_length_q", "max_length_k")}}
+        with sharded_language_model(language, ctx.topo, ctx.layout, documents):
+            return body(**inputs, use_cache=False)
+
     @functools.wraps(original)
     def forward(input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
                 shift_labels: Optional[Tensor] = None, return_logits: bool = False,
                 num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
                 **kwargs: Any) -> Any:
+        multimodal = kwargs.pop(MULTIMODAL_KEY, None)
+        if multimodal is not None and labels is None and shift_labels is None:
+            raise ValueError("a multimodal shard is trained with its shift_labels (ds_usp.shard_batch gives them)")
         if kwargs.pop("fused_lm_head", False):  # TRL's fused LM head (GRPO, RLOO, DPO): the whole batch on every rank
             return fused(input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
                          output_router_logits, kwargs)
@@ -231,7 +246,10 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
                              f"reproduce (see docs/models.md): call it without labels / shift_labels and compute the "
                              f"loss from out.logits with ds_usp.sp_cross_entropy")
         kwargs.setdefault("use_cache", False)  # a loss is wanted: no KV cache (HF builds one when config.use_cache)
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        if multimodal is not None:  # a VLM: its body on the whole sequence, its language model on the shard
+            out = multimodal_call(multimodal, kwargs)
+        else:
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         hidden = out[0]  # (b, s_local, H)
         if shift_labels is None:  # labels of this rank's shard: shift them over the whole sequence
             cu = kwargs.get("cu_seq_lens_q")

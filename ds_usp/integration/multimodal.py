@@ -1,0 +1,124 @@
+"""Vision-language models under USP: the multimodal inputs resolved on the whole sequence, then sharded like text.
+
+A VLM's body (``model.model``: Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA, Gemma 3, ...) embeds the tokens, runs its
+vision tower, splices the visual features in at their placeholder tokens, computes the positions (Qwen's 3-D MRoPE from
+the image and video grids) and then calls its language model with ``inputs_embeds`` and ``position_ids``. ds-usp runs
+that body, the family's own code, on the whole sequence on every rank of the group, and shards at the language model's
+door (:func:`sharded_language_model`): ``inputs_embeds``, ``position_ids`` (any leading dimensions: MRoPE's
+``(3, b, S)``) and what a layer adds at visual positions (Qwen3-VL's deepstack: ``visual_pos_masks`` and the rows of
+``deepstack_visual_embeds`` that belong to the rank's own visual positions) are cut to the rank's shard, the documents
+passed as ``cu_seq_lens_q``. The decoder layers then run USP on the shard; the loss is the SP loss on the shard's
+``shift_labels`` (:func:`ds_usp.shard_batch` shifts them over the whole sequence). The gradient reaching the vision
+tower and the embeddings from each rank is its own positions' share; DeepSpeed's sum over the group is the whole.
+
+The vision tower itself runs unsharded on every rank (its attention is switched from ``"usp"`` to ``"sdpa"``,
+:func:`unshard_vision_towers`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ds_usp.log import log_rank0
+from ds_usp.sharding import shard_sequence
+from ds_usp.topology import USPTopology
+
+# Batch keys that make a batch multimodal: the inputs a VLM's body takes besides input_ids (passed to it unchanged).
+VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+               "image_sizes", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+MULTIMODAL_KEY = "multimodal"  # the shard's key holding the whole-sequence inputs of the body
+
+
+def is_multimodal(batch: Any) -> bool:
+    """Whether a batch carries visual inputs (:data:`VISUAL_KEYS`)."""
+    return any(batch.get(k) is not None for k in VISUAL_KEYS)
+
+
+def body_and_language_model(model: nn.Module) -> tuple[Optional[nn.Module], Optional[nn.Module]]:
+    """A VLM's body (the module that merges the visual features) and its language model; ``(None, None)`` for a
+    text-only model."""
+    body = getattr(model, "model", None)
+    language = getattr(body, "language_model", None)
+    if isinstance(language, nn.Module) and isinstance(getattr(language, "layers", None), nn.ModuleList):
+        return body, language
+    return None, None
+
+
+def unshard_vision_towers(model: nn.Module) -> list[str]:
+    """Switch every sub-config of ``model`` other than its language model's from ``"usp"`` to ``"sdpa"`` (the vision
+    tower runs whole images on every rank). Returns the configs switched."""
+    _, language = body_and_language_model(model)
+    if language is None:
+        return []
+    text = id(language.config)
+    switched = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) != text and config is not model.config and \
+                getattr(config, "_attn_implementation", None) == "usp":
+            config._attn_implementation = "sdpa"
+            switched.append(type(config).__name__)
+    switched = sorted(set(switched))
+    if switched:
+        log_rank0(f"the vision tower runs whole images on every rank: {', '.join(switched)} attention set to sdpa")
+    return switched
+
+
+def _shard_rows(values: Tensor, mask: Tensor, topo: USPTopology, layout: str, docs: Any) -> tuple[Tensor, Tensor]:
+    """``(mask_local, values_local)``: ``values`` holds one row per True of ``mask`` (``(b, S)``, row-major); the rank
+    keeps the rows of its own positions, in the order ``hidden[mask_local]`` enumerates them."""
+    index = (mask.reshape(-1).long().cumsum(0) - 1).view_as(mask)
+    local_mask = shard_sequence(mask, topo, dim=1, layout=layout, pad_value=False, doc_lens=docs)
+    local_index = shard_sequence(index, topo, dim=1, layout=layout, pad_value=0, doc_lens=docs)
+    return local_mask, values[local_index[local_mask]]
+
+
+def _shard_call(kwargs: dict, topo: USPTopology, layout: str, documents: dict) -> dict:
+    """The language model's keyword arguments, whole sequence -> this rank's shard."""
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is None or kwargs.get("input_ids") is not None:
+        raise ValueError("ds-usp shards a VLM's language model at its inputs_embeds; this family passes input_ids")
+    rows, seq = embeds.shape[:2]
+    docs = documents["docs"]
+    positions = kwargs.get("position_ids")
+    if positions is None:  # the language model would number the shard from 0
+        positions = torch.arange(seq, device=embeds.device).expand(rows, seq)
+    shard = dict(kwargs)
+    shard["inputs_embeds"] = shard_sequence(embeds, topo, dim=1, layout=layout, pad_value=0, doc_lens=docs)
+    shard["position_ids"] = shard_sequence(positions, topo, dim=positions.dim() - 1, layout=layout, pad_value=0,
+                                           doc_lens=docs)
+    shard["attention_mask"] = None  # documents and the real length travel as cu_seq_lens_q
+    mask = kwargs.get("visual_pos_masks")
+    if mask is not None:  # Qwen3-VL's deepstack: features added at the visual positions of the first layers
+        local_mask = None
+        stacked = []
+        for features in kwargs.get("deepstack_visual_embeds") or []:
+            local_mask, rows_local = _shard_rows(features, mask, topo, layout, docs)
+            stacked.append(rows_local)
+        shard["visual_pos_masks"] = local_mask if local_mask is not None else \
+            shard_sequence(mask, topo, dim=1, layout=layout, pad_value=False, doc_lens=docs)
+        if kwargs.get("deepstack_visual_embeds") is not None:
+            shard["deepstack_visual_embeds"] = stacked
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        shard[key] = documents[key]
+    return shard
+
+
+@contextlib.contextmanager
+def sharded_language_model(language: nn.Module, topo: USPTopology, layout: str, documents: dict) -> Iterator[None]:
+    """While the block runs, ``language`` (a VLM's language model) takes the whole sequence's ``inputs_embeds`` and
+    positions from its body and runs on this rank's shard (see the module docstring)."""
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            raise ValueError(f"{type(module).__name__} is called with positional arguments; ds-usp shards its keyword "
+                             f"inputs_embeds")
+        return args, _shard_call(kwargs, topo, layout, documents)
+
+    handle = language.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
