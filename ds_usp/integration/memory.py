@@ -103,6 +103,7 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
         ValueError: a feature set to ``true`` cannot be applied to this model (the message says why).
     """
     cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # a VLM: its language model's sizes
     get_head = getattr(model, "get_output_embeddings", None)
     decoder = decoder_of(model)
     head = get_head() if callable(get_head) else None
