@@ -5,7 +5,7 @@ multimodal batch (placeholder tokens, ``pixel_values`` and grids), ``engine(**sh
 MRoPE positions from the grids, a windowed vision tower) with one image and one two-frame video in a row of 39 tokens
 whose visual spans cross the shard boundaries; SFT labels (-100 on the prompt and the visual tokens). 3 AdamW steps at
 2x2 zigzag (ZeRO-2) and 1x4 contiguous (ZeRO-3): every step's loss within 1e-4 of one process, every parameter's step-1
-gradient (the vision tower's included) within 1e-3 relative.
+gradient (the vision tower's included) within 1e-4 relative (norm of the difference).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 STEPS, LR = 3, 1e-3
+GRAD_RTOL = 1e-4  # the issue asks 1e-3; fp32 holds 1e-4, and 1e-3 would not see MRoPE positions replaced by 0..S-1
 IMAGE, VIDEO, START, END = 120, 121, 122, 123
 
 
@@ -23,7 +24,7 @@ def _qwen25_vl(attn: str):
         text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0),
+                         pad_token_id=0, initializer_range=0.2),  # sharp attention: positions matter
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16,
                            fullatt_block_indexes=[1]),
@@ -43,7 +44,9 @@ def _batch(step: int) -> dict:
     labels = ids.clone()
     labels[:, :12] = -100  # the prompt and the image
     labels[ids == VIDEO] = -100
+    types = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()  # text 0, image 1, video 2: the processor's, MRoPE needs it
     return {"input_ids": ids, "labels": labels, "image_grid_thw": image_grid, "video_grid_thw": video_grid,
+            "mm_token_type_ids": types,
             "pixel_values": torch.randn(24, 3 * 2 * 4 * 4, generator=g),
             "pixel_values_videos": torch.randn(32, 3 * 2 * 4 * 4, generator=g)}
 
@@ -74,6 +77,7 @@ def train_vlm(stage: int, u: int, r: int, layout: str) -> dict:
     model = _qwen25_vl("usp")
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+              "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; the reference does not clip
               "zero_optimization": {"stage": stage}, "sequence_parallel": "usp", "sequence_parallel_size": u * r,
               "usp": {"ulysses_degree": u, "ring_degree": r, "layout": layout}}
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -94,7 +98,7 @@ def train_vlm(stage: int, u: int, r: int, layout: str) -> dict:
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step + 1} loss {a} vs one process {b}"
     for name, grad in want[1].items():
         diff = float((got[1][name] - grad).norm() / grad.norm().clamp_min(1e-12))
-        assert diff <= 1e-3, f"step-1 gradient of {name}: relative {diff:.2e}"
+        assert diff <= GRAD_RTOL, f"step-1 gradient of {name}: relative {diff:.2e}"
     assert sorted(got[1]) == sorted(want[1])  # every parameter, the vision tower's too, got a gradient
     return "ok"
 
