@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens, shard_batch
+from ds_usp.integration.multimodal import VISUAL_KEYS
 from ds_usp.integration.patches import (TRAINER_ROUTE, check_accelerate_reads_deepspeed_initialize,
                                        fix_trainer_batch_size)
 from ds_usp.integration.hf import register_usp_attention
@@ -290,7 +291,7 @@ class USPTrainerMixin(USPTrainerBase):
         return tensor
 
 
-_BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "seq_lens", "cu_seq_lens_q")
+_BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "seq_lens", "cu_seq_lens_q", *VISUAL_KEYS)
 
 
 def _doc_lens(shard: dict) -> Optional[list[list[int]]]:
