@@ -1,7 +1,8 @@
 """TRL's GRPO, RLOO and DPO with USP on 4 CPU ranks, against the plain TRL trainer in one process.
 
 A tiny Llama (saved once, loaded by path as TRL builds its reference model from the policy's path) trains 3 optimizer
-steps with SGD; (U, R) = (2, 2) zigzag and (1, 4) contiguous, ZeRO-2 and ZeRO-3. GRPO and RLOO take deterministic
+steps with SGD; (U, R) = (2, 2) zigzag and (1, 4) contiguous, ZeRO-2 and ZeRO-3, and SP groups of 2 with 2 data-parallel
+replicas (the same global batch split over them). GRPO and RLOO take deterministic
 rollouts from a ``rollout_func`` (prompts of odd lengths, left-padded by TRL; completions of 3..15 tokens, some ended by
 EOS, right-padded), so the single process sees the same samples: every logged metric (loss, rewards, advantages' std,
 KL, clip ratios, entropy, completion lengths, tokens seen) and every final parameter equal it (rtol 1e-4). GRPO with
@@ -72,6 +73,7 @@ def _completions(prompt_ids: list) -> list:
     """Deterministic completions: a function of the prompt and its place in the batch."""
     completion_ids = []
     for i, ids in enumerate(prompt_ids):
+        i %= 4  # the generation's index among the prompt's num_generations: the same however prompts are split
         g = torch.Generator().manual_seed(sum(ids) * 31 + i)
         completion = torch.randint(4, VOCAB, (3 + (sum(ids) + 5 * i) % 13,), generator=g).tolist()
         if i % 3:
@@ -131,6 +133,8 @@ GRPO_CASES = [  # (model, zero stage, U, R, layout, loss_type, beta, extra GRPOC
     ("qwen3", 3, 1, 4, "contiguous", "grpo", 0.05, {"importance_sampling_level": "sequence"}),
     ("llama", 2, 1, 4, "contiguous", "dr_grpo", 0.05, {"scale_rewards": "batch", "top_entropy_quantile": 0.5}),
     ("qwen3", 3, 2, 2, "zigzag", "bnpo", 0.0, {"num_iterations": 2, "epsilon": 0.05}),
+    ("llama", 2, 2, 1, "zigzag", "dapo", 0.05, {}),  # 2 replicas of an SP group of 2
+    ("qwen3", 3, 1, 2, "contiguous", "grpo", 0.0, {"scale_rewards": "batch"}),
 ]
 
 
@@ -146,7 +150,8 @@ def _grpo(model_dir: str, out: str, case: tuple, use_usp: bool, rollout: bool = 
     else:
         cls = ds_usp.USPGRPOTrainer if use_usp else GRPOTrainer  # imported before the config, as a user script does
     _fresh_accelerate()
-    settings = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16, temperature=0.8,
+    replicas = 4 // (u * r) if use_usp else 1  # the same global batch of 8 completions (2 prompts) per step
+    settings = dict(per_device_train_batch_size=8 // replicas, num_generations=4, max_completion_length=16, temperature=0.8,
                     beta=beta, shuffle_dataset=False, **({} if rloo else {"loss_type": loss_type}))
     args = (RLOOConfig if rloo else GRPOConfig)(**{**_common(out, _ds_config(stage, u, r, layout, usp) if use_usp else None), **settings, **extra})
     kwargs = dict(model=model_dir, reward_funcs=[_reward_even, _reward_long], args=args, train_dataset=_prompts(16),
@@ -247,7 +252,8 @@ def _pairs(n: int):
                               "rejected": [text(4 + (5 * i) % 9) for i in range(n)]})
 
 
-DPO_CASES = [("llama", 2, 2, 2, "zigzag", ["sigmoid"]), ("qwen3", 3, 1, 4, "contiguous", ["ipo", "sft"])]
+DPO_CASES = [("llama", 2, 2, 2, "zigzag", ["sigmoid"]), ("qwen3", 3, 1, 4, "contiguous", ["ipo", "sft"]),
+             ("llama", 3, 2, 1, "zigzag", ["sigmoid", "bco_pair"])]  # the last: 2 replicas
 
 
 def _dpo(model_dir: str, out: str, case: tuple, use_usp: bool):
@@ -258,7 +264,8 @@ def _dpo(model_dir: str, out: str, case: tuple, use_usp: bool):
     cls = ds_usp.USPDPOTrainer if use_usp else DPOTrainer
     _fresh_accelerate()
     args = DPOConfig(**_common(out, _ds_config(stage, u, r, layout) if use_usp else None),
-                     per_device_train_batch_size=4, loss_type=loss_type, beta=0.2, max_length=40)
+                     per_device_train_batch_size=4 // (4 // (u * r) if use_usp else 1), loss_type=loss_type, beta=0.2,
+                     max_length=40)
     trainer = cls(model=model_dir, args=args, train_dataset=_pairs(12), processing_class=_tokenizer())
     trainer.train()
     return trainer
