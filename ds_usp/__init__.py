@@ -3,8 +3,9 @@
 The layers (docs/architecture.md), data flowing down: :mod:`.config`, :mod:`.topology`, :mod:`.comm`,
 :mod:`.kernels` and :mod:`.ops`, :mod:`.attention`, :mod:`.sharding`, :mod:`.integration`. Importing the
 package registers its custom operators with torch and its config key with DeepSpeed (``deepspeed.initialize``
-given a ``"sequence_parallel"`` config is :func:`initialize`), and does nothing else: no process groups, no
-compilation, no environment changes. ``ds_usp.USPTrainer`` / ``ds_usp.USPSFTTrainer`` import transformers (and
+given a ``"sequence_parallel"`` config is :func:`initialize`) and starts a daemon thread that names a stale JIT build
+lock instead of letting a build wait on it forever (:mod:`ds_usp.native.build_locks`), and does nothing else: no
+process groups, no compilation, no environment changes. ``ds_usp.USPTrainer`` / ``ds_usp.USPSFTTrainer`` import transformers (and
 TRL) on first use.
 """
 from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, usp_attention
@@ -13,12 +14,14 @@ from ds_usp.integration import data, hf
 from ds_usp.integration.data import USPDataLoader, shard_batch
 from ds_usp.integration.loss import sp_cross_entropy
 from ds_usp.integration.engine import USPState, initialize, install_deepspeed_hook
+from ds_usp.native.build_locks import watch_build_locks
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks
 
 __version__ = "0.1.0"
 
 install_deepspeed_hook()
+watch_build_locks()
 
 
 _RL_TRAINERS = ("USPGRPOTrainer", "USPRLOOTrainer", "USPDPOTrainer")
