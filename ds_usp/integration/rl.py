@@ -73,11 +73,13 @@ class USPRLMixin(USPTrainerBase):
         config = getattr(getattr(trl_args, "hf_deepspeed_config", None), "config", None) or {}
         sp = _sp_size(config)
         if config.get("sequence_parallel"):
-            problems = _refusals(type(self).__name__, trl_args, {**bound.get("kwargs", {}), **bound})
+            problems = _refusals(type(self).__name__, trl_args, bound)
             if problems:
                 raise ValueError("; ".join(problems))
-            if sp > 1 and getattr(trl_args, "generation_batch_size", None):
+            if sp > 1 and getattr(trl_args, "generation_batch_size", None) and \
+                    not getattr(trl_args, "_ds_usp_per_group", False):
                 trl_args.generation_batch_size //= sp  # TRL counted every rank; a batch is per SP group
+                trl_args._ds_usp_per_group = True  # the same arguments given to a second trainer: not again
         super().__init__(*args, **kwargs)
         if not config.get("sequence_parallel"):
             return
