@@ -113,9 +113,10 @@ def _bad_shard_calls():
          "must be an integer tensor"),
         ("shard_batch", "labels of another shape", lambda: ds_usp.shard_batch({"input_ids": ids, "labels": ids[:, :8]},
                                                                               topo), "labels has shape"),
-        ("shard_batch", "padding in attention_mask",
-         lambda: ds_usp.shard_batch({"input_ids": ids, "attention_mask": torch.tril(torch.ones_like(ids))}, topo),
-         "attention_mask has zeros"),
+        ("shard_batch", "padding inside attention_mask",  # right padding is supported; a hole is not
+         lambda: ds_usp.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids).index_fill(1,
+                                                                                              torch.tensor([2]), 0)},
+                                    topo), "padding between real tokens"),
         ("shard_batch", "unknown layout", lambda: ds_usp.shard_batch({"input_ids": ids}, topo, layout="x"),
          "must be one of"),
         ("gather_sequence", "seq_len not a positive integer", lambda: ds_usp.gather_sequence(x, topo, seq_len=0),

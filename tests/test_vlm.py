@@ -5,7 +5,9 @@ multimodal batch (placeholder tokens, ``pixel_values`` and grids), ``engine(**sh
 MRoPE positions from the grids, a windowed vision tower) with one image and one two-frame video in a row of 39 tokens
 whose visual spans cross the shard boundaries; SFT labels (-100 on the prompt and the visual tokens). 3 AdamW steps at
 2x2 zigzag (ZeRO-2) and 1x4 contiguous (ZeRO-3): every step's loss within 1e-4 of one process, every parameter's step-1
-gradient (the vision tower's included) within 1e-4 relative (norm of the difference).
+gradient (the vision tower's included) within 1e-4 relative (norm of the difference). The same for Qwen3-VL (deepstack,
+a video numbered frame by frame) and LLaVA. Right-padded batches (a VLM's two rows with their own images, and a
+text-only one of three rows) are exact too: the padding is a document no real token sees.
 """
 from __future__ import annotations
 
@@ -98,6 +100,23 @@ def _qwen3_batch(step: int) -> dict:
             "pixel_values_videos": torch.randn(32, 3 * 2 * 4 * 4, generator=g)}
 
 
+def _qwen_padded_batch(step: int) -> dict:
+    """Two rows as a VLM collator pads them (right): the 39-token row above, and a 25-token row with its own image."""
+    first = _qwen_batch(step)
+    g = torch.Generator().manual_seed(400 + step)
+    short = torch.cat([torch.randint(3, 100, (6,), generator=g), torch.tensor([START]), torch.full((6,), IMAGE),
+                       torch.tensor([END]), torch.randint(3, 100, (11,), generator=g)])
+    seq = first["input_ids"].shape[1]
+    ids = torch.cat([first["input_ids"], torch.cat([short, torch.zeros(seq - len(short), dtype=torch.long)])[None]])
+    mask = torch.ones_like(ids)
+    mask[1, len(short):] = 0
+    labels = torch.cat([first["labels"], ids[1:].masked_fill((ids[1:] == IMAGE) | (mask[1:] == 0), -100)])
+    return {**first, "input_ids": ids, "attention_mask": mask, "labels": labels,
+            "mm_token_type_ids": (ids == IMAGE).long() + 2 * (ids == VIDEO).long(),
+            "image_grid_thw": torch.tensor([[1, 4, 6], [1, 4, 6]]),
+            "pixel_values": torch.cat([first["pixel_values"], torch.randn(24, 3 * 2 * 4 * 4, generator=g)])}
+
+
 def _llava_batch(step: int) -> dict:
     """One row: 5 text, 16 image tokens, 10 text: 31; full labels except the image."""
     g = torch.Generator().manual_seed(200 + step)
@@ -107,8 +126,29 @@ def _llava_batch(step: int) -> dict:
             "pixel_values": torch.randn(1, 3, 16, 16, generator=g)}
 
 
+def _llama_text(attn: str):
+    """A text-only Llama: the right-padded batch path is the same for text."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, initializer_range=0.2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def _text_padded_batch(step: int) -> dict:
+    """Three rows of 41, 23 and 30 real tokens, right-padded to 41 (HF's collator with padding_side='right')."""
+    g = torch.Generator().manual_seed(500 + step)
+    lengths, seq = (41, 23, 30), 41
+    ids = torch.randint(3, 100, (3, seq), generator=g)
+    mask = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 FAMILIES = {"qwen2.5-vl": (_qwen25_vl, _qwen_batch), "qwen3-vl": (_qwen3_vl, _qwen3_batch),
-            "llava": (_llava, _llava_batch)}
+            "llava": (_llava, _llava_batch), "qwen2.5-vl-padded": (_qwen25_vl, _qwen_padded_batch),
+            "llama-text-padded": (_llama_text, _text_padded_batch)}
 
 
 def _reference(family: str) -> tuple[list[float], dict]:
@@ -174,7 +214,8 @@ def _null():
 
 
 CASES = [("qwen2.5-vl", 2, 2, 2, "zigzag"), ("qwen2.5-vl", 3, 1, 4, "contiguous"), ("qwen3-vl", 3, 2, 2, "zigzag"),
-         ("qwen3-vl", 2, 1, 4, "contiguous"), ("llava", 2, 1, 4, "contiguous"), ("llava", 3, 2, 2, "zigzag")]
+         ("qwen3-vl", 2, 1, 4, "contiguous"), ("llava", 2, 1, 4, "contiguous"), ("llava", 3, 2, 2, "zigzag"),
+         ("qwen2.5-vl-padded", 2, 2, 2, "zigzag"), ("llama-text-padded", 3, 1, 4, "contiguous")]
 
 
 @pytest.mark.parametrize("family,stage,u,r,layout", CASES, ids=[f"{c[0]}-zero{c[1]}-{c[2]}x{c[3]}" for c in CASES])

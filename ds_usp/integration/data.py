@@ -130,6 +130,23 @@ def documents_of_shard(positions: Tensor, topo: USPTopology, layout: str) -> Opt
     return cu_seq_lens(docs, rows, real, positions.device)
 
 
+def right_padded_docs(attention_mask: Tensor) -> list[list[int]]:
+    """The rows of a right-padded batch as documents: the real tokens, then the padding as one more document.
+
+    Raises:
+        ValueError: a row padded on the left or between real tokens (naming the row).
+    """
+    real = attention_mask != 0
+    lengths = real.sum(1)
+    expected = torch.arange(real.shape[1], device=real.device) < lengths.unsqueeze(1)
+    if not bool((real == expected).all()):
+        row = int((real != expected).any(1).nonzero()[0])
+        raise ValueError(f"attention_mask row {row} has padding between real tokens or on the left: under sequence "
+                         f"parallelism a batch may be padded on the right only (padding_side='right'), or packed")
+    seq = real.shape[1]
+    return [[n, seq - n] if 0 < n < seq else [seq] for n in lengths.tolist()]
+
+
 def docs_from_cu_seq_lens(cu: Tensor, rows: int) -> tuple[int, list[list[int]]]:
     """``(real length, document lengths per row)`` from cumulative lengths over ``rows`` flattened rows.
 
@@ -208,8 +225,8 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
     Args:
         batch: ``input_ids`` ``(b, S)`` (required); optional ``labels`` ``(b, S)`` (default: the
             input ids), ``position_ids`` ``(b, S)`` (default: ``0..S-1``, or the
-            model's own numbering, ``topo.default_positions``), ``attention_mask`` (must be
-            all ones: padding inside a sequence is not supported, pack sequences instead), and packed
+            model's own numbering, ``topo.default_positions``), ``attention_mask`` (1 on real
+            tokens; padding on the right only, labels -100 there: it becomes a document no real token sees), and packed
             documents as HF's collators describe them (see :func:`packed_doc_lens`).
         topo: the topology.
         layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``; must match the attention's layout.
@@ -224,7 +241,7 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         documents, and the loss uses ``shift_labels``.
 
     Raises:
-        ValueError: missing or malformed keys, an attention mask with zeros, documents that do not
+        ValueError: missing or malformed keys, an attention mask padded elsewhere than on the right, documents that do not
             cover the rows, a bad layout, or ranks of the SP group holding different batches (see
             :func:`check_same_batch`).
     """
@@ -242,13 +259,20 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         if key in batch and batch[key] is not None and tuple(batch[key].shape) != (b, s):
             raise ValueError(f"{key} has shape {tuple(batch[key].shape)}, expected {(b, s)} like input_ids")
     mask = batch.get("attention_mask")
-    if mask is not None and not bool((mask != 0).all()):
-        raise ValueError("attention_mask has zeros: sequence parallelism needs full sequences; pack documents "
-                         "into full-length sequences (use labels=-100 to ignore tokens) instead of padding")
-    docs = packed_doc_lens(batch, b, s)
-    normalize_docs(docs, b, s)  # lengths that do not cover the rows are refused here, before any collective
+    padded = mask is not None and not bool((mask != 0).all())
     labels = batch.get("labels")
     labels = ids if labels is None else labels
+    if padded:  # right padding (a collator's padding_side="right"): the padding is a document no real token sees
+        docs = right_padded_docs(mask)
+        if packed_doc_lens(batch, b, s) is not None:
+            raise ValueError("a batch with both packed documents and attention_mask padding: pack or pad, not both")
+        labels = labels.masked_fill(mask == 0, IGNORE_INDEX) if batch.get("labels") is None else labels
+        if bool((labels[mask == 0] != IGNORE_INDEX).any()):
+            raise ValueError("labels at padded positions (attention_mask 0) must be -100: HF's loss would score them "
+                             "from padding, which ds-usp keeps apart")
+    else:
+        docs = packed_doc_lens(batch, b, s)
+    normalize_docs(docs, b, s)  # lengths that do not cover the rows are refused here, before any collective
     positions = batch.get("position_ids")
     if positions is None:  # the model's own numbering of a full sequence (RoBERTa: from padding_idx + 1)
         rule = topo.default_positions
@@ -262,13 +286,13 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
     longest = max(max(row) for row in docs) if docs else s
     extra = {}
     if is_multimodal(batch):  # a VLM: its body resolves the visual inputs on the whole sequence, then shards
-        extra[MULTIMODAL_KEY] = {"input_ids": ids, "docs": docs,
+        extra[MULTIMODAL_KEY] = {"input_ids": ids, "docs": docs, "attention_mask": mask if padded else None,
                                  **{k: batch[k] for k in VISUAL_KEYS if batch.get(k) is not None}}
     return {**extra,
         "input_ids": shard(ids.long(), pad_token_id),
         "position_ids": shard(positions.long()),  # padding gets position 0: it belongs to no document, meets nothing
         "shift_labels": shard(shift_labels(labels.long(), docs), IGNORE_INDEX),
-        "attention_mask": shard(torch.ones_like(ids, dtype=torch.long), 0),  # 0 on the end padding only
+        "attention_mask": shard(mask.long() if padded else torch.ones_like(ids, dtype=torch.long), 0),  # 0: padding
         "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
     }
 
