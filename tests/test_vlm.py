@@ -68,6 +68,29 @@ def _llava(attn: str):
     return LlavaForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
 
 
+def _idefics3(attn: str):
+    """Idefics3 (SmolVLM's architecture): a SigLIP tower, a pixel-shuffle connector, a text model named text_model."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    cfg = Idefics3Config(text_config={"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+                                      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "initializer_range": 0.2, "pad_token_id": 0},
+                         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                        "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
+                         image_token_id=IMAGE, scale_factor=2)
+    torch.manual_seed(0)
+    return Idefics3ForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def _idefics3_batch(step: int) -> dict:
+    """One row, two images of 4 tokens each between text: 5 + 4 + 6 + 4 + 8 = 27 tokens."""
+    g = torch.Generator().manual_seed(600 + step)
+    text = lambda n: torch.randint(3, 100, (n,), generator=g)  # noqa: E731
+    ids = torch.cat([text(5), torch.full((4,), IMAGE), text(6), torch.full((4,), IMAGE), text(8)])[None]
+    return {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE, -100),
+            "pixel_values": torch.randn(1, 2, 3, 16, 16, generator=g)}
+
+
 def _qwen_batch(step: int) -> dict:
     """One row: 7 text, an image (4x6 patches -> 6 tokens), 5 text, a video (2x4x4 patches -> 8 tokens), 9 text: 39."""
     g = torch.Generator().manual_seed(100 + step)
@@ -148,7 +171,7 @@ def _text_padded_batch(step: int) -> dict:
 
 FAMILIES = {"qwen2.5-vl": (_qwen25_vl, _qwen_batch), "qwen3-vl": (_qwen3_vl, _qwen3_batch),
             "llava": (_llava, _llava_batch), "qwen2.5-vl-padded": (_qwen25_vl, _qwen_padded_batch),
-            "llama-text-padded": (_llama_text, _text_padded_batch)}
+            "llama-text-padded": (_llama_text, _text_padded_batch), "idefics3": (_idefics3, _idefics3_batch)}
 
 
 def _reference(family: str) -> tuple[list[float], dict]:
@@ -215,9 +238,39 @@ def _null():
 
 CASES = [("qwen2.5-vl", 2, 2, 2, "zigzag"), ("qwen2.5-vl", 3, 1, 4, "contiguous"), ("qwen3-vl", 3, 2, 2, "zigzag"),
          ("qwen3-vl", 2, 1, 4, "contiguous"), ("llava", 2, 1, 4, "contiguous"), ("llava", 3, 2, 2, "zigzag"),
-         ("qwen2.5-vl-padded", 2, 2, 2, "zigzag"), ("llama-text-padded", 3, 1, 4, "contiguous")]
+         ("qwen2.5-vl-padded", 2, 2, 2, "zigzag"), ("llama-text-padded", 3, 1, 4, "contiguous"),
+         ("idefics3", 2, 2, 2, "zigzag")]
 
 
 @pytest.mark.parametrize("family,stage,u,r,layout", CASES, ids=[f"{c[0]}-zero{c[1]}-{c[2]}x{c[3]}" for c in CASES])
 def test_vlm_equals_one_process(world4, family, stage, u, r, layout):
     assert world4.run(train_vlm, family, stage, u, r, layout) == ["ok"] * 4
+
+
+def mllama_refused() -> str:
+    """On every rank: ds_usp.initialize given a tiny Mllama (cross-attention to the image); the error it raises."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+    import ds_usp
+
+    ds_usp.hf.register_usp_attention()
+    cfg = MllamaConfig(text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+                                        pad_token_id=0),
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_global_layers=1, attention_heads=2, image_size=16, patch_size=4,
+                                          vision_output_dim=64, intermediate_layers_indices=[0], max_num_tiles=4),
+                       image_token_index=IMAGE)
+    model = MllamaForConditionalGeneration._from_config(cfg, attn_implementation="usp")
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+              "sequence_parallel": "usp", "sequence_parallel_size": 4}
+    try:
+        ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_cross_attention_vlms_are_refused_by_name(world4):
+    messages = world4.run(mllama_refused)
+    assert all("MllamaForConditionalGeneration cross-attends" in m for m in messages), messages

@@ -34,7 +34,7 @@ from ds_usp.integration.hf import USPContext, attach
 from ds_usp.integration.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
 from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.integration.model_checks import check_model, default_positions
-from ds_usp.integration.multimodal import unshard_vision_towers
+from ds_usp.integration.multimodal import refuse_cross_attention, unshard_vision_towers
 from ds_usp.integration import patches
 from ds_usp.integration.patches import (deepspeed_initialize, fix_zero3_sequence_parallel_scaling,
                                         quiet_deepspeed_deprecations, unlink_shm_buffer)
@@ -179,6 +179,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if kwargs.get("mpu") is not None:
             raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
         if model is not None and usp_cfg.sequence_parallel_size > 1:  # the same answer on every rank, before any group
+            refuse_cross_attention(model)
             unshard_vision_towers(model)
             check_model(model, handled=is_wrapped_mixer)
             check_hybrid(model, usp_cfg.ulysses_degree)

@@ -41,10 +41,31 @@ def body_and_language_model(model: nn.Module) -> tuple[Optional[nn.Module], Opti
     """A VLM's body (the module that merges the visual features) and its language model; ``(None, None)`` for a
     text-only model."""
     body = getattr(model, "model", None)
-    language = getattr(body, "language_model", None)
-    if isinstance(language, nn.Module) and isinstance(getattr(language, "layers", None), nn.ModuleList):
-        return body, language
+    get_decoder = getattr(model, "get_decoder", None)
+    candidates = [get_decoder() if callable(get_decoder) else None, getattr(body, "language_model", None),
+                  getattr(body, "text_model", None)]  # Qwen-VL / LLaVA / Gemma 3: language_model; Idefics3: text_model
+    children = list(body.children()) if isinstance(body, nn.Module) else []
+    for language in candidates:
+        if any(language is child for child in children) and \
+                isinstance(getattr(language, "layers", None), nn.ModuleList):
+            return body, language
     return None, None
+
+
+def refuse_cross_attention(model: nn.Module) -> None:
+    """Refuse a VLM whose text layers cross-attend to the image (Mllama): its keys are not the sequence's tokens.
+
+    Raises:
+        ValueError: naming the model and its cross-attention layers.
+    """
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "cross_attention_layers", None)
+    if layers:
+        raise ValueError(f"{type(model).__name__} cross-attends from its text layers {list(layers)} to the image "
+                         f"features: ds-usp shards self-attention over the sequence, not attention to another "
+                         f"sequence, so cross-attention VLMs are not supported under \"sequence_parallel\" "
+                         f"(self-attention VLMs are: docs/models.md)")
 
 
 def unshard_vision_towers(model: nn.Module) -> list[str]:
