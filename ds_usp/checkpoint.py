@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from ds_usp.config import load_usp_config
+from ds_usp.integration.saves import read_step, resolve_tag, write_manifest
 from ds_usp.log import log_warning
 
 
@@ -200,7 +202,9 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, **kwa
         load_dir: the directory given to ``engine.save_checkpoint``.
         tag: the checkpoint's tag (``None``: the latest; ``latest_universal`` when the config sets
             ``"checkpoint": {"load_universal": true}``).
-        **kwargs: passed on to ``engine.load_checkpoint`` (``load_optimizer_states`` ...).
+        **kwargs: passed on to ``engine.load_checkpoint`` (``load_optimizer_states`` ...); ``fallback=False`` refuses
+            a damaged latest checkpoint instead of loading the newest complete one
+            (:func:`ds_usp.integration.saves.resolve_tag`).
 
     Returns:
         ``(load_path, client_state)`` as ``engine.load_checkpoint`` returns them.
@@ -210,6 +214,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, **kwa
         CheckpointMismatchError: see :func:`check_resume`.
     """
     universal = bool(engine.load_universal_checkpoint())
+    if not universal:  # a damaged latest is skipped (or refused) before its metadata is read
+        tag = resolve_tag(load_dir, tag, kwargs.pop("fallback", True))
     saved = read_checkpoint(load_dir, tag, universal=universal)
     world = int(getattr(engine, "seq_dp_world_size", None) or engine.dp_world_size)
     for note in check_resume(saved, zero_stage=int(engine.zero_optimization_stage()), world_size=world,
@@ -228,7 +234,9 @@ def convert_to_universal(load_dir: str, tag: Optional[str] = None, workers: int 
     The same as ``python -m deepspeed.checkpoint.ds_to_universal --input_folder DIR/TAG
     --output_folder DIR/TAG_universal --inject_missing_state`` (``--inject_missing_state`` adds the
     ``universal_checkpoint_info`` that Megatron-style trainers save and HuggingFace models lack).
-    It writes ``DIR/latest_universal``. Run it in one process, not on every rank.
+    It writes ``DIR/latest_universal``, and the output's manifest last (a conversion cut short is refused on load,
+    :mod:`ds_usp.integration.saves`); a damaged source is refused before converting. Run it in one process, not on
+    every rank.
 
     Args:
         load_dir: the directory given to ``engine.save_checkpoint``.
@@ -247,10 +255,12 @@ def convert_to_universal(load_dir: str, tag: Optional[str] = None, workers: int 
     src = os.path.join(load_dir, tag)
     if not os.path.isdir(src):
         raise FileNotFoundError(f"no checkpoint folder {src!r}")
+    resolve_tag(load_dir, tag)  # a damaged source is named, not converted
     dst = f"{src}_universal"
     ds_to_universal(argparse.Namespace(input_folder=src, output_folder=dst, num_extract_workers=workers,
                                        num_merge_workers=workers, keep_temp_folder=False, strict=True,
                                        inject_missing_state=True))
+    write_manifest(Path(dst), read_step(Path(src)))  # last: a half-written conversion never looks complete
     return dst
 
 

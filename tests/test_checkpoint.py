@@ -169,7 +169,7 @@ def test_same_layout_resume_is_exact(world4, saved, stage):
     assert sorted(os.listdir(os.path.join(ckpt, f"global_step{SAVE_AT}"))) == sorted(
         [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)]
         + ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(4)] if stage == 3
-           else ["mp_rank_00_model_states.pt"]))  # one ZeRO partition per rank of the 4 (sp x dp)
+           else ["mp_rank_00_model_states.pt"]) + ["ds_usp_manifest.json"])  # one ZeRO partition per rank (sp x dp)
     results = world4.run(train, ckpt, stage, *SAVED, resume="engine")
     for got_losses, got_params in results:
         assert sorted(got_losses) == list(range(SAVE_AT + 1, STEPS + 1))
@@ -266,3 +266,57 @@ def test_read_and_check_without_a_world(saved, tmp_path):
     assert "global batch of 4 sequences per step instead of 2" in note
     with pytest.raises(FileNotFoundError, match="'latest' is missing"):
         read_checkpoint(str(tmp_path))
+
+
+# ---- damaged checkpoints (issue 39): named on every rank, the newest complete one loaded instead ------------------
+
+DAMAGES = ("corrupt", "truncated", "missing", "torn_latest")
+
+
+def damaged_load(ckpt_dir: str, stage: int, damage: str) -> tuple[str, str, int]:
+    """On every rank: save a second checkpoint ("later", now ``latest``), damage it, then load with the fallback
+    (returns the path loaded) and without (returns the error); and the step the engine resumed at."""
+    import torch.distributed as dist
+
+    from ds_usp.checkpoint import load_checkpoint
+    from ds_usp.integration.saves import MANIFEST, CheckpointDamaged
+
+    engine = _engine(stage, *SAVED)
+    engine.load_checkpoint(ckpt_dir)
+    engine.save_checkpoint(ckpt_dir, tag="later")
+    later = os.path.join(ckpt_dir, "later")
+    victim = os.path.join(later, sorted(f for f in os.listdir(later) if f.endswith("optim_states.pt"))[-1])
+    if dist.get_rank() == 0:
+        if damage == "corrupt":  # 4 KiB overwritten inside, the size unchanged
+            with open(victim, "r+b") as f:
+                f.seek(os.path.getsize(victim) // 2)
+                f.write(os.urandom(4096))
+        elif damage == "truncated":
+            os.truncate(victim, os.path.getsize(victim) // 2)
+        elif damage == "missing":
+            os.remove(victim)
+        else:  # killed after latest was moved but before the manifest: DeepSpeed's own order
+            os.remove(os.path.join(later, MANIFEST))
+    dist.barrier()
+    fresh = _engine(stage, *SAVED)
+    path, _ = load_checkpoint(fresh, ckpt_dir)
+    try:
+        _engine(stage, *SAVED).load_checkpoint(ckpt_dir, fallback=False)
+        refusal = "loaded"
+    except CheckpointDamaged as err:
+        refusal = str(err)
+    return path, refusal, fresh.global_steps
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_latest_is_named_and_the_previous_checkpoint_loads(world4, saved, tmp_path, damage):
+    import shutil
+
+    ckpt = str(tmp_path / "checkpoints")
+    shutil.copytree(saved(2)[0], ckpt)
+    results = world4.run(damaged_load, ckpt, 2, damage)
+    words = {"corrupt": "SHA-256", "truncated": "expected", "missing": "missing", "torn_latest": "did not complete"}
+    for path, refusal, step in results:
+        assert f"/global_step{SAVE_AT}/" in path and step == SAVE_AT, path
+        assert words[damage] in refusal and os.path.join(ckpt, "later") in refusal, refusal
+    assert len({r[1] for r in results}) == 1  # the same message on every rank

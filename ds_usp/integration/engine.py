@@ -35,7 +35,7 @@ from ds_usp.integration.hybrid import check_hybrid, is_wrapped_mixer, wrap_linea
 from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.integration.model_checks import check_model, default_positions
 from ds_usp.integration.multimodal import refuse_cross_attention, unshard_vision_towers
-from ds_usp.integration import patches
+from ds_usp.integration import patches, saves
 from ds_usp.integration.patches import (deepspeed_initialize, fix_zero3_sequence_parallel_scaling,
                                         quiet_deepspeed_deprecations, unlink_shm_buffer)
 from ds_usp.integration.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
@@ -216,6 +216,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     unlink_shm_buffer()
     engine.usp = USPState(config=usp_cfg, topo=topo, memory=memory)
     _name_step_on_failure(engine)
+    saves.install(engine)  # checkpoints complete or absent, loads verified first (integration/saves.py)
     return engine, opt, loader, sched
 
 
