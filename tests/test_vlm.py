@@ -274,3 +274,57 @@ def mllama_refused() -> str:
 def test_cross_attention_vlms_are_refused_by_name(world4):
     messages = world4.run(mllama_refused)
     assert all("MllamaForConditionalGeneration cross-attends" in m for m in messages), messages
+
+
+# ---- through USPTrainer with a VLM's collator ---------------------------------------------------------------------
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> dict:
+        return _qwen_padded_batch(i)  # each item already a padded batch of two rows (the collator takes it as is)
+
+
+def _trainer_args(out: str, ds_config):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=out, deepspeed=ds_config, use_cpu=True, max_steps=3, per_device_train_batch_size=1,
+                             logging_steps=1, report_to=[], save_strategy="no", learning_rate=LR, optim="sgd",
+                             max_grad_norm=0.0, seed=0, remove_unused_columns=False)
+
+
+def _trainer_losses(trainer) -> list[float]:
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def train_with_trainer(out: str) -> list[float]:
+    """On every rank: USPTrainer on the padded multimodal rows, 2x2 zigzag ZeRO-2."""
+    from test_hf_trainer import _fresh_accelerate
+
+    from ds_usp import USPTrainer
+
+    _fresh_accelerate()
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2}, "sequence_parallel": "usp", "sequence_parallel_size": 4,
+              "usp": {"ulysses_degree": 2, "ring_degree": 2, "layout": "zigzag"}}
+    args = _trainer_args(out, config)
+    trainer = USPTrainer(model=_qwen25_vl("usp"), args=args, train_dataset=_Rows(), data_collator=lambda rows: rows[0])
+    return _trainer_losses(trainer)
+
+
+def test_usp_trainer_with_a_vlm_equals_one_process(world4, tmp_path_factory):
+    from transformers import Trainer
+
+    from test_hf_trainer import _fresh_accelerate
+
+    got = world4.run(train_with_trainer, str(tmp_path_factory.mktemp("trainer")))
+    _fresh_accelerate()
+    want = _trainer_losses(Trainer(model=_qwen25_vl("sdpa"), args=_trainer_args(str(tmp_path_factory.mktemp("ref")),
+                                                                                None),
+                                   train_dataset=_Rows(), data_collator=lambda rows: rows[0]))
+    _fresh_accelerate()
+    assert len(want) == 3 and all(g == got[0] for g in got)
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=1e-4, atol=1e-6)
