@@ -138,6 +138,11 @@ def fused_head(u: int, r: int, layout: str) -> str:
     setattr(model, FUSED_HEAD_ATTR, FusedHead(temperature=0.8))
     got = engine(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     engine.backward((got.log_probs * coef).sum() + 0.1 * got.entropy.sum())  # sums the ranks' shares
+    try:  # a VLM's inputs would be dropped by the text decoder: refused by name instead
+        engine(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, pixel_values=torch.ones(1))
+        raise AssertionError("visual inputs were accepted")
+    except ValueError as err:
+        assert "pixel_values" in str(err), err
     for name in outputs + ("label_mask", "loss"):
         a, b = getattr(got, name), getattr(want, name)
         if name == "is_top1":

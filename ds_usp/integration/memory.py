@@ -29,7 +29,8 @@ from ds_usp.integration.recompute import checkpointed_layer_forward
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens
 from ds_usp.integration.data import shift_labels as shift_sequence_labels
 from ds_usp.integration.logprobs import FUSED_HEAD_ATTR, fused_forward
-from ds_usp.integration.multimodal import MULTIMODAL_KEY, body_and_language_model, sharded_language_model
+from ds_usp.integration.multimodal import (MULTIMODAL_KEY, VISUAL_KEYS, body_and_language_model,
+                                           sharded_language_model)
 from ds_usp.integration.loss import LogitsTail, chunked_lm_loss, load_balancing_loss, sp_loss
 from ds_usp.integration.model_tail import RouterAux, find_logits_tail, find_router_aux
 from ds_usp.integration.step_choices import MemoryContext, MemorySettings
@@ -179,6 +180,10 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
         if tail.logits is None:
             raise ValueError(f"{tail.name} transforms its logits after lm_head in a way ds-usp does not reproduce (see "
                              f"docs/models.md), so its per-token log-probs under sequence parallelism are refused")
+        visual = sorted(k for k in VISUAL_KEYS if kwargs.get(k) is not None)
+        if visual:  # the decoder below is the text model: it would drop them without a word
+            raise ValueError(f"{tail.name} is given {', '.join(visual)} with fused_lm_head=True: RL and preference "
+                             f"training of vision-language models is not supported under sequence parallelism yet")
         routed = bool(output_router_logits if output_router_logits is not None else
                       (tail.router is not None and tail.router.default_on))
         if routed and tail.router is None:
