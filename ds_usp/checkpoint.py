@@ -222,7 +222,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, **kwa
                              global_batch_size=int(engine.train_batch_size())):
         if getattr(engine, "global_rank", 0) == 0:
             log_warning(note)
-    path, client_state = engine.load_checkpoint(load_dir, saved.tag, **kwargs)
+    load = engine.load_checkpoint
+    if not universal:  # the tag is verified above: the engine's own check would read every file again
+        load = getattr(load, "unverified", load)
+    path, client_state = load(load_dir, saved.tag, **kwargs)
     if path is None:
         raise FileNotFoundError(f"DeepSpeed loaded nothing from {saved.directory!r}")
     return path, client_state

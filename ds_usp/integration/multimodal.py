@@ -88,13 +88,13 @@ def unshard_vision_towers(model: nn.Module) -> list[str]:
     return switched
 
 
-def _shard_rows(values: Tensor, mask: Tensor, topo: USPTopology, layout: str, docs: Any) -> tuple[Tensor, Tensor]:
-    """``(mask_local, values_local)``: ``values`` holds one row per True of ``mask`` (``(b, S)``, row-major); the rank
-    keeps the rows of its own positions, in the order ``hidden[mask_local]`` enumerates them."""
+def _own_rows(mask: Tensor, topo: USPTopology, layout: str, docs: Any) -> tuple[Tensor, Tensor]:
+    """``(mask_local, rows)``: for values holding one row per True of ``mask`` (``(b, S)``, row-major), the rows of
+    this rank's own positions, in the order ``hidden[mask_local]`` enumerates them."""
     index = (mask.reshape(-1).long().cumsum(0) - 1).view_as(mask)
     local_mask = shard_sequence(mask, topo, dim=1, layout=layout, pad_value=False, doc_lens=docs)
     local_index = shard_sequence(index, topo, dim=1, layout=layout, pad_value=0, doc_lens=docs)
-    return local_mask, values[local_index[local_mask]]
+    return local_mask, local_index[local_mask]
 
 
 def _shard_call(kwargs: dict, topo: USPTopology, layout: str, documents: dict) -> dict:
@@ -114,15 +114,9 @@ def _shard_call(kwargs: dict, topo: USPTopology, layout: str, documents: dict) -
     shard["attention_mask"] = None  # documents and the real length travel as cu_seq_lens_q
     mask = kwargs.get("visual_pos_masks")
     if mask is not None:  # Qwen3-VL's deepstack: features added at the visual positions of the first layers
-        local_mask = None
-        stacked = []
-        for features in kwargs.get("deepstack_visual_embeds") or []:
-            local_mask, rows_local = _shard_rows(features, mask, topo, layout, docs)
-            stacked.append(rows_local)
-        shard["visual_pos_masks"] = local_mask if local_mask is not None else \
-            shard_sequence(mask, topo, dim=1, layout=layout, pad_value=False, doc_lens=docs)
+        shard["visual_pos_masks"], rows = _own_rows(mask, topo, layout, docs)
         if kwargs.get("deepstack_visual_embeds") is not None:
-            shard["deepstack_visual_embeds"] = stacked
+            shard["deepstack_visual_embeds"] = [features[rows] for features in kwargs["deepstack_visual_embeds"]]
     for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         shard[key] = documents[key]
     return shard

@@ -91,8 +91,8 @@ def problems(folder: Path) -> list[str]:
             found.append(f"{path}: missing (expected {want['size']} bytes)")
         elif path.stat().st_size != want["size"]:
             found.append(f"{path}: {path.stat().st_size} bytes, expected {want['size']} (truncated or overwritten)")
-        elif _sha256(path) != want["sha256"]:
-            found.append(f"{path}: SHA-256 {_sha256(path)[:16]}..., expected {want['sha256'][:16]}... (corrupt)")
+        elif (digest := _sha256(path)) != want["sha256"]:
+            found.append(f"{path}: SHA-256 {digest[:16]}..., expected {want['sha256'][:16]}... (corrupt)")
     return found
 
 
@@ -172,5 +172,6 @@ def install(engine: Any) -> None:
                         **kwargs: Any) -> Any:
         return load(load_dir, resolve_tag(load_dir, tag, fallback), *args, **kwargs)
 
+    load_checkpoint.unverified = load  # for a caller that resolved (verified) the tag itself
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
