@@ -47,7 +47,7 @@ def long_tail_docs(seq: int, seed: int) -> list[int]:
 
 def ring_work(seq: int, u: int, r: int, layout: str, docs: Optional[list[int]], window: Optional[int]) -> list[int]:
     """Allowed (query, key) pairs each ring rank computes, from the ring's block plan."""
-    from ds_usp.attention.masks import MaskSpec, block_parts
+    from ds_usp.attention.masks import MaskSpec, RowMask, block_parts
     from ds_usp.sharding import normalize_docs, padded_length, piece_runs, segment_bounds
 
     padded = padded_length(seq, u, r, layout)
@@ -58,7 +58,7 @@ def ring_work(seq: int, u: int, r: int, layout: str, docs: Optional[list[int]], 
     for me in range(r):
         pairs = 0
         for src in range(r):
-            for part in block_parts(spec, starts[0] if starts else (0,), pieces[me], pieces[src]):
+            for part in block_parts(spec, RowMask(starts[0] if starts else (0,)), pieces[me], pieces[src]):
                 nq, nk = part.q.stop - part.q.start, part.k.stop - part.k.start
                 i = torch.arange(nq).unsqueeze(1)
                 j = torch.arange(nk).unsqueeze(0)

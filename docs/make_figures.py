@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 
-from ds_usp.attention.masks import MaskSpec, block_parts  # noqa: E402
+from ds_usp.attention.masks import MaskSpec, RowMask, block_parts  # noqa: E402
 from ds_usp.cost import backward_bytes, forward_bytes, linear_bytes  # noqa: E402
 from ds_usp.sharding import padded_length, piece_runs, ring_piece_positions, shard_positions  # noqa: E402
 from ds_usp.topology import group_ranks  # noqa: E402
@@ -115,7 +115,7 @@ def figure_usp_2x2(path: Path) -> None:
 def _block_work(mask: MaskSpec, pieces: tuple, me: int, src: int) -> int:
     """(query, key) pairs the kernel computes when ring rank ``me`` holds ``src``'s K/V block."""
     total = 0
-    for part in block_parts(mask, (0,), pieces[me], pieces[src]):
+    for part in block_parts(mask, RowMask((0,)), pieces[me], pieces[src]):
         nq, nk = part.q.stop - part.q.start, part.k.stop - part.k.start
         i = np.arange(nq)
         lo = np.zeros(nq, dtype=int) if part.lo is None else np.maximum(0, i + part.lo)

@@ -389,8 +389,18 @@ def test_masks_are_read_from_transformers_mask_functions():
     assert mu.create_sliding_window_causal_mask(**args) == HFMask(causal=True, window=16)
     assert mu.create_chunked_causal_mask(**args, position_ids=packed) == HFMask(causal=True, chunk=8)
     assert mu.create_bidirectional_mask(config=cfg, inputs_embeds=x, attention_mask=None) == HFMask(causal=False)
-    image_blocks = mu.create_causal_mask(**args, or_mask_function=mu.blockwise_overlay(torch.zeros(1, 12).long()))
-    assert image_blocks.unsupported and "or_masks(" in image_blocks.unsupported[0], image_blocks
+    ids = torch.tensor([[-1, 0, 0, 0, -1, -1, 1, 1, -1, 2, 2, 2]])  # three image blocks
+    image_blocks = mu.create_causal_mask(**args, block_sequence_ids=ids)
+    assert image_blocks == HFMask(causal=True, spans=(((1, 4), (6, 8), (9, 12)),)), image_blocks
+    windowed = mu.create_causal_mask(**args, or_mask_function=mu.blockwise_overlay(ids),
+                                     and_mask_function=mu.sliding_window_overlay(5))  # Gemma 3's sliding layers
+    assert windowed == HFMask(causal=True, window=5, spans=image_blocks.spans), windowed
+    unbounded = mu.create_sliding_window_causal_mask(**args, or_mask_function=mu.blockwise_overlay(ids))
+    assert unbounded.unsupported == ("bidirectional blocks or-ed onto a sliding window",), unbounded
+    torn = mu.create_causal_mask(**args, block_sequence_ids=torch.tensor([[0, 0, -1] * 4]))
+    assert torn.unsupported and "a block in two pieces" in torn.unsupported[0], torn
+    anything = mu.create_causal_mask(**args, or_mask_function=lambda b, h, q, k: k > q + 100)
+    assert anything.unsupported and "or_masks(" in anything.unsupported[0], anything
     custom = mu.create_causal_mask(**args, and_mask_function=lambda b, h, q, k: k > q - 3)
     assert custom.unsupported and "test_models" in custom.unsupported[0], custom
     both = mu.create_bidirectional_sliding_window_mask(config=cfg, inputs_embeds=x, attention_mask=None)
@@ -402,7 +412,7 @@ def test_masks_are_read_from_transformers_mask_functions():
     assert _mask_of(layer, ctx, HFMask(causal=False, both_sides=4), None, None) == (False, (4, 4), None)
     assert _mask_of(layer, ctx, None, None, 16) == (True, (15, 0), None)  # no mask built: the arguments alone
     with pytest.raises(ValueError, match=r"SomeForCausalLM \(Linear\) passes attention_mask=.*or_masks"):
-        _mask_of(layer, ctx, image_blocks, None, None)
+        _mask_of(layer, ctx, anything, None, None)
     with pytest.raises(ValueError, match="passes sliding_window=16 .*its mask has no window"):
         _mask_of(layer, ctx, HFMask(causal=True), None, 16)
     with pytest.raises(ValueError, match="passes is_causal=True .*its mask is bidirectional"):

@@ -34,30 +34,35 @@ from dist_harness import get_topo
 WORLD_TIMEOUT = 300
 
 
-def reference_mask(seq: int, docs: list[list[int]], causal: bool, window, chunk=None) -> torch.Tensor:
+def reference_mask(seq: int, docs: list[list[int]], causal: bool, window, chunk=None, spans=None) -> torch.Tensor:
     """``(b, 1, S, S)`` bool: the explicit mask the single-process reference uses (``chunk``: chunks of that many
-    tokens counted from each document's start, as HF's chunked mask with packed position ids)."""
+    tokens counted from each document's start, as HF's chunked mask with packed position ids; ``spans``: per row,
+    bidirectional ``(start, end)`` spans whose queries also see their span's later keys, as HF's blockwise overlay
+    under a sliding window)."""
     rows = []
     pos = torch.arange(seq)
-    for lens in docs:
+    for i, lens in enumerate(docs):
         doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
         keep = doc.unsqueeze(1) == doc.unsqueeze(0)
         if chunk is not None:
             start = torch.repeat_interleave(torch.tensor([0] + lens[:-1]).cumsum(0), torch.tensor(lens))
             piece = (pos - start) // chunk
             keep &= piece.unsqueeze(1) == piece.unsqueeze(0)
-        if causal:
-            keep &= pos.unsqueeze(1) >= pos.unsqueeze(0)
+        diff = pos.unsqueeze(0) - pos.unsqueeze(1)  # k - q
+        later = diff <= (0 if causal else seq) if window is None else diff <= window[1]  # the right bound
+        for a, b in (spans[i] if spans else ()):
+            inside = (pos >= a) & (pos < b)
+            later |= inside.unsqueeze(1) & inside.unsqueeze(0)
+        keep &= later
         if window is not None:
-            diff = pos.unsqueeze(0) - pos.unsqueeze(1)  # k - q
-            keep &= (diff >= -window[0]) & (diff <= window[1])
+            keep &= diff >= -window[0]
         rows.append(keep)
     return torch.stack(rows).unsqueeze(1)
 
 
 def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal: bool, window, hq: int, hkv: int,
             dtype_name: str = "float32", seed: int = 0, per_row_docs: bool = True, attn_backend: str = "auto",
-            chunk=None) -> int:
+            chunk=None, spans=None) -> int:
     """On every rank: one case against the reference; returns the number of kernel forward calls of this rank."""
     import ds_usp
     from ds_usp.kernels import band, torch_sdpa
@@ -83,13 +88,13 @@ def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal
     torch_sdpa.attention_forward, band.masked_forward = (counting(fn) for fn in originals)
     try:  # count the forward's kernel calls: fused ones and masked band edges
         out = ds_usp.usp_attention(ql, kl, vl, topo, causal=causal, layout=layout, seq_len=seq, doc_lens=doc_lens,
-                                   window=window, attn_backend=attn_backend, chunk=chunk)
+                                   window=window, attn_backend=attn_backend, chunk=chunk, spans=spans)
     finally:
         torch_sdpa.attention_forward, band.masked_forward = originals
     out.backward(shard(dout, 1.0))  # a gradient on padding too: it must not leak anywhere
     got = [ds_usp.gather_sequence(x.detach(), topo, layout=layout, seq_len=seq, doc_lens=doc_lens)
            for x in (out, ql.grad, kl.grad, vl.grad)]
-    keep = reference_mask(seq, docs, causal, window, chunk)
+    keep = reference_mask(seq, docs, causal, window, chunk, spans)
     qr, kr, vr = (x.float().clone().requires_grad_() for x in (q, k, v))
     rep = hq // hkv
     # (b, s, h, d) -> (b, h, s, d) for SDPA, and back
@@ -102,7 +107,7 @@ def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal
         scale = want.abs().max().clamp_min(1.0)
         torch.testing.assert_close(g_.float() / scale, want / scale, **tol,
                                    msg=lambda m: f"{name} {u}x{r} {layout} S={seq} docs={docs} causal={causal} "
-                                                 f"window={window} chunk={chunk}: {m}")
+                                                 f"window={window} chunk={chunk} spans={spans}: {m}")
     return calls[0]
 
 
@@ -131,16 +136,29 @@ FIXED = [  # (u, r, layout, seq, docs, causal, window, hq, hkv)
     (4, 1, "contiguous", 96, [[10, 1, 40, 30, 15]], False, None, 4, 4, "float32", 0, True, "auto", 12),
     (1, 4, "zigzag", 128, [[128]], True, (9, 0), 4, 2, "float32", 0, True, "auto", 32),  # window and chunks
 ]
+# bidirectional spans (Gemma 3's image blocks, PaliGemma's prefix): spans that cross shard and ring boundaries, with
+# windows (the left bound still holds inside a span), documents, two rows with their own spans, odd lengths
+SPANS = [
+    (2, 2, "zigzag", 101, [[101]], True, None, 4, 2, dict(spans=[[(3, 40), (60, 90)]])),
+    (1, 4, "contiguous", 96, [[96]], True, (9, 0), 4, 1, dict(spans=[[(10, 60)]])),
+    (4, 1, "zigzag", 96, [[30, 66]], True, (17, 0), 4, 4, dict(spans=[[(0, 30), (31, 80)]])),
+    (1, 4, "balanced", 100, [[50, 50], [1, 98, 1]], True, None, 4, 2,
+     dict(spans=[[(20, 45), (50, 51)], [(1, 99)]])),
+    (2, 2, "contiguous", 99, [[99]], False, (5, 3), 4, 2, dict(spans=[[(40, 70)]])),
+    (1, 4, "zigzag", 96, [[96]], True, None, 4, 2, dict(spans=[[(24, 72)]], dtype_name="bfloat16")),
+]
 
 
 def run_fixed() -> int:
     for case in FIXED:
         compare(*case)
-    return len(FIXED)
+    for case in SPANS:
+        compare(*case[:9], **case[9])
+    return len(FIXED) + len(SPANS)
 
 
 def test_fixed_cases_world4(world4):
-    assert world4.run(run_fixed) == [len(FIXED)] * 4
+    assert world4.run(run_fixed) == [len(FIXED) + len(SPANS)] * 4
 
 
 def run_fixed_triton() -> int:
@@ -151,13 +169,15 @@ def run_fixed_triton() -> int:
     for case in FIXED:
         rest = dict(zip(("dtype_name", "seed", "per_row_docs", "attn_backend", "chunk"), case[9:]))
         assert compare(*case[:9], **{**rest, "attn_backend": "triton"}) == 0  # no torch kernel ran: every block went through triton
-    return len(FIXED)
+    for case in SPANS:
+        assert compare(*case[:9], **{**case[9], "attn_backend": "triton"}) == 0
+    return len(FIXED) + len(SPANS)
 
 
 def test_fixed_cases_triton_world4(world4):
     """The same cases with attn_backend="triton" (interpreter on CPU): fused merge and in-kernel band masks."""
     pytest.importorskip("triton", reason="triton is installed with the dev extra")
-    assert world4.run(run_fixed_triton) == [len(FIXED)] * 4
+    assert world4.run(run_fixed_triton) == [len(FIXED) + len(SPANS)] * 4
 
 
 def run_many(u: int, r: int, seed: int) -> int:
@@ -243,7 +263,7 @@ def test_masked_blocks_and_ring_tail_are_skipped(world4):
 
 def _work(layout: str, docs: list[int], ring: int) -> list[int]:
     """Allowed causal (query, key) pairs per ring rank, from the block parts the ring computes."""
-    from ds_usp.attention.masks import MaskSpec, block_parts
+    from ds_usp.attention.masks import MaskSpec, RowMask, block_parts
     from ds_usp.sharding import normalize_docs, piece_runs, segment_bounds
 
     seq = sum(docs)
@@ -254,7 +274,7 @@ def _work(layout: str, docs: list[int], ring: int) -> list[int]:
     for me in range(ring):
         pairs = 0
         for src in range(ring):
-            for part in block_parts(spec, starts[0], pieces[me], pieces[src]):
+            for part in block_parts(spec, RowMask(starts[0]), pieces[me], pieces[src]):
                 nq, nk = part.q.stop - part.q.start, part.k.stop - part.k.start
                 pairs += nq * (nq + 1) // 2 if part.causal else nq * nk
         work.append(pairs)
@@ -430,3 +450,20 @@ def mistral_window(layout: str) -> float:
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_hf_sliding_window(world4, layout):
     assert len(set(world4.run(mistral_window, layout))) == 1
+
+
+def test_spans_are_checked_before_any_collective():
+    from ds_usp.attention.checks import check_spans
+
+    assert check_spans(None, 2, 10, None) is None
+    assert check_spans([(0, 0)], 2, 10, None) is None  # empty spans only: none
+    assert check_spans([(5, 8), (1, 3)], 2, 10, None) == (((1, 3), (5, 8)),) * 2
+    assert check_spans(torch.tensor([[[1, 3], [0, 0]], [[2, 9], [0, 0]]]), 2, 10, None) == (((1, 3),), ((2, 9),))
+    with pytest.raises(ValueError, match=r"spans row 0: \(1, 5\) and the span starting at 3 overlap"):
+        check_spans([(1, 5), (3, 6)], 1, 10, None)
+    with pytest.raises(ValueError, match=r"crosses the document boundary at 4"):
+        check_spans([[(2, 6)]], 1, 10, ((0, 4),))
+    with pytest.raises(ValueError, match=r"0 <= start <= end <= 10"):
+        check_spans([(2, 11)], 1, 10, None)
+    with pytest.raises(ValueError, match="spans has 3 rows, the batch has 2"):
+        check_spans([[(1, 2)], [], []], 2, 10, None)

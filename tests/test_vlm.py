@@ -82,6 +82,77 @@ def _idefics3(attn: str):
     return Idefics3ForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
 
 
+def _gemma3(attn: str):
+    """Gemma 3: a SigLIP tower, 16 tokens per image whose tokens see each other (bidirectional blocks), sliding-window
+    layers (a 6-token window, shorter than an image: the window still bounds a block on the left)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    cfg = Gemma3Config(text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+                                        sliding_window=6, initializer_range=0.2),
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, image_size=16, patch_size=4),
+                       mm_tokens_per_image=16, image_token_id=IMAGE, boi_token_id=START, eoi_token_id=END)
+    torch.manual_seed(0)
+    return Gemma3ForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def _gemma3_batch(step: int) -> dict:
+    """One row: 5 text, an image (16 tokens between its start and end tokens), 4 text, another image, 7 text: 52;
+    ``token_type_ids`` 1 at the image tokens (the processor's), which makes the blocks."""
+    g = torch.Generator().manual_seed(700 + step)
+    text = lambda n: torch.randint(3, 100, (n,), generator=g)  # noqa: E731
+    image = [torch.tensor([START]), torch.full((16,), IMAGE), torch.tensor([END])]
+    ids = torch.cat([text(5), *image, text(4), *image, text(7)])[None]
+    return {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE, -100), "token_type_ids": (ids == IMAGE).long(),
+            "pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+
+
+def _llava_next(attn: str):
+    """LLaVA-NeXT: an image tiled by its size (any-resolution grid), the base view and the tiles' features unpadded,
+    a newline feature per row."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    cfg = LlavaNextConfig(text_config={"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "initializer_range": 0.2},
+                          vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                         "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 16,
+                                         "patch_size": 4},
+                          image_token_index=IMAGE, vision_feature_layer=-1, vision_feature_select_strategy="default",
+                          image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
+    torch.manual_seed(0)
+    return LlavaNextForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def _llava_next_batch(step: int) -> dict:
+    """One row: 5 text, a 16x32 image (base view and two tiles: 52 tokens), 10 text: 67."""
+    g = torch.Generator().manual_seed(800 + step)
+    ids = torch.cat([torch.randint(3, 100, (5,), generator=g), torch.full((52,), IMAGE),
+                     torch.randint(3, 100, (10,), generator=g)])[None]
+    return {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE, -100), "image_sizes": torch.tensor([[16, 32]]),
+            "pixel_values": torch.randn(1, 3, 3, 16, 16, generator=g)}
+
+
+def _qwen3_vl_moe(attn: str):
+    """Qwen3-VL-MoE: Qwen3-VL's vision and positions, sparse experts in the text layers."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    cfg = Qwen3VLMoeConfig(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                         initializer_range=0.2),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    torch.manual_seed(0)
+    return Qwen3VLMoeForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
 def _idefics3_batch(step: int) -> dict:
     """One row, two images of 4 tokens each between text: 5 + 4 + 6 + 4 + 8 = 27 tokens."""
     g = torch.Generator().manual_seed(600 + step)
@@ -140,6 +211,45 @@ def _qwen_padded_batch(step: int) -> dict:
             "pixel_values": torch.cat([first["pixel_values"], torch.randn(24, 3 * 2 * 4 * 4, generator=g)])}
 
 
+def _packed(padded: dict) -> dict:
+    """A right-padded batch's rows packed into one row (their real tokens one after the other), with the positions
+    HF's DataCollatorWithFlattening gives (restarting at each document): the documents of the padded batch."""
+    mask = padded["attention_mask"].bool()
+    keep = lambda x: x[mask][None]  # noqa: E731
+    lengths = mask.sum(1)
+    positions = torch.cat([torch.arange(int(n)) for n in lengths])[None]
+    out = {k: v for k, v in padded.items() if k != "attention_mask"}
+    out.update(input_ids=keep(padded["input_ids"]), labels=keep(padded["labels"]), position_ids=positions)
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in padded:
+            out[key] = keep(padded[key])
+    return out
+
+
+def _qwen_packed_batch(step: int) -> dict:
+    """The two rows of :func:`_qwen_padded_batch` packed into one row of 64 tokens: the MRoPE positions restart at the
+    second document."""
+    return _packed(_qwen_padded_batch(step))
+
+
+def _llava_padded_batch(step: int) -> dict:
+    """Two LLaVA rows (31 and 24 real tokens), each with its image, right-padded."""
+    first = _llava_batch(step)
+    g = torch.Generator().manual_seed(900 + step)
+    short = torch.cat([torch.randint(3, 100, (3,), generator=g), torch.full((16,), IMAGE),
+                       torch.randint(3, 100, (5,), generator=g)])
+    seq = first["input_ids"].shape[1]
+    ids = torch.cat([first["input_ids"], torch.cat([short, torch.zeros(seq - len(short), dtype=torch.long)])[None]])
+    mask = (torch.arange(seq) < torch.tensor([[seq], [len(short)]])).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill((ids == IMAGE) | (mask == 0), -100),
+            "pixel_values": torch.cat([first["pixel_values"], torch.randn(1, 3, 16, 16, generator=g)])}
+
+
+def _llava_packed_batch(step: int) -> dict:
+    """The two LLaVA rows packed into one row of 55 tokens: 1-D positions restart at the second document."""
+    return _packed(_llava_padded_batch(step))
+
+
 def _llava_batch(step: int) -> dict:
     """One row: 5 text, 16 image tokens, 10 text: 31; full labels except the image."""
     g = torch.Generator().manual_seed(200 + step)
@@ -171,11 +281,16 @@ def _text_padded_batch(step: int) -> dict:
 
 FAMILIES = {"qwen2.5-vl": (_qwen25_vl, _qwen_batch), "qwen3-vl": (_qwen3_vl, _qwen3_batch),
             "llava": (_llava, _llava_batch), "qwen2.5-vl-padded": (_qwen25_vl, _qwen_padded_batch),
-            "llama-text-padded": (_llama_text, _text_padded_batch), "idefics3": (_idefics3, _idefics3_batch)}
+            "llama-text-padded": (_llama_text, _text_padded_batch), "idefics3": (_idefics3, _idefics3_batch),
+            "gemma3": (_gemma3, _gemma3_batch), "llava-next": (_llava_next, _llava_next_batch),
+            "qwen3-vl-moe": (_qwen3_vl_moe, _qwen3_batch),
+            # packed rows: one process runs the same documents as rows of a right-padded batch
+            "qwen2.5-vl-packed": (_qwen25_vl, _qwen_packed_batch, _qwen_padded_batch),
+            "llava-packed": (_llava, _llava_packed_batch, _llava_padded_batch)}
 
 
 def _reference(family: str) -> tuple[list[float], dict]:
-    build, batch = FAMILIES[family]
+    build, batch = FAMILIES[family][0], FAMILIES[family][-1]
     model = build("sdpa")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, first = [], None
@@ -198,7 +313,7 @@ def train_vlm(family: str, stage: int, u: int, r: int, layout: str) -> dict:
 
     want = _reference(family)
     ds_usp.hf.register_usp_attention()
-    build, batch = FAMILIES[family]
+    build, batch = FAMILIES[family][:2]
     model = build("usp")
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
@@ -239,7 +354,9 @@ def _null():
 CASES = [("qwen2.5-vl", 2, 2, 2, "zigzag"), ("qwen2.5-vl", 3, 1, 4, "contiguous"), ("qwen3-vl", 3, 2, 2, "zigzag"),
          ("qwen3-vl", 2, 1, 4, "contiguous"), ("llava", 2, 1, 4, "contiguous"), ("llava", 3, 2, 2, "zigzag"),
          ("qwen2.5-vl-padded", 2, 2, 2, "zigzag"), ("llama-text-padded", 3, 1, 4, "contiguous"),
-         ("idefics3", 2, 2, 2, "zigzag")]
+         ("idefics3", 2, 2, 2, "zigzag"), ("gemma3", 2, 2, 2, "zigzag"), ("gemma3", 3, 1, 4, "contiguous"),
+         ("llava-next", 3, 2, 2, "zigzag"), ("qwen3-vl-moe", 2, 1, 4, "zigzag"),
+         ("qwen2.5-vl-packed", 2, 2, 2, "zigzag"), ("llava-packed", 3, 1, 4, "balanced")]
 
 
 @pytest.mark.parametrize("family,stage,u,r,layout", CASES, ids=[f"{c[0]}-zero{c[1]}-{c[2]}x{c[3]}" for c in CASES])
@@ -328,3 +445,30 @@ def test_usp_trainer_with_a_vlm_equals_one_process(world4, tmp_path_factory):
     _fresh_accelerate()
     assert len(want) == 3 and all(g == got[0] for g in got)
     torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_packed_mrope_positions_restart_per_document(family):
+    """The body numbers a packed row as one sequence; after ds-usp's restart every document's 3-D positions are those
+    the family computes for it alone. (RoPE only sees differences inside a document, so the training test above
+    cannot tell; absolute uses of the positions can.)"""
+    from ds_usp.integration.multimodal import restart_per_document
+    from ds_usp.sharding import normalize_docs
+
+    build, batch = {"qwen2.5-vl": (_qwen25_vl, _qwen_padded_batch), "qwen3-vl": (_qwen3_vl, _qwen3_batch)}[family]
+    body = build("sdpa").model
+    rows = batch(0)
+    if "attention_mask" not in rows:  # two full rows of Qwen3-VL's batch, each with its image and video
+        other = batch(1)
+        rows = {k: torch.cat([rows[k], other[k]]) for k in rows}
+        rows["attention_mask"] = torch.ones_like(rows["input_ids"])
+    keys = ("image_grid_thw", "video_grid_thw")
+    alone, _ = body.get_rope_index(rows["input_ids"], rows["mm_token_type_ids"], *(rows[k] for k in keys),
+                                   attention_mask=rows["attention_mask"])
+    packed = _packed(rows)
+    whole, _ = body.get_rope_index(packed["input_ids"], packed["mm_token_type_ids"], *(packed[k] for k in keys))
+    lengths = rows["attention_mask"].sum(1).tolist()
+    restarted = restart_per_document(whole, normalize_docs([lengths], 1, sum(lengths)))
+    want = alone[:, rows["attention_mask"].bool()][:, None]  # (3, 1, S) the documents' own positions, in a row
+    assert not torch.equal(whole, want)  # the body numbered the second document on from the first
+    assert torch.equal(restarted, want)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,58 @@ def check_sinks(sinks: Any, num_heads: int, device: torch.device) -> None:
                          f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__}")
     if sinks.device != device:
         raise ValueError(f"sinks are on {sinks.device}, q on {device}: put them on one device")
+
+
+def check_spans(spans: Any, batch: int, seq_len: int,
+                docs: Optional[tuple[tuple[int, ...], ...]]) -> Optional[tuple[tuple[tuple[int, int], ...], ...]]:
+    """Validate bidirectional spans and return them per row (``None``: no span in any row).
+
+    Args:
+        spans: ``None``; one list of ``(start, end)`` global positions for every row, or one list per row; or a
+            ``(b, m, 2)`` integer tensor (rows padded with empty ``(0, 0)`` spans).
+        batch: rows of the batch.
+        seq_len: real global length.
+        docs: document starts per row (``None``: one document), from :func:`ds_usp.sharding.normalize_docs`.
+
+    Returns:
+        Per row, the sorted non-empty spans.
+
+    Raises:
+        ValueError: a span that is not two integers with ``0 <= start < end <= seq_len``, spans that overlap, a span
+            across a document boundary, or a row count that is not ``batch``.
+    """
+    if spans is None:
+        return None
+    rows = spans.tolist() if isinstance(spans, Tensor) else list(spans)
+    flat = not rows or (isinstance(rows[0], (list, tuple)) and rows[0] and not isinstance(rows[0][0], (list, tuple)))
+    if flat:
+        rows = [rows] * batch
+    elif len(rows) != batch:
+        raise ValueError(f"spans has {len(rows)} rows, the batch has {batch}: give one list of (start, end) spans for "
+                         f"every row, or one list for all rows")
+    out = []
+    for i, row in enumerate(rows):
+        pairs = []
+        for span in row:
+            ok = isinstance(span, (list, tuple)) and len(span) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in span)
+            if not ok or not 0 <= span[0] <= span[1] <= seq_len:
+                raise ValueError(f"spans row {i}: {span!r} is not (start, end) with 0 <= start <= end <= {seq_len} "
+                                 f"(the real length)")
+            if span[1] > span[0]:
+                pairs.append((int(span[0]), int(span[1])))
+        pairs.sort()
+        for (a0, b0), (a1, _) in zip(pairs, pairs[1:]):
+            if a1 < b0:
+                raise ValueError(f"spans row {i}: {(a0, b0)} and the span starting at {a1} overlap")
+        starts = docs[i] if docs else (0,)
+        for a, b in pairs:
+            inside = [d for d in starts if a < d < b]
+            if inside:
+                raise ValueError(f"spans row {i}: {(a, b)} crosses the document boundary at {inside[0]}; a "
+                                 f"bidirectional span must lie inside one document")
+        out.append(tuple(pairs))
+    return tuple(out) if any(out) else None
 
 
 def check_scale(softmax_scale: Any) -> None:

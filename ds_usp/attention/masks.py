@@ -2,8 +2,9 @@
 
 A :class:`MaskSpec` describes the mask over the *global* sequence: causal or not, the real length
 (positions past it are padding and meet nothing), the documents of each batch row (a query sees only
-keys of its own document) and a sliding window ``(left, right)`` (a query at ``q`` sees keys
-``q - left ... q + right``). :func:`block_parts` turns it, for one block (this rank's ring piece of
+keys of its own document), a sliding window ``(left, right)`` (a query at ``q`` sees keys
+``q - left ... q + right``) and bidirectional spans (an image's tokens under Gemma 3 or PaliGemma's prefix:
+a query inside a span also sees the later keys of its span; the window's left bound still holds). :func:`block_parts` turns it, for one block (this rank's ring piece of
 queries against a source rank's piece of keys, both lists of position runs, see
 :func:`ds_usp.sharding.piece_runs`), into :class:`Part` rectangles that hold every allowed pair:
 a rectangle with no allowed pair is never produced (no kernel call), and inside a rectangle the
@@ -17,9 +18,18 @@ from __future__ import annotations
 import bisect
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ds_usp.sharding import Docs, Runs
+
+Spans = tuple[tuple[int, int], ...]  # (start, end) of global positions, sorted, disjoint
+
+
+class RowMask(NamedTuple):
+    """What a group of batch rows shares: the first position of every document, and the bidirectional spans."""
+
+    starts: tuple[int, ...]
+    spans: Spans = ()
 
 
 @dataclass(frozen=True)
@@ -31,25 +41,34 @@ class MaskSpec:
         seq_len: real tokens; later positions are padding and meet nothing.
         docs: per batch row, the first position of every document (``None``: one document).
         window: ``(left, right)`` in tokens (``None``: unlimited); ``right`` is 0 when causal.
+        spans: per batch row, bidirectional spans inside documents (``None``: none): a query in a span sees every
+            key of its span that the window's left bound allows, later ones included.
     """
 
     causal: bool
     seq_len: int
     docs: Optional[Docs] = None
     window: Optional[tuple[int, int]] = None
+    spans: Optional[tuple[Spans, ...]] = None
 
-    def row_groups(self, batch: int) -> list[tuple[slice, tuple[int, ...]]]:
-        """Batch rows that share one document layout, as ``(rows, document starts)``.
+    def row_groups(self, batch: int) -> list[tuple[slice, RowMask]]:
+        """Batch rows that share one document layout and spans, as ``(rows, RowMask)``.
 
         Args:
             batch: rows of the batch.
 
         Returns:
-            One group for all rows when they share their documents, else one group per row.
+            One group for all rows when they share them, else one group per row.
         """
-        if self.docs is None or len(set(self.docs)) == 1:
-            return [(slice(None), self.docs[0] if self.docs else (0,))]
-        return [(slice(i, i + 1), row) for i, row in enumerate(self.docs)]
+        rows = self.rows(batch)
+        if len(set(rows)) == 1:
+            return [(slice(None), rows[0])]
+        return [(slice(i, i + 1), row) for i, row in enumerate(rows)]
+
+    def rows(self, batch: int) -> list[RowMask]:
+        """Every row's :class:`RowMask`."""
+        return [RowMask(self.docs[i] if self.docs else (0,), self.spans[i] if self.spans else ())
+                for i in range(batch)]
 
     def bounds(self) -> tuple[Optional[int], Optional[int]]:
         """``(L, R)``: a query at ``q`` may see keys ``q - L ... q + R`` (None: no bound on that side)."""
@@ -115,12 +134,12 @@ def _with_offsets(runs: Runs) -> list[tuple[int, int, int]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def block_parts(spec: MaskSpec, doc_starts: tuple[int, ...], q_runs: Runs, k_runs: Runs) -> tuple[Part, ...]:
+def block_parts(spec: MaskSpec, row: RowMask, q_runs: Runs, k_runs: Runs) -> tuple[Part, ...]:
     """The rectangles of one block that hold all its allowed pairs (empty: skip the block).
 
     Args:
         spec: the mask.
-        doc_starts: the documents of the rows at hand (from :meth:`MaskSpec.row_groups`).
+        row: the documents and spans of the rows at hand (from :meth:`MaskSpec.row_groups`).
         q_runs: the query piece's runs.
         k_runs: the key piece's runs.
 
@@ -128,6 +147,7 @@ def block_parts(spec: MaskSpec, doc_starts: tuple[int, ...], q_runs: Runs, k_run
         The parts, in query order; adjacent full parts are joined.
     """
     left, right = spec.bounds()
+    doc_starts = row.starts
     ends = list(doc_starts[1:]) + [spec.seq_len]
     parts: list[Part] = []
     for qa, qn, qrow in _with_offsets(q_runs):
@@ -136,6 +156,19 @@ def block_parts(spec: MaskSpec, doc_starts: tuple[int, ...], q_runs: Runs, k_run
             k_end = min(ka + kn, spec.seq_len)
             if qa >= q_end or ka >= k_end:
                 continue
+
+            def rect(q0: int, q1: int, k0: int, k1: int, right: Optional[int]) -> None:
+                # keep only keys some query of [q0, q1) sees, and queries that see some key of [k0, k1)
+                if left is not None:
+                    k0, q1 = max(k0, q0 - left), min(q1, k1 + left)
+                if right is not None:
+                    k1, q0 = min(k1, q1 + right), max(q0, k0 - right)
+                if q0 >= q1 or k0 >= k1:
+                    return
+                lo = None if left is None or q0 - k0 - left <= -(q1 - q0 - 1) else q0 - k0 - left
+                hi = None if right is None or q0 - k0 + right >= k1 - k0 - 1 else q0 - k0 + right
+                parts.append(Part(slice(qrow + q0 - qa, qrow + q1 - qa), slice(krow + k0 - ka, krow + k1 - ka), lo, hi))
+
             first = max(bisect.bisect_right(doc_starts, max(qa, ka)) - 1, 0)
             for d in range(first, len(doc_starts)):
                 ds, de = doc_starts[d], ends[d]
@@ -143,17 +176,32 @@ def block_parts(spec: MaskSpec, doc_starts: tuple[int, ...], q_runs: Runs, k_run
                     break
                 q0, q1 = max(qa, ds), min(q_end, de)
                 k0, k1 = max(ka, ds), min(k_end, de)
-                # keep only keys some query of [q0, q1) sees, and queries that see some key of [k0, k1)
-                if left is not None:
-                    k0, q1 = max(k0, q0 - left), min(q1, k1 + left)
-                if right is not None:
-                    k1, q0 = min(k1, q1 + right), max(q0, k0 - right)
-                if q0 >= q1 or k0 >= k1:
-                    continue
-                lo = None if left is None or q0 - k0 - left <= -(q1 - q0 - 1) else q0 - k0 - left
-                hi = None if right is None or q0 - k0 + right >= k1 - k0 - 1 else q0 - k0 + right
-                parts.append(Part(slice(qrow + q0 - qa, qrow + q1 - qa), slice(krow + k0 - ka, krow + k1 - ka), lo, hi))
+                for s0, s1, span in _query_segments(q0, q1, row.spans):
+                    if span is None:
+                        rect(s0, s1, k0, k1, right)
+                    else:  # a span's queries: the usual bounds outside it, no right bound inside it
+                        a, b = span
+                        rect(s0, s1, k0, min(k1, a), right)
+                        rect(s0, s1, max(k0, a), min(k1, b), None)
+                        rect(s0, s1, max(k0, b), k1, right)
     return tuple(_join(parts))
+
+
+def _query_segments(q0: int, q1: int, spans: Spans) -> list[tuple[int, int, Optional[tuple[int, int]]]]:
+    """``[q0, q1)`` cut at the edges of the spans it meets: ``(start, end, span or None)`` in order."""
+    out, at = [], q0
+    for a, b in spans[max(bisect.bisect_right(spans, (q0, q0)) - 1, 0):]:
+        if a >= q1:
+            break
+        if b <= at:
+            continue
+        if a > at:
+            out.append((at, a, None))
+        out.append((max(at, a), min(b, q1), (a, b)))
+        at = min(b, q1)
+    if at < q1:
+        out.append((at, q1, None))
+    return out
 
 
 def _join(parts: list[Part]) -> list[Part]:
@@ -188,11 +236,11 @@ def needed_steps(spec: MaskSpec, ring_degree: int, pieces: tuple[Runs, ...]) -> 
     Returns:
         A number from 1 to R; every rank computes the same.
     """
-    docs = {row for row in spec.docs} if spec.docs else {(0,)}
+    rows = set(spec.rows(max(len(spec.docs or ()), len(spec.spans or ()), 1)))
     last = 0
     for r in range(ring_degree):
         for t in range(ring_degree - 1, last, -1):
-            if any(block_parts(spec, d, pieces[r], pieces[(r - t) % ring_degree]) for d in docs):
+            if any(block_parts(spec, row, pieces[r], pieces[(r - t) % ring_degree]) for row in rows):
                 last = t
                 break
     return last + 1

@@ -67,7 +67,7 @@ def _plan(spec: RingSpec, mask: MaskSpec, batch: int) -> tuple[int, list]:
     schedule = []
     for t in range(steps):
         src = (spec.rank - t) % spec.size
-        schedule.append([(rows, block_parts(mask, docs, pieces[spec.rank], pieces[src])) for rows, docs in groups])
+        schedule.append([(rows, block_parts(mask, row, pieces[spec.rank], pieces[src])) for rows, row in groups])
     return steps, schedule
 
 

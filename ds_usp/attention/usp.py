@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds_usp.attention.checks import (check_device, check_qkv, check_same_across_ranks, check_scale, check_sinks,
+                                    check_spans,
                                     check_softcap)
 from ds_usp.attention.masks import MaskSpec, chunk_docs
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
@@ -125,7 +126,7 @@ seq_to_head_op, head_to_seq_op = _seq_to_head, _head_to_seq  # the differentiabl
 
 
 def _ring_and_mask(x: Tensor, world: int, ring_group: str, causal: bool, layout: str, seq_len: int,
-                   docs: Optional[Tensor], window_left: int, window_right: int,
+                   docs: Optional[Tensor], spans: Optional[Tensor], window_left: int, window_right: int,
                    chunk: int) -> tuple[RingSpec, MaskSpec]:
     """The ring of ``ring_group`` for the Ulysses group's piece ``x`` (``(b, U*s, ...)``) and the mask.
 
@@ -137,7 +138,8 @@ def _ring_and_mask(x: Tensor, world: int, ring_group: str, causal: bool, layout:
     _, padded = resolve_seq_len(seq_len, x.shape[1] // world, world, r, layout)
     doc_starts = normalize_docs(docs, x.shape[0], seq_len) if docs is not None else None
     mask = MaskSpec(causal=causal, seq_len=seq_len, docs=chunk_docs(doc_starts, x.shape[0], seq_len, chunk),
-                    window=None if window_left < 0 else (window_left, window_right))
+                    window=None if window_left < 0 else (window_left, window_right),
+                    spans=None if spans is None else _spans_of(spans))
     ring = RingSpec(group=rg, ranks=tuple(dist.get_process_group_ranks(rg)), rank=dist.get_rank(rg), layout=layout,
                     padded_len=padded, bounds=segment_bounds(doc_starts, seq_len, padded))
     return ring, mask
@@ -169,7 +171,8 @@ class RingOptions(NamedTuple):
     """The ring op's arguments after ``(qkv, heads, dims)``, in the op's order: callers build them by name and the
     derivative reads them by name (an operator schema takes no record, so the ops list them as parameters).
 
-    ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``window_left`` < 0: no window;
+    ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``spans``: ``(b, m, 2)`` int64
+    bidirectional spans ``(start, end)`` per row (``(0, 0)`` pads) or None; ``window_left`` < 0: no window;
     ``chunk`` 0: no chunked attention; ``softcap`` 0: none; ``sinks``: ``(hq',)`` this rank's heads' sink logits or
     None; ``comm_dtype``: ``usp.comm_dtype`` of the K/V blocks.
     """
@@ -185,6 +188,7 @@ class RingOptions(NamedTuple):
     attn_backend: str
     native_op: str
     docs: Optional[Tensor]
+    spans: Optional[Tensor]
     window_left: int
     window_right: int
     chunk: int
@@ -197,15 +201,15 @@ _SINKS = RingOptions._fields.index("sinks")
 @torch.library.custom_op("ds_usp::ring_attention", mutates_args=())
 def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str,
                     causal: bool, layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor],
-                    attn_backend: str, native_op: str, docs: Optional[Tensor], window_left: int,
-                    window_right: int, chunk: int, comm_dtype: str) -> tuple[Tensor, Tensor]:
+                    attn_backend: str, native_op: str, docs: Optional[Tensor], spans: Optional[Tensor],
+                    window_left: int, window_right: int, chunk: int, comm_dtype: str) -> tuple[Tensor, Tensor]:
     """``(out (b, U*s, hq', dv), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
 
     ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``/``dims``;
     the rest is :class:`RingOptions`.
     """
     q, k, v = _split(qkv, heads, dims)
-    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
+    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, spans, window_left,
                                 window_right, chunk)
     return ring_forward(q, k, v, ring, mask, scale, get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q),
                         softcap, sinks, comm_dtype == "fp8")
@@ -221,11 +225,11 @@ def _(qkv: list[Tensor], heads: list[int], dims: list[int], *options: Any) -> tu
 def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
                         ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float,
                         softcap: float, sinks: Optional[Tensor], attn_backend: str, native_op: str,
-                        docs: Optional[Tensor], window_left: int, window_right: int, chunk: int,
-                        comm_dtype: str) -> list[Tensor]:
+                        docs: Optional[Tensor], spans: Optional[Tensor], window_left: int, window_right: int,
+                        chunk: int, comm_dtype: str) -> list[Tensor]:
     """Gradients for ``qkv`` as it was given (``[dq, dk, dv]`` or ``[d qkv_heads]``), then ``d sinks`` if any."""
     q, k, v = _split(qkv, heads, dims)
-    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, window_left,
+    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, spans, window_left,
                                 window_right, chunk)
     grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ring, mask, scale,
                           get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap,
@@ -270,7 +274,9 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
                   attn_backend: str = "auto", native_op: Union[bool, str] = "auto",
                   doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None,
                   window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None,
-                  sinks: Optional[Tensor] = None, comm_dtype: str = "input", chunk: Optional[int] = None) -> Tensor:
+                  sinks: Optional[Tensor] = None, comm_dtype: str = "input", chunk: Optional[int] = None,
+                  spans: Union[Sequence[Sequence[int]], Sequence[Sequence[Sequence[int]]], Tensor, None] = None
+                  ) -> Tensor:
     """Exact attention over a sequence sharded across ``topo``'s sequence-parallel group.
 
     Args:
@@ -304,6 +310,9 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
             on the output), the gradients pass straight through and travel in the inputs' dtype.
         chunk: chunked attention (Llama 4's ``attention_chunk_size``): a token sees only tokens of its own chunk
             of ``chunk`` tokens, chunks counted from the start of its document. None: unchunked.
+        spans: bidirectional spans (Gemma 3's image blocks, PaliGemma's prefix): ``(start, end)`` global
+            positions, one list for every row or one list per row, each inside one document. A query in a span
+            also sees the later keys of its span (the window's left bound still applies). None: none.
 
     Returns:
         ``(b, s_local, hq, dv)`` in the input dtype: this rank's shard of the output.
@@ -311,7 +320,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
     Raises:
         ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``causal``,
             ``softmax_scale``, ``seq_len``, ``attn_backend``, ``native_op``, ``doc_lens``, ``window``, ``softcap``,
-            ``sinks``, ``comm_dtype`` or ``chunk``, raised
+            ``sinks``, ``comm_dtype``, ``chunk`` or ``spans``, raised
             before any communication; or ranks of the SP group that pass different shapes or arguments (checked
             once per signature with one small all-gather, the same error on every rank; skipped under
             ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
@@ -332,6 +341,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         raise ValueError(f"usp.comm_dtype={comm_dtype!r} is not valid: choose from {', '.join(map(repr, COMM_DTYPES))}")
     docs = normalize_docs(doc_lens, q.shape[0], real_len)
     left, right = check_window(window, causal)
+    row_spans = check_spans(spans, q.shape[0], real_len, docs)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"chunk ({chunk!r}) must be a positive number of tokens or None")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -341,16 +351,17 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
         check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
                                 (docs or (), left, right, cap, sinks is not None, COMM_DTYPES.index(comm_dtype),
-                                 chunk or 0))
+                                 chunk or 0, row_spans or ()))
     native = str(native_op).lower()
     docs_t = None if docs is None else _doc_tensor(docs, real_len)
+    spans_t = None if row_spans is None else _spans_tensor(row_spans)
     ulysses, ring, _ = topo.group_names
     hq, hkv, dk, dv = q.shape[2], k.shape[2], k.shape[3], v.shape[3]
 
     def options(sinks: Optional[Tensor]) -> RingOptions:
         return RingOptions(ulysses_degree=u, ring_group=ring, causal=causal, layout=layout, seq_len=real_len,
                            scale=scale, softcap=cap, sinks=sinks, attn_backend=attn_backend, native_op=native,
-                           docs=docs_t, window_left=left, window_right=right, chunk=chunk or 0, comm_dtype=comm_dtype)
+                           docs=docs_t, spans=spans_t, window_left=left, window_right=right, chunk=chunk or 0, comm_dtype=comm_dtype)
 
     if u == 1:
         out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], [dk, dk, dv], *options(sinks))
@@ -372,6 +383,18 @@ def _doc_tensor(docs: tuple[tuple[int, ...], ...], seq_len: int) -> Tensor:
     lens = [[e - s for s, e in zip(row, row[1:] + (seq_len,))] for row in docs]
     n = max(len(x) for x in lens)
     return torch.tensor([x + [0] * (n - len(x)) for x in lens], dtype=torch.int64)
+
+
+def _spans_tensor(spans: tuple[tuple[tuple[int, int], ...], ...]) -> Tensor:
+    """Spans per row -> ``(b, m, 2)`` int64 CPU tensor, rows padded with ``(0, 0)`` (the ring op's argument)."""
+    m = max(len(row) for row in spans)
+    return torch.tensor([[list(p) for p in row] + [[0, 0]] * (m - len(row)) for row in spans],
+                        dtype=torch.int64).view(len(spans), m, 2)
+
+
+def _spans_of(spans: Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The ring op's ``(b, m, 2)`` spans tensor -> per row, the non-empty spans."""
+    return tuple(tuple((a, b) for a, b in row if b > a) for row in spans.tolist())
 
 
 def check_window(window: Any, causal: bool) -> tuple[int, int]:

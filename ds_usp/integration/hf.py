@@ -124,7 +124,7 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         key: ``(b, hkv, s_local, d)``.
         value: ``(b, hkv, s_local, dv)`` (``dv`` may differ from ``d``: MLA).
         attention_mask: the :class:`~ds_usp.integration.hf_masks.HFMask` the ``"usp"`` mask interface made for
-            this layer type (causal or not, window, chunks), or None; a mask tensor is refused (documents and
+            this layer type (causal or not, window, chunks, bidirectional spans), or None; a mask tensor is refused (documents and
             padding come as ``cu_seq_lens_q``).
         dropout: must be 0.
         scaling: softmax scale.
@@ -164,6 +164,7 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         _refuse(module, ctx, "cu_seq_lens_k", cu_seq_lens_k, "keys with other documents than the queries "
                 "(cross-attention) are not supported; ds-usp shards self-attention")
     causal, window, chunk = _mask_of(module, ctx, attention_mask, is_causal, sliding_window)
+    spans = attention_mask.spans if attention_mask is not None else None
     seq_len, docs = None, None
     if cu_seq_lens_q is not None:
         seq_len, docs = docs_from_cu_seq_lens(cu_seq_lens_q, query.shape[0])
@@ -173,7 +174,7 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     out = usp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
                         causal=causal, layout=ctx.layout, softmax_scale=scaling, seq_len=seq_len,
                         attn_backend=ctx.attn_backend, native_op=ctx.native_op, doc_lens=docs, window=window,
-                        softcap=softcap, sinks=s_aux, comm_dtype=ctx.comm_dtype, chunk=chunk)
+                        softcap=softcap, sinks=s_aux, comm_dtype=ctx.comm_dtype, chunk=chunk, spans=spans)
     return out, None
 
 

@@ -8,14 +8,18 @@ mask interface. The ``"usp"`` interface builds no ``(s x s)`` tensor: :func:`usp
 returns an :class:`HFMask` that says what it means (causal or not, a window, chunks), which the model then passes
 to every layer of that type as its ``attention_mask``. The attention honours it (:mod:`ds_usp.integration.hf`).
 
-A part ds-usp does not know (a model's own overlay such as bidirectional image blocks, any function that is not
-one of transformers' mask primitives) is kept by name in :attr:`HFMask.unsupported`, and the attention refuses it,
+Bidirectional blocks (``blockwise_overlay(block_sequence_ids)`` or-ed onto the causal mask: Gemma 3's images,
+PaliGemma's prefix, Gemma 4...) are read as spans of global positions (:attr:`HFMask.spans`), which the attention
+passes to :func:`ds_usp.usp_attention` as ``spans``. A part ds-usp does not know (a model's own overlay, any
+function that is not one of transformers' mask primitives) is kept by name in :attr:`HFMask.unsupported`, and the attention refuses it,
 so a mask ds-usp cannot compute is never replaced by a plain causal one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+import torch
 
 _HF_MASKS = "transformers.masking_utils"
 
@@ -29,6 +33,8 @@ class HFMask:
         window: a query at ``q`` sees keys ``k > q - window`` (``sliding_window_overlay``: HF's ``sliding_window``).
         both_sides: a query sees keys with ``|q - k| <= both_sides`` (``sliding_window_bidirectional_overlay``).
         chunk: a query sees keys of its own chunk of ``chunk`` tokens (``chunked_overlay``, Llama 4).
+        spans: per batch row, the ``(start, end)`` global positions of each bidirectional block (``blockwise_overlay``
+            or-ed onto the mask; a sliding window around the or still bounds them on the left); None: none.
         unsupported: the parts ds-usp does not implement, by name (the attention refuses them).
     """
 
@@ -36,6 +42,7 @@ class HFMask:
     window: Optional[int] = None
     both_sides: Optional[int] = None
     chunk: Optional[int] = None
+    spans: Optional[tuple[tuple[tuple[int, int], ...], ...]] = None
     unsupported: tuple[str, ...] = ()
 
     def __getitem__(self, index: Any) -> "HFMask":
@@ -94,10 +101,45 @@ def _read(fn: Callable, found: dict[str, Any]) -> None:
             found["unsupported"].append("a mask with cache offsets (generation with a cache)")
         _read(cells["mask_function"], found)
     elif head == "or_masks":  # a model's overlay widening the mask (bidirectional image blocks...)
-        parts = ", ".join(getattr(f, "__qualname__", "?").split(".")[0] for f in cells["mask_functions"])
-        found["unsupported"].append(f"or_masks({parts})")
+        parts = cells["mask_functions"]
+        blocks = [f for f in parts if _is_primitive(f, "blockwise_overlay")]
+        others = [f for f in parts if not _is_primitive(f, "blockwise_overlay")]
+        if len(blocks) != 1 or len(others) != 1 or found["spans"] is not None:
+            names = ", ".join(getattr(f, "__qualname__", "?").split(".")[0] for f in parts)
+            found["unsupported"].append(f"or_masks({names})")
+            return
+        window = found["window"]
+        _read(others[0], found)
+        if found["window"] != window:  # or(window, blocks): the blocks would not be bounded by the window
+            found["unsupported"].append("bidirectional blocks or-ed onto a sliding window")
+        _read_blocks(_cells(blocks[0])["block_sequence_ids"], found)
     else:  # blockwise_overlay, and whatever comes next
         found["unsupported"].append(name.replace(".<locals>", ""))
+
+
+def _is_primitive(fn: Callable, name: str) -> bool:
+    """``fn`` is transformers' mask primitive ``name`` (or a closure it returned)."""
+    return getattr(fn, "__module__", None) == _HF_MASKS and \
+        getattr(fn, "__qualname__", "").split(".")[0] == name and hasattr(fn, "__code__")
+
+
+def _read_blocks(ids: Any, found: dict[str, Any]) -> None:
+    """``block_sequence_ids`` (``(b, S)``: a block's number at its tokens, -1 elsewhere) -> spans per row."""
+    ids = ids.detach().cpu().long()
+    rows = []
+    for i, row in enumerate(ids):
+        change = torch.ones_like(row, dtype=torch.bool)
+        change[1:] = row[1:] != row[:-1]
+        starts = change.nonzero().flatten().tolist() + [row.numel()]
+        values = row[starts[:-1]].tolist()
+        spans = [(a, b) for a, b, v in zip(starts, starts[1:], values) if v >= 0]
+        numbers = [v for v in values if v >= 0]
+        if len(set(numbers)) != len(numbers):
+            found["unsupported"].append(f"blockwise_overlay with a block in two pieces (row {i}): a block must be one "
+                                        f"run of tokens")
+            return
+        rows.append(tuple(spans))
+    found["spans"] = tuple(rows) if any(rows) else None
 
 
 def read_mask_function(mask_function: Callable) -> HFMask:
@@ -110,12 +152,12 @@ def read_mask_function(mask_function: Callable) -> HFMask:
         The :class:`HFMask` (its ``unsupported`` names the parts ds-usp cannot compute).
     """
     found: dict[str, Any] = {"causal": False, "bidirectional": False, "window": None, "both_sides": None,
-                             "chunk": None, "unsupported": []}
+                             "chunk": None, "spans": None, "unsupported": []}
     _read(mask_function, found)
     if found["causal"] == found["bidirectional"]:
         found["unsupported"].append("a mask that is neither causal nor bidirectional")
     return HFMask(causal=found["causal"], window=found["window"], both_sides=found["both_sides"],
-                  chunk=found["chunk"], unsupported=tuple(found["unsupported"]))
+                  chunk=found["chunk"], spans=found["spans"], unsupported=tuple(found["unsupported"]))
 
 
 def usp_mask(*args: Any, mask_function: Optional[Callable] = None, **kwargs: Any) -> Optional[HFMask]:

@@ -5,7 +5,7 @@ vision tower, splices the visual features in at their placeholder tokens, comput
 the image and video grids) and then calls its language model with ``inputs_embeds`` and ``position_ids``. ds-usp runs
 that body, the family's own code, on the whole sequence on every rank of the group, and shards at the language model's
 door (:func:`sharded_language_model`): ``inputs_embeds``, ``position_ids`` (any leading dimensions: MRoPE's
-``(3, b, S)``) and what a layer adds at visual positions (Qwen3-VL's deepstack: ``visual_pos_masks`` and the rows of
+``(3, b, S)``; in packed rows counted from each document's start, :func:`restart_per_document`) and what a layer adds at visual positions (Qwen3-VL's deepstack: ``visual_pos_masks`` and the rows of
 ``deepstack_visual_embeds`` that belong to the rank's own visual positions) are cut to the rank's shard, the documents
 passed as ``cu_seq_lens_q``. The decoder layers then run USP on the shard; the loss is the SP loss on the shard's
 ``shift_labels`` (:func:`ds_usp.shard_batch` shifts them over the whole sequence). The gradient reaching the vision
@@ -22,8 +22,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from ds_usp.integration.hf_masks import HFMask
 from ds_usp.log import log_rank0
-from ds_usp.sharding import shard_sequence
+from ds_usp.sharding import normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
 
 # Batch keys that make a batch multimodal: the inputs a VLM's body takes besides input_ids (passed to it unchanged).
@@ -97,6 +98,30 @@ def _own_rows(mask: Tensor, topo: USPTopology, layout: str, docs: Any) -> tuple[
     return local_mask, local_index[local_mask]
 
 
+def restart_per_document(positions: Tensor, starts: Optional[tuple[tuple[int, ...], ...]]) -> Tensor:
+    """Positions of packed rows numbered from each document's start, as each document alone would be.
+
+    The body numbers a packed row as one sequence (Qwen's MRoPE: text tokens one apart, an image or video at the
+    running position plus its grid offsets, in each of the three dimensions alike); a document's positions alone are
+    those minus the position at its first token (where all dimensions agree).
+
+    Args:
+        positions: ``(..., b, S)`` the body's positions of whole rows (MRoPE's leading 3).
+        starts: per row, the first position of every document (None: one document per row).
+
+    Returns:
+        The positions with every document counted from 0.
+    """
+    if starts is None or all(len(row) == 1 for row in starts):
+        return positions
+    out = positions.clone()
+    lead = (0,) * (positions.dim() - 2)
+    for row, firsts in enumerate(starts):
+        for a, b in zip(firsts[1:], firsts[2:] + (positions.shape[-1],)):
+            out[..., row, a:b] -= positions[lead + (row, a)]
+    return out
+
+
 def _shard_call(kwargs: dict, topo: USPTopology, layout: str, documents: dict) -> dict:
     """The language model's keyword arguments, whole sequence -> this rank's shard."""
     embeds = kwargs.get("inputs_embeds")
@@ -107,11 +132,17 @@ def _shard_call(kwargs: dict, topo: USPTopology, layout: str, documents: dict) -
     positions = kwargs.get("position_ids")
     if positions is None:  # the language model would number the shard from 0
         positions = torch.arange(seq, device=embeds.device).expand(rows, seq)
+    positions = restart_per_document(positions, normalize_docs(docs, rows, seq))
     shard = dict(kwargs)
     shard["inputs_embeds"] = shard_sequence(embeds, topo, dim=1, layout=layout, pad_value=0, doc_lens=docs)
     shard["position_ids"] = shard_sequence(positions, topo, dim=positions.dim() - 1, layout=layout, pad_value=0,
                                            doc_lens=docs)
-    shard["attention_mask"] = None  # documents and the real length travel as cu_seq_lens_q
+    mask = kwargs.get("attention_mask")
+    described = isinstance(mask, HFMask) or (isinstance(mask, dict) and mask and
+                                             all(isinstance(m, HFMask) for m in mask.values()))
+    # the body's masks made by the "usp" mask interface (Gemma 3's image blocks as spans of global positions) are
+    # kept; a padding tensor is dropped: documents and the real length travel as cu_seq_lens_q
+    shard["attention_mask"] = mask if described else None
     mask = kwargs.get("visual_pos_masks")
     if mask is not None:  # Qwen3-VL's deepstack: features added at the visual positions of the first layers
         shard["visual_pos_masks"], rows = _own_rows(mask, topo, layout, docs)
