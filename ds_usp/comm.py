@@ -170,6 +170,33 @@ def gather_seq(x: Tensor, group: Any, dim: int) -> Tensor:
     return _gather_seq(x, group.group_name, dim)
 
 
+class _SumGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return all_reduce_sum_(grad.contiguous().clone(), ctx.group, "gradient all-reduce"), None
+
+
+def sum_grads_over_group(x: Tensor, group: Any) -> Tensor:
+    """``x`` unchanged; in the backward, its gradient summed over ``group``.
+
+    Put after :func:`gather_seq` when every rank uses the gathered tensor differently (its own share of a loss): the
+    gather's backward then keeps this rank's slice of the group's whole gradient.
+
+    Args:
+        x: a tensor every rank of ``group`` holds alike.
+        group: the process group.
+
+    Returns:
+        ``x`` (a view).
+    """
+    return _SumGrads.apply(x, group)
+
+
 @torch.library.custom_op("ds_usp::sum_over_group", mutates_args=())
 def _sum_over_group(x: Tensor, group_name: str) -> Tensor:
     return all_reduce_sum_(x.clone(), resolve_group(group_name), "SP loss all-reduce")

@@ -28,6 +28,7 @@ SP_MODES = ("usp", "ulysses", "ring")
 LAYOUTS = ("contiguous", "zigzag", "balanced")  # how a sequence is cut over the ranks (ds_usp.sharding)
 BACKEND_CHOICES = ("auto", "torch", "flash_attn", "triton")  # local attention kernels (ds_usp.kernels)
 COMM_DTYPES = ("input", "fp8")  # how activations travel (ds_usp.comm.fp8_encode)
+VISION_TOWER_MODES = ("replicated", "sharded")  # a VLM's vision tower (ds_usp.integration.vision)
 OLD_KEYS = {"ring_impl": "layout"}  # old name -> key: still accepted
 DEFAULT_TIMEOUT_SECONDS = 600  # a collective that waits longer than this means a peer died or stalled
 
@@ -86,6 +87,15 @@ class _USPBlock(BaseModel):
     offload_activations: Union[Literal["auto"], StrictBool] = _key(
         "auto", "'auto', true or false", "checkpointed layer inputs wait in host memory (auto: on a GPU when they "
         "would take a tenth of its memory; a no-op on CPU)")
+    vision_tower: Literal[VISION_TOWER_MODES] = _key(  # type: ignore[valid-type]
+        "replicated", _choices(VISION_TOWER_MODES), "a VLM's vision tower: `replicated` encodes every image and "
+        "frame on every rank; `sharded` runs each block of a tower that packs its patches with `cu_seqlens` "
+        "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL) on the rank's shard of the patches, its attention USP over the group "
+        "(pays from long videos on: docs/models.md)")
+    dynamic_sp: StrictBool = _key(
+        False, "true or false", "also build the groups of every smaller sequence-parallel degree (a divisor of "
+        "`sequence_parallel_size`), so that a micro batch's rows can run on fewer ranks each "
+        "(`ds_usp.shard_batch(rows, engine.usp.topo.degrees[d])`); losses stay averaged over the whole SP group")
     tile_mib: Union[StrictInt, StrictFloat] = _key(
         128, "a positive number of MiB", "the size of one tile: the most a loss chunk's fp32 logits take, what an MLP tile's backward holds",
         gt=0, allow_inf_nan=False)
@@ -99,7 +109,8 @@ def _type_name(key: str) -> str:
     default = _USPBlock.model_fields[key].default
     kinds = {"ulysses_degree": "integer", "ring_degree": "integer", "timeout_seconds": "number", "tile_mib": "number",
              "native_op": "string or boolean", "chunked_loss": "string or boolean", "tiled_mlp": "string or boolean",
-             "activation_checkpointing": "string or boolean", "offload_activations": "string or boolean"}
+             "activation_checkpointing": "string or boolean", "offload_activations": "string or boolean",
+             "dynamic_sp": "boolean"}
     return kinds.get(key, "string" if isinstance(default, str) else type(default).__name__)
 
 
@@ -148,6 +159,8 @@ class USPConfig:
         activation_checkpointing: ``"auto"``, ``"selective"``, ``"full"`` or False.
         offload_activations: ``"auto"``, True or False.
         tile_mib: the tile budget in MiB.
+        vision_tower: ``"replicated"`` or ``"sharded"`` (a VLM's vision tower).
+        dynamic_sp: build the groups of every smaller SP degree too.
     """
 
     mode: Optional[str]
@@ -167,6 +180,8 @@ class USPConfig:
     activation_checkpointing: Union[str, bool] = "auto"
     offload_activations: Union[str, bool] = "auto"
     tile_mib: float = 128.0
+    vision_tower: str = "replicated"
+    dynamic_sp: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -435,4 +450,5 @@ def load_usp_config(
                      chunked_loss=block.chunked_loss, tiled_mlp=block.tiled_mlp,
                      activation_checkpointing="selective" if block.activation_checkpointing is True
                      else block.activation_checkpointing, offload_activations=block.offload_activations,
-                     tile_mib=float(block.tile_mib))
+                     tile_mib=float(block.tile_mib), vision_tower=block.vision_tower,
+                     dynamic_sp=block.dynamic_sp)

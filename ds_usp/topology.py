@@ -17,7 +17,7 @@ kept in module globals.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -147,6 +147,11 @@ class USPTopology:
             ``position_ids`` (``ds_usp.initialize`` sets it from the model, see
             :func:`ds_usp.integration.model_checks.default_positions`; ``None``: ``0..S-1``). :func:`ds_usp.shard_batch`
             uses it, so a model numbering from ``padding_idx + 1`` (RoBERTa) gets its own positions.
+        parent_sp_group: for a dynamic-SP degree (:meth:`with_degrees`), the SP group of the topology it was cut from:
+            a micro batch's loss is averaged over that whole group's tokens, whichever sub-group holds which row
+            (``None``: this topology's own SP group).
+        degrees: the topologies of smaller sequence-parallel degrees cut from this one, by degree (dynamic SP, empty
+            unless ``usp.dynamic_sp``); every one is built on every rank at ``ds_usp.initialize``.
     """
 
     ranks: GroupRanks
@@ -158,6 +163,8 @@ class USPTopology:
     sp_dp_group: Any = field(repr=False)
     model_parallel_group: Any = field(repr=False)
     default_positions: Optional[Callable[[Any], Any]] = field(default=None, repr=False, compare=False)
+    parent_sp_group: Any = field(default=None, repr=False, compare=False)
+    degrees: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, ulysses_degree: int, ring_degree: int, *,
@@ -268,6 +275,49 @@ class USPTopology:
         """The names of the Ulysses, ring and SP groups, which the attention's custom ops take (see
         :func:`ds_usp.comm.resolve_group`)."""
         return self.ulysses_group.group_name, self.ring_group.group_name, self.sp_group.group_name
+
+    @property
+    def loss_group(self) -> Any:
+        """The group whose tokens one micro batch's loss averages over: the SP group, or a degree's parent's."""
+        return self.sp_group if self.parent_sp_group is None else self.parent_sp_group
+
+    @property
+    def loss_group_size(self) -> int:
+        """Ranks of :attr:`loss_group`."""
+        return self.sp_size if self.parent_sp_group is None else dist.get_world_size(self.parent_sp_group)
+
+    def with_degrees(self, degrees: dict[int, tuple[int, int]], *,
+                     timeout: Optional[datetime.timedelta] = None) -> "USPTopology":
+        """This topology with the sub-topologies of smaller sequence-parallel degrees (dynamic SP).
+
+        A degree ``d`` (dividing the SP size) cuts every SP group into ``sp / d`` groups of ``d`` consecutive ranks,
+        each with its own ``(U_d, R_d)`` Ulysses and ring groups: rows that need fewer ranks run on a sub-group while
+        the other sub-groups run their own rows. Collective: every rank calls it with the same degrees.
+
+        Args:
+            degrees: ``{d: (U_d, R_d)}`` with ``U_d * R_d == d``, ``d`` a proper divisor of the SP size.
+            timeout: timeout of every collective on the new groups.
+
+        Returns:
+            A copy whose :attr:`degrees` holds every sub-topology (and this one under its own size).
+
+        Raises:
+            ValueError: a degree that does not divide the SP size or whose split does not multiply to it.
+        """
+        for d, (u, r) in sorted(degrees.items()):
+            if d >= self.sp_size or self.sp_size % d or u * r != d:
+                raise ValueError(f"dynamic SP degree {d} with split {u}x{r}: a degree must be a proper divisor of "
+                                 f"the SP size {self.sp_size} and U x R must equal it")
+        # a degree's own Ulysses, ring and SP groups; every group over the whole world or the replicas stays this
+        # topology's (ranks at different degrees meet in them: one group object, or they would wait on each other)
+        subs = {d: replace(USPTopology.build(u, r, timeout=timeout), parent_sp_group=self.sp_group,
+                           dp_group=self.dp_group, sp_dp_group=self.sp_dp_group,
+                           model_parallel_group=self.model_parallel_group, default_positions=self.default_positions)
+                for d, (u, r) in sorted(degrees.items())}
+        topo = replace(self, degrees={})
+        topo.degrees.update(subs)
+        topo.degrees[self.sp_size] = topo
+        return topo
 
     @property
     def mpu(self) -> "USPMpu":

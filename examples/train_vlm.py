@@ -6,7 +6,7 @@ The README's path, unchanged, for a VLM: the model built with ``attn_implementat
 ``ds_usp.shard_batch(batch, topo, layout=...)`` given the whole multimodal batch (``input_ids`` with the placeholder
 tokens, ``mm_token_type_ids``, ``pixel_values`` / ``image_grid_thw``, ``pixel_values_videos`` / ``video_grid_thw``,
 ``labels``), and ``engine(**shard)`` returning the whole sequence's loss. Each rank runs the vision tower on every
-image and frame, the model's own code splices the features in and computes the 3-D MRoPE positions on the whole
+image and frame (``--vision-tower sharded``: each block on the rank's shard of the patches), the model's own code splices the features in and computes the 3-D MRoPE positions on the whole
 sequence, and the language model runs on the rank's shard (docs/models.md, "Vision-language models").
 
 The data is random (nothing downloaded): each row is a text prompt, an image (``--image`` patches per side), more text,
@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--image", type=int, default=16, help="image patches per side (even)")
     parser.add_argument("--frames", type=int, default=4, help="video frames (even)")
     parser.add_argument("--layout", default="zigzag")
+    parser.add_argument("--vision-tower", default="replicated", choices=("replicated", "sharded"),
+                        help="usp.vision_tower: every rank encodes every patch, or each its shard")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -74,7 +76,7 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
               "zero_optimization": {"stage": 2}, "sequence_parallel": "usp", "sequence_parallel_size": world,
-              "usp": {"layout": args.layout}}
+              "usp": {"layout": args.layout, "vision_tower": args.vision_tower}}
     engine, *_ = ds_usp.initialize(model=net, model_parameters=net.parameters(), config=config)
     topo = engine.usp.topo
     for step in range(args.steps):
@@ -84,7 +86,7 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         if topo.rank == 0:
-            print(f"step {step + 1:3d}  loss {float(loss):.4f}  ({full['input_ids'].shape[1]} tokens, "
+            print(f"step {step + 1:3d}  loss {loss.item():.4f}  ({full['input_ids'].shape[1]} tokens, "
                   f"{int(shard['input_ids'].shape[1])} per rank)", flush=True)
 
 

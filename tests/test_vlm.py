@@ -305,7 +305,7 @@ def _reference(family: str) -> tuple[list[float], dict]:
     return losses, first
 
 
-def train_vlm(family: str, stage: int, u: int, r: int, layout: str) -> dict:
+def train_vlm(family: str, stage: int, u: int, r: int, layout: str, tower: str = "replicated") -> dict:
     """On every rank: the README path on the multimodal batch; its losses and step-1 gradients against one process."""
     import deepspeed
 
@@ -319,8 +319,12 @@ def train_vlm(family: str, stage: int, u: int, r: int, layout: str) -> dict:
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told; the reference does not clip
               "zero_optimization": {"stage": stage}, "sequence_parallel": "usp", "sequence_parallel_size": u * r,
-              "usp": {"ulysses_degree": u, "ring_degree": r, "layout": layout}}
+              "usp": {"ulysses_degree": u, "ring_degree": r, "layout": layout, "vision_tower": tower}}
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if tower == "sharded":  # every vision block runs on a shard: the test fails if the hooks stand aside
+        visual = engine.module.model.visual
+        calls = []
+        visual.blocks[0].attn.register_forward_hook(lambda m, a, out: calls.append(a[0].shape[0]))
     losses, first = [], None
     for step in range(STEPS):
         shard = ds_usp.shard_batch(batch(step), engine.usp.topo, layout=layout)
@@ -333,6 +337,9 @@ def train_vlm(family: str, stage: int, u: int, r: int, layout: str) -> dict:
                          if deepspeed.utils.safe_get_full_grad(p) is not None}
         engine.step()
         losses.append(float(loss))
+    if tower == "sharded":
+        patches = batch(0)["pixel_values"].shape[0] + batch(0)["pixel_values_videos"].shape[0]
+        assert calls and all(n < patches for n in calls), (calls, patches)
     got = (losses, first)
     for step, (a, b) in enumerate(zip(got[0], want[0])):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step + 1} loss {a} vs one process {b}"
@@ -362,6 +369,18 @@ CASES = [("qwen2.5-vl", 2, 2, 2, "zigzag"), ("qwen2.5-vl", 3, 1, 4, "contiguous"
 @pytest.mark.parametrize("family,stage,u,r,layout", CASES, ids=[f"{c[0]}-zero{c[1]}-{c[2]}x{c[3]}" for c in CASES])
 def test_vlm_equals_one_process(world4, family, stage, u, r, layout):
     assert world4.run(train_vlm, family, stage, u, r, layout) == ["ok"] * 4
+
+
+TOWER_CASES = [("qwen2.5-vl", 2, 2, 2, "zigzag"), ("qwen3-vl", 3, 1, 4, "balanced"),
+               ("qwen2.5-vl-packed", 3, 1, 4, "contiguous")]
+
+
+@pytest.mark.parametrize("family,stage,u,r,layout", TOWER_CASES,
+                         ids=[f"{c[0]}-zero{c[1]}-{c[2]}x{c[3]}" for c in TOWER_CASES])
+def test_sharded_vision_tower_equals_one_process(world4, family, stage, u, r, layout):
+    """usp.vision_tower="sharded": each vision block on a shard of the patches (Qwen2.5-VL's windowed and full
+    blocks, Qwen3-VL's deepstack mergers between blocks), the same losses and gradients as one process."""
+    assert world4.run(train_vlm, family, stage, u, r, layout, "sharded") == ["ok"] * 4
 
 
 def mllama_refused() -> str:
@@ -472,3 +491,20 @@ def test_packed_mrope_positions_restart_per_document(family):
     want = alone[:, rows["attention_mask"].bool()][:, None]  # (3, 1, S) the documents' own positions, in a row
     assert not torch.equal(whole, want)  # the body numbered the second document on from the first
     assert torch.equal(restarted, want)
+
+
+def test_sharded_vision_tower_refused_by_name_where_it_cannot_run():
+    """usp.vision_tower="sharded" on a tower that does not pack its patches with cu_seqlens (LLaVA's CLIP), or on a
+    text model, is refused by name before any group exists."""
+    import ds_usp
+    from ds_usp.integration.vision import prepare_vision_towers
+
+    ds_usp.hf.register_usp_attention()
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration's vision tower does not run its patches as "
+                                         r"one packed sequence with cu_seqlens"):
+        prepare_vision_towers(_llava("usp"), "sharded")
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no vision tower"):
+        prepare_vision_towers(_llama_text("usp"), "sharded")
+    model = _qwen25_vl("usp")
+    assert prepare_vision_towers(model, "sharded") == ["Qwen2_5_VisionTransformerPretrainedModel"]
+    assert model.model.visual.config._attn_implementation == ds_usp.hf.VISION_ATTN_NAME

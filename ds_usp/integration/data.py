@@ -238,7 +238,8 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         documents over the global sequence as HF's ``cu_seq_lens_q``/``cu_seq_lens_k`` and
         ``max_length_q``/``max_length_k`` (one document per row when not packed: they also tell the
         attention the real length). Call ``engine(**shard)``: the model's attention reads the
-        documents, and the loss uses ``shift_labels``.
+        documents, and the loss uses ``shift_labels``. Given a dynamic-SP degree's topology
+        (``engine.usp.topo.degrees[d]``) and the rows of this rank's sub-group, the shard also says ``sp_degree``.
 
     Raises:
         ValueError: missing or malformed keys, an attention mask padded elsewhere than on the right, documents that do not
@@ -288,6 +289,8 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
     if is_multimodal(batch):  # a VLM: its body resolves the visual inputs on the whole sequence, then shards
         extra[MULTIMODAL_KEY] = {"input_ids": ids, "docs": docs, "attention_mask": mask if padded else None,
                                  **{k: batch[k] for k in VISUAL_KEYS if batch.get(k) is not None}}
+    if topo.parent_sp_group is not None:  # a dynamic-SP degree: the model runs this batch on that sub-group
+        extra["sp_degree"] = topo.sp_size
     return {**extra,
         "input_ids": shard(ids.long(), pad_token_id),
         "position_ids": shard(positions.long()),  # padding gets position 0: it belongs to no document, meets nothing

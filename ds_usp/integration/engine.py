@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
@@ -27,20 +28,21 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.comm import group_device
-from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
-                           read_ds_config)
+from ds_usp.config import (USPConfig, USPConfigError, kv_heads_compatible, load_usp_config, process_group_timeout,
+                           ranks_per_node, read_ds_config)
 from ds_usp.integration.degrees import choose_degrees, shape_of
 from ds_usp.integration.hf import USPContext, attach
 from ds_usp.integration.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
 from ds_usp.integration.memory import apply as apply_memory_features
 from ds_usp.integration.model_checks import check_model, default_positions
-from ds_usp.integration.multimodal import refuse_cross_attention, unshard_vision_towers
+from ds_usp.integration.multimodal import refuse_cross_attention
 from ds_usp.integration import patches, saves
 from ds_usp.integration.patches import (deepspeed_initialize, fix_zero3_sequence_parallel_scaling,
                                         quiet_deepspeed_deprecations, unlink_shm_buffer)
 from ds_usp.integration.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
                                           model_heads, versions)
 from ds_usp.integration.step_choices import MemoryContext, MemorySettings
+from ds_usp.integration.vision import prepare_vision_towers
 from ds_usp.log import log_info
 from ds_usp.native import resolve_native_op
 from ds_usp.topology import USPTopology
@@ -65,6 +67,28 @@ class USPState:
     def layout(self) -> str:
         """The batch sharding layout, ``usp.layout``."""
         return self.config.layout
+
+
+def dynamic_degrees(cfg: USPConfig, kv_heads: Optional[int]) -> dict[int, tuple[int, int]]:
+    """``{d: (U_d, R_d)}`` for every proper divisor ``d`` of the SP size: as much Ulysses as the full split has
+    (``gcd(U, d)``, inside a node), the rest ring; Ulysses 1 where the kv heads would not fit.
+
+    Args:
+        cfg: the validated config.
+        kv_heads: the model's kv heads (None: unknown).
+
+    Returns:
+        The degrees and their splits.
+    """
+    out = {}
+    for d in range(1, cfg.sequence_parallel_size):
+        if cfg.sequence_parallel_size % d:
+            continue
+        u = math.gcd(cfg.ulysses_degree, d)
+        if kv_heads is not None and not kv_heads_compatible(kv_heads, u):
+            u = 1
+        out[d] = (u, d // u)
+    return out
 
 
 def _partition_for_zero3(model: Any, ds_config: Mapping[str, Any], topo: USPTopology) -> None:
@@ -180,12 +204,15 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
             raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
         if model is not None and usp_cfg.sequence_parallel_size > 1:  # the same answer on every rank, before any group
             refuse_cross_attention(model)
-            unshard_vision_towers(model)
+            prepare_vision_towers(model, usp_cfg.vision_tower)
             check_model(model, handled=is_wrapped_mixer)
             check_hybrid(model, usp_cfg.ulysses_degree)
         topo = replace(USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree,
                                          timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds)),
                        default_positions=default_positions(model))
+        if usp_cfg.dynamic_sp:
+            topo = topo.with_degrees(dynamic_degrees(usp_cfg, kv_heads),
+                                     timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds))
         kwargs["mpu"] = topo.mpu
         if usp_cfg.native_op is not False:  # built (or loaded) now, with a progress line, not inside step 1
             resolve_native_op(usp_cfg.native_op, group_device(topo.sp_group))

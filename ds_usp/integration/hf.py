@@ -72,6 +72,8 @@ class USPContext:
             :func:`ds_usp.shard_batch`), set by the model's wrapped forward: the attention uses it when a family's
             decoder layer does not pass its keyword arguments on (StableLM, Nemotron).
         unsharded: the model runs whole sequences on each rank, without USP (:func:`unsharded`: generation).
+        full_topo: the topology ``ds_usp.initialize`` built; :attr:`topo` is it or, under dynamic SP, the degree the
+            model was last called at (set from the call's ``sp_degree`` before anything runs).
     """
 
     topo: USPTopology
@@ -82,6 +84,11 @@ class USPContext:
     model_name: str = "the model"
     cu_seq_lens: Optional[Tensor] = field(default=None, repr=False)
     unsharded: bool = False
+    full_topo: Optional[USPTopology] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.full_topo is None:
+            self.full_topo = self.topo
 
 
 def _refuse(module: nn.Module, ctx: USPContext, key: str, value: Any, why: str) -> None:
@@ -241,6 +248,12 @@ def _window(sliding_window: Optional[int], causal: bool) -> Optional[tuple[int, 
     return sliding_window - 1, 0 if causal else sliding_window - 1
 
 
+# The sharded vision towers' attention (ds_usp.integration.vision): the same function under a name transformers treats
+# as flash-like, because the Qwen-VL vision attention passes cu_seqlens (the images, frames or windows of the packed
+# patches) only to those, and otherwise splits the sequence per image itself, which a shard cannot do.
+VISION_ATTN_NAME = "usp_vision_flash_varlen"
+
+
 def register_usp_attention() -> str:
     """Register :func:`usp_hf_attention` with transformers as ``attn_implementation="usp"`` (idempotent).
 
@@ -260,6 +273,7 @@ def register_usp_attention() -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, usp_hf_attention)
+    AttentionInterface.register(VISION_ATTN_NAME, usp_hf_attention)
     AttentionMaskInterface.register(ATTN_NAME, usp_mask)
     wrap_attn_implementation_check(refuse_non_interface_family, ATTN_NAME)
     return ATTN_NAME
@@ -308,6 +322,9 @@ def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     ctx = context_of(model)
     if ctx.unsharded:
         return args, kwargs
+    if "sp_degree" in kwargs or ctx.topo is not ctx.full_topo:  # dynamic SP: the batch says its degree
+        kwargs = dict(kwargs)
+        ctx.topo = degree_topology(ctx.full_topo, kwargs.pop("sp_degree", None))
     cu = kwargs.get("cu_seq_lens_q")
     positions = kwargs.get("position_ids")
     if cu is None and isinstance(positions, Tensor) and positions.dim() == 2:
@@ -318,6 +335,28 @@ def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
                       "max_length_k": longest}
     ctx.cu_seq_lens = cu
     return args, kwargs
+
+
+def degree_topology(full: USPTopology, degree: Optional[int]) -> USPTopology:
+    """The topology a micro batch of sequence-parallel degree ``degree`` runs on (dynamic SP, see
+    :meth:`ds_usp.topology.USPTopology.with_degrees`).
+
+    Args:
+        full: the topology ``ds_usp.initialize`` built (with its degrees).
+        degree: the batch's ``sp_degree`` (:func:`ds_usp.shard_batch` puts it in a degree's shards); ``None``: full.
+
+    Returns:
+        That degree's topology.
+
+    Raises:
+        ValueError: a degree the topology was not built with (the degrees it has are named).
+    """
+    if degree is None or degree == full.sp_size:
+        return full
+    if degree not in full.degrees:
+        raise ValueError(f"the batch runs at sequence-parallel degree {degree}, but ds_usp.initialize built "
+                         f"{sorted(full.degrees) or [full.sp_size]} (set usp.dynamic_sp to true for smaller degrees)")
+    return full.degrees[degree]
 
 
 def context_of(model: nn.Module) -> Optional[USPContext]:
@@ -338,17 +377,17 @@ def unsharded(model: nn.Module, implementation: str = "sdpa") -> Iterator[None]:
         implementation: the attention implementation to use instead of ``"usp"``.
     """
     ctx = context_of(model)
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
-               if c is not None and getattr(c, "_attn_implementation", None) == "usp"}
+    configs = {id(c): (c, c._attn_implementation) for c in (getattr(m, "config", None) for m in model.modules())
+               if c is not None and getattr(c, "_attn_implementation", None) in (ATTN_NAME, VISION_ATTN_NAME)}
     if ctx is None or not configs:
         yield
         return
     ctx.unsharded = True
-    for config in configs.values():
+    for config, _ in configs.values():
         config._attn_implementation = implementation
     try:
         yield
     finally:
         ctx.unsharded = False
-        for config in configs.values():
-            config._attn_implementation = "usp"
+        for config, name in configs.values():
+            config._attn_implementation = name

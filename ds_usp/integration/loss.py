@@ -42,9 +42,9 @@ def sp_token_mean(loss_sum: Tensor, count: Tensor, topo: Optional[USPTopology]) 
         The token-weighted mean, fp32.
     """
     count = count.to(torch.float32)
-    if topo is not None and topo.sp_size > 1:
-        loss_sum = sum_over_group(loss_sum, topo.sp_group)
-        all_reduce_sum_(count, topo.sp_group, "SP loss all-reduce")
+    if topo is not None and topo.loss_group_size > 1:  # a dynamic-SP degree: its parent's whole group
+        loss_sum = sum_over_group(loss_sum, topo.loss_group)
+        all_reduce_sum_(count, topo.loss_group, "SP loss all-reduce")
     return loss_sum / count.clamp_min(1.0)
 
 
@@ -281,8 +281,8 @@ def sp_loss(loss_sum: Tensor, shift_labels: Tensor, topo: Optional[USPTopology],
     """
     if num_items is None:
         return sp_token_mean(loss_sum, (shift_labels != IGNORE_INDEX).sum(), topo)
-    if topo is not None and topo.sp_size > 1:
-        loss_sum = sum_over_group(loss_sum, topo.sp_group)
+    if topo is not None and topo.loss_group_size > 1:
+        loss_sum = sum_over_group(loss_sum, topo.loss_group)
     return loss_sum / torch.as_tensor(num_items, dtype=torch.float32, device=loss_sum.device).clamp_min(1.0)
 
 
@@ -328,9 +328,9 @@ def load_balancing_loss(router_logits: tuple[Tensor, ...], num_experts: int, top
         counts.scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
         probs_sum = probs_sum + (probs * weight.unsqueeze(-1)).sum(0)
         rows = rows + weight.sum()
-    if topo is not None and topo.sp_size > 1:
-        all_reduce_sum_(counts, topo.sp_group, "router loss all-reduce")
-        all_reduce_sum_(rows, topo.sp_group, "router loss all-reduce")
-        probs_sum = sum_over_group(probs_sum, topo.sp_group)
+    if topo is not None and topo.loss_group_size > 1:
+        all_reduce_sum_(counts, topo.loss_group, "router loss all-reduce")
+        all_reduce_sum_(rows, topo.loss_group, "router loss all-reduce")
+        probs_sum = sum_over_group(probs_sum, topo.loss_group)
     rows = rows.clamp_min(1.0)
     return (counts / rows * probs_sum / rows).sum() * num_experts

@@ -227,6 +227,11 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
                 shift_labels: Optional[Tensor] = None, return_logits: bool = False,
                 num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
                 **kwargs: Any) -> Any:
+        from ds_usp.integration.hf import context_of
+
+        usp = context_of(model)
+        if usp is not None:  # dynamic SP: the degree this call runs at (set from the batch by the model's pre-hook)
+            ctx.topo = usp.topo
         multimodal = kwargs.pop(MULTIMODAL_KEY, None)
         if multimodal is not None and labels is None and shift_labels is None:
             raise ValueError("a multimodal shard is trained with its shift_labels (ds_usp.shard_batch gives them)")

@@ -11,8 +11,7 @@ passed as ``cu_seq_lens_q``. The decoder layers then run USP on the shard; the l
 ``shift_labels`` (:func:`ds_usp.shard_batch` shifts them over the whole sequence). The gradient reaching the vision
 tower and the embeddings from each rank is its own positions' share; DeepSpeed's sum over the group is the whole.
 
-The vision tower itself runs unsharded on every rank (its attention is switched from ``"usp"`` to ``"sdpa"``,
-:func:`unshard_vision_towers`).
+The vision towers: :mod:`ds_usp.integration.vision`.
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 from ds_usp.integration.hf_masks import HFMask
-from ds_usp.log import log_rank0
 from ds_usp.sharding import normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
 
@@ -67,26 +65,6 @@ def refuse_cross_attention(model: nn.Module) -> None:
                          f"features: ds-usp shards self-attention over the sequence, not attention to another "
                          f"sequence, so cross-attention VLMs are not supported under \"sequence_parallel\" "
                          f"(self-attention VLMs are: docs/models.md)")
-
-
-def unshard_vision_towers(model: nn.Module) -> list[str]:
-    """Switch every sub-config of ``model`` other than its language model's from ``"usp"`` to ``"sdpa"`` (the vision
-    tower runs whole images on every rank). Returns the configs switched."""
-    _, language = body_and_language_model(model)
-    if language is None:
-        return []
-    text = id(language.config)
-    switched = []
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and id(config) != text and config is not model.config and \
-                getattr(config, "_attn_implementation", None) == "usp":
-            config._attn_implementation = "sdpa"
-            switched.append(type(config).__name__)
-    switched = sorted(set(switched))
-    if switched:
-        log_rank0(f"the vision tower runs whole images on every rank: {', '.join(switched)} attention set to sdpa")
-    return switched
 
 
 def _own_rows(mask: Tensor, topo: USPTopology, layout: str, docs: Any) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,137 @@
+"""Dynamic sequence parallelism (issue 38): each micro batch's rows on the SP degree they need, losses exact.
+
+``usp.dynamic_sp`` builds the groups of every smaller degree at ``ds_usp.initialize``
+(``engine.usp.topo.degrees``). A step's rows are spread over the SP group's 4 ranks in mixed ways: a long row on a
+2-rank sub-group beside two short rows on one rank each, one long packed row on all 4, four rows on one rank each.
+Every rank shards its own rows with ``ds_usp.shard_batch(rows, engine.usp.topo.degrees[d])`` and calls
+``engine(**shard)``; the loss is the token-weighted mean over every row of the step, as one process computes it on the
+same rows as one right-padded batch. 3 AdamW steps at ZeRO-2 (2x2: degree 2 is Ulysses 2) and ZeRO-3 (1x4: degree 2
+is a ring of 2): every step's loss within 1e-5 relative, every parameter after the last step within 1e-5.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+LR, SEQS = 1e-3, {"A": 37, "B": 9, "C": 14, "D": 61, "E": 11, "F": 23, "G": 5, "H": 17}
+# per step: what each of the 4 ranks runs, as (degree, rows); ranks of one sub-group list the same rows
+STEPS = [
+    [(2, "A"), (2, "A"), (1, "B"), (1, "C")],
+    [(4, "D"), (4, "D"), (4, "D"), (4, "D")],
+    [(1, "E"), (1, "F"), (1, "G"), (1, "H")],
+]
+
+
+def _model(attn: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, initializer_range=0.2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def _row(name: str) -> dict:
+    """One full row; D is two packed documents (positions restarting)."""
+    n = SEQS[name]
+    g = torch.Generator().manual_seed(ord(name))
+    ids = torch.randint(3, 120, (1, n), generator=g)
+    labels = ids.clone()
+    labels[:, : n // 4] = -100  # a prompt
+    positions = torch.arange(n)[None] if name != "D" else torch.cat([torch.arange(25), torch.arange(n - 25)])[None]
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def _padded(names: list[str]) -> dict:
+    """The step's distinct rows as one right-padded batch (the one-process reference); D's documents as two rows."""
+    rows = []
+    for name in dict.fromkeys(names):
+        row = _row(name)
+        if name == "D":  # a packed row is its documents
+            rows += [{k: v[:, :25] for k, v in row.items()}, {k: v[:, 25:] for k, v in row.items()}]
+        else:
+            rows.append(row)
+    seq = max(r["input_ids"].shape[1] for r in rows)
+    pad = lambda x, v: torch.cat([x, torch.full((1, seq - x.shape[1]), v)], dim=1)  # noqa: E731
+    return {"input_ids": torch.cat([pad(r["input_ids"], 0) for r in rows]),
+            "labels": torch.cat([pad(r["labels"], -100) for r in rows]),
+            "attention_mask": torch.cat([pad(torch.ones_like(r["input_ids"]), 0) for r in rows])}
+
+
+def _reference() -> tuple[list[float], dict]:
+    model = _model("sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for plan in STEPS:
+        loss = model(**_padded([rows for _, rows in plan])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_dynamic(stage: int, u: int, r: int) -> str:
+    import deepspeed
+    import torch.distributed as dist
+
+    import ds_usp
+
+    want_losses, want_params = _reference()
+    ds_usp.hf.register_usp_attention()
+    model = _model("usp")
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "sequence_parallel": "usp", "sequence_parallel_size": 4,
+              "usp": {"ulysses_degree": u, "ring_degree": r, "dynamic_sp": True}}
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)
+    topo = engine.usp.topo
+    assert sorted(topo.degrees) == [1, 2, 4]
+    assert topo.degrees[2].ulysses_degree == (2 if u == 2 else 1)
+    me = dist.get_rank()
+    for step, plan in enumerate(STEPS):
+        degree, name = plan[me]
+        shard = ds_usp.shard_batch(_row(name), topo.degrees[degree])
+        assert ("sp_degree" in shard) == (degree != 4)
+        loss = engine(**shard).loss
+        engine.backward(loss)
+        engine.step()
+        assert abs(float(loss) - want_losses[step]) <= 1e-5 * abs(want_losses[step]), \
+            f"step {step + 1}: loss {float(loss)} vs one process {want_losses[step]}"
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())) if stage == 3 else _null():
+        for name, want in want_params.items():
+            torch.testing.assert_close(params[name].detach(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return "ok"
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("stage,u,r", [(2, 2, 2), (3, 1, 4)], ids=["zero2-2x2", "zero3-1x4"])
+def test_dynamic_sp_equals_one_process(world4, stage, u, r):
+    assert world4.run(train_dynamic, stage, u, r) == ["ok"] * 4
+
+
+def refused_degree() -> str:
+    import ds_usp
+
+    ds_usp.hf.register_usp_attention()
+    model = _model("usp")
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+              "zero_allow_untested_optimizer": True, "sequence_parallel": "usp", "sequence_parallel_size": 4}
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)
+    shard = ds_usp.shard_batch(_row("A"), engine.usp.topo)
+    try:
+        engine(**shard, sp_degree=2)
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_a_degree_not_built_is_refused_by_name(world4):
+    for message in world4.run(refused_degree):
+        assert "runs at sequence-parallel degree 2, but ds_usp.initialize built [4] (set usp.dynamic_sp" in message
