@@ -395,8 +395,14 @@ def test_masks_are_read_from_transformers_mask_functions():
     windowed = mu.create_causal_mask(**args, or_mask_function=mu.blockwise_overlay(ids),
                                      and_mask_function=mu.sliding_window_overlay(5))  # Gemma 3's sliding layers
     assert windowed == HFMask(causal=True, window=5, spans=image_blocks.spans), windowed
-    unbounded = mu.create_sliding_window_causal_mask(**args, or_mask_function=mu.blockwise_overlay(ids))
-    assert unbounded.unsupported == ("bidirectional blocks or-ed onto a sliding window",), unbounded
+    short = mu.create_sliding_window_causal_mask(**args, block_sequence_ids=ids)  # PaliGemma 2: or(window, blocks)
+    assert short == HFMask(causal=True, window=16, spans=image_blocks.spans), short  # blocks within the window
+    long_block = torch.tensor([[-1] + [0] * 10 + [-1]])
+    cfg.sliding_window = 8
+    unbounded = mu.create_sliding_window_causal_mask(**args, block_sequence_ids=long_block)
+    assert unbounded.unsupported == ("bidirectional blocks or-ed onto a sliding window of 8 tokens, one of them 10 "
+                                     "tokens long",), unbounded
+    cfg.sliding_window = 16
     torn = mu.create_causal_mask(**args, block_sequence_ids=torch.tensor([[0, 0, -1] * 4]))
     assert torn.unsupported and "a block in two pieces" in torn.unsupported[0], torn
     anything = mu.create_causal_mask(**args, or_mask_function=lambda b, h, q, k: k > q + 100)

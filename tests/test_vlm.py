@@ -109,6 +109,31 @@ def _gemma3_batch(step: int) -> dict:
             "pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
 
 
+def _paligemma(attn: str):
+    """PaliGemma: the prefix (16 image tokens and the prompt) sees itself whole (one bidirectional block), the answer is
+    causal; a SigLIP tower and a linear projector."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    cfg = PaliGemmaConfig(text_config={"model_type": "gemma", "vocab_size": 128, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "head_dim": 16, "initializer_range": 0.2},
+                          vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                         "num_attention_heads": 2, "image_size": 16, "patch_size": 4,
+                                         "projection_dim": 64},
+                          image_token_index=IMAGE, projection_dim=64, hidden_size=64)
+    torch.manual_seed(0)
+    return PaliGemmaForConditionalGeneration._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def _paligemma_batch(step: int) -> dict:
+    """One row: 16 image tokens and a 9-token prompt (the prefix, ``token_type_ids`` 0), a 14-token answer (1): 39."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.cat([torch.full((16,), IMAGE), torch.randint(3, 100, (23,), generator=g)])[None]
+    types = (torch.arange(39) >= 25).long()[None]
+    return {"input_ids": ids, "token_type_ids": types, "labels": ids.masked_fill(types == 0, -100),
+            "pixel_values": torch.randn(1, 3, 16, 16, generator=g)}
+
+
 def _llava_next(attn: str):
     """LLaVA-NeXT: an image tiled by its size (any-resolution grid), the base view and the tiles' features unpadded,
     a newline feature per row."""
@@ -282,7 +307,7 @@ def _text_padded_batch(step: int) -> dict:
 FAMILIES = {"qwen2.5-vl": (_qwen25_vl, _qwen_batch), "qwen3-vl": (_qwen3_vl, _qwen3_batch),
             "llava": (_llava, _llava_batch), "qwen2.5-vl-padded": (_qwen25_vl, _qwen_padded_batch),
             "llama-text-padded": (_llama_text, _text_padded_batch), "idefics3": (_idefics3, _idefics3_batch),
-            "gemma3": (_gemma3, _gemma3_batch), "llava-next": (_llava_next, _llava_next_batch),
+            "gemma3": (_gemma3, _gemma3_batch), "paligemma": (_paligemma, _paligemma_batch), "llava-next": (_llava_next, _llava_next_batch),
             "qwen3-vl-moe": (_qwen3_vl_moe, _qwen3_batch),
             # packed rows: one process runs the same documents as rows of a right-padded batch
             "qwen2.5-vl-packed": (_qwen25_vl, _qwen_packed_batch, _qwen_padded_batch),
@@ -362,7 +387,7 @@ CASES = [("qwen2.5-vl", 2, 2, 2, "zigzag"), ("qwen2.5-vl", 3, 1, 4, "contiguous"
          ("qwen3-vl", 2, 1, 4, "contiguous"), ("llava", 2, 1, 4, "contiguous"), ("llava", 3, 2, 2, "zigzag"),
          ("qwen2.5-vl-padded", 2, 2, 2, "zigzag"), ("llama-text-padded", 3, 1, 4, "contiguous"),
          ("idefics3", 2, 2, 2, "zigzag"), ("gemma3", 2, 2, 2, "zigzag"), ("gemma3", 3, 1, 4, "contiguous"),
-         ("llava-next", 3, 2, 2, "zigzag"), ("qwen3-vl-moe", 2, 1, 4, "zigzag"),
+         ("llava-next", 3, 2, 2, "zigzag"), ("qwen3-vl-moe", 2, 1, 4, "zigzag"), ("paligemma", 2, 1, 4, "zigzag"),
          ("qwen2.5-vl-packed", 2, 2, 2, "zigzag"), ("llava-packed", 3, 1, 4, "balanced")]
 
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from ds_usp.attention import usp_attention
 from ds_usp.integration.data import docs_from_cu_seq_lens, documents_of_shard
 from ds_usp.integration.hf_masks import HFMask, usp_mask
+from ds_usp.integration.multimodal import BODY_SPANS_KEY
 from ds_usp.integration.patches import wrap_attn_implementation_check
 from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.topology import USPTopology
@@ -163,6 +164,7 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
                          f"the documents and the real length as cu_seq_lens_q")
     if dropout:
         raise ValueError(f"usp attention does not support attention dropout ({dropout}); set attention_dropout=0")
+    body_spans = kwargs.pop(BODY_SPANS_KEY, None)  # a VLM body's blocks its language model did not see
     check_keywords(module, ctx, kwargs)
     if cu_seq_lens_q is None:
         cu_seq_lens_q = ctx.cu_seq_lens  # a decoder layer that does not pass the batch's documents on
@@ -172,6 +174,11 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
                 "(cross-attention) are not supported; ds-usp shards self-attention")
     causal, window, chunk = _mask_of(module, ctx, attention_mask, is_causal, sliding_window)
     spans = attention_mask.spans if attention_mask is not None else None
+    if spans is None and body_spans is not None:
+        if not causal or window is not None or chunk is not None:
+            _refuse(module, ctx, "attention_mask", attention_mask, "the VLM's body made a mask with bidirectional "
+                    "blocks for one layer type, and this layer has another (a window or chunks)")
+        spans = body_spans
     seq_len, docs = None, None
     if cu_seq_lens_q is not None:
         seq_len, docs = docs_from_cu_seq_lens(cu_seq_lens_q, query.shape[0])

@@ -34,7 +34,8 @@ class HFMask:
         both_sides: a query sees keys with ``|q - k| <= both_sides`` (``sliding_window_bidirectional_overlay``).
         chunk: a query sees keys of its own chunk of ``chunk`` tokens (``chunked_overlay``, Llama 4).
         spans: per batch row, the ``(start, end)`` global positions of each bidirectional block (``blockwise_overlay``
-            or-ed onto the mask; a sliding window around the or still bounds them on the left); None: none.
+            or-ed onto the mask; a sliding window around the or still bounds them on the left, one inside it does not,
+            which is the same while no block is longer than the window, else refused); None: none.
         unsupported: the parts ds-usp does not implement, by name (the attention refuses them).
     """
 
@@ -110,9 +111,12 @@ def _read(fn: Callable, found: dict[str, Any]) -> None:
             return
         window = found["window"]
         _read(others[0], found)
-        if found["window"] != window:  # or(window, blocks): the blocks would not be bounded by the window
-            found["unsupported"].append("bidirectional blocks or-ed onto a sliding window")
         _read_blocks(_cells(blocks[0])["block_sequence_ids"], found)
+        if found["window"] != window and found["spans"]:  # or(window, blocks): no window bounds the blocks, which
+            longest = max(b - a for row in found["spans"] for a, b in row)  # is the same while none is longer
+            if longest > found["window"]:
+                found["unsupported"].append(f"bidirectional blocks or-ed onto a sliding window of {found['window']} "
+                                            f"tokens, one of them {longest} tokens long")
     else:  # blockwise_overlay, and whatever comes next
         found["unsupported"].append(name.replace(".<locals>", ""))
 

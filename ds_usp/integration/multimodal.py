@@ -29,6 +29,7 @@ from ds_usp.topology import USPTopology
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
                "image_sizes", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 MULTIMODAL_KEY = "multimodal"  # the shard's key holding the whole-sequence inputs of the body
+BODY_SPANS_KEY = "ds_usp_body_spans"  # the body's bidirectional spans, passed on to the attention calls
 
 
 def is_multimodal(batch: Any) -> bool:
@@ -116,11 +117,14 @@ def _shard_call(kwargs: dict, topo: USPTopology, layout: str, documents: dict) -
     shard["position_ids"] = shard_sequence(positions, topo, dim=positions.dim() - 1, layout=layout, pad_value=0,
                                            doc_lens=docs)
     mask = kwargs.get("attention_mask")
-    described = isinstance(mask, HFMask) or (isinstance(mask, dict) and mask and
-                                             all(isinstance(m, HFMask) for m in mask.values()))
-    # the body's masks made by the "usp" mask interface (Gemma 3's image blocks as spans of global positions) are
-    # kept; a padding tensor is dropped: documents and the real length travel as cu_seq_lens_q
+    # the body's masks made by the "usp" mask interface (Gemma 3's image blocks as spans of global positions): a dict
+    # per layer type is kept (the language model takes it as made); one mask, which the language model would make
+    # again without the blocks (PaliGemma's prefix), is dropped and its spans travel beside cu_seq_lens_q to every
+    # attention call. A padding tensor is dropped: documents and the real length travel as cu_seq_lens_q.
+    described = isinstance(mask, dict) and mask and all(isinstance(m, HFMask) for m in mask.values())
     shard["attention_mask"] = mask if described else None
+    if isinstance(mask, HFMask) and mask.spans:
+        shard[BODY_SPANS_KEY] = mask.spans
     mask = kwargs.get("visual_pos_masks")
     if mask is not None:  # Qwen3-VL's deepstack: features added at the visual positions of the first layers
         shard["visual_pos_masks"], rows = _own_rows(mask, topo, layout, docs)
