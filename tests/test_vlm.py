@@ -533,3 +533,64 @@ def test_sharded_vision_tower_refused_by_name_where_it_cannot_run():
     model = _qwen25_vl("usp")
     assert prepare_vision_towers(model, "sharded") == ["Qwen2_5_VisionTransformerPretrainedModel"]
     assert model.model.visual.config._attn_implementation == ds_usp.hf.VISION_ATTN_NAME
+
+
+def _sft_args(out: str, ds_config):
+    from trl import SFTConfig
+
+    return SFTConfig(output_dir=out, deepspeed=ds_config, use_cpu=True, max_steps=3, per_device_train_batch_size=1,
+                     logging_steps=1, report_to=[], save_strategy="no", learning_rate=LR, optim="sgd",
+                     max_grad_norm=0.0, seed=0, remove_unused_columns=False, train_sampling_strategy="sequential",
+                     bf16=False,  # TRL's default is bf16 autocast; the reference Trainer runs fp32
+                     dataset_kwargs={"skip_prepare_dataset": True})
+
+
+def _steps():
+    """TRL takes a datasets.Dataset: the step numbers, which the collator turns into the padded multimodal rows."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"step": [0, 1, 2]})
+
+
+def _by_step(rows: list) -> dict:
+    return _qwen_padded_batch(rows[0]["step"])
+
+
+def _sft_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(128)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                   pad_token="t0", eos_token="t2")
+
+
+def train_with_sft_trainer(out: str) -> list[float]:
+    """On every rank: USPSFTTrainer on the padded multimodal rows with a collator, 2x2 zigzag ZeRO-2."""
+    from test_hf_trainer import _fresh_accelerate
+
+    from ds_usp import USPSFTTrainer
+
+    _fresh_accelerate()
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2}, "sequence_parallel": "usp", "sequence_parallel_size": 4,
+              "usp": {"ulysses_degree": 2, "ring_degree": 2, "layout": "zigzag"}}
+    trainer = USPSFTTrainer(model=_qwen25_vl("usp"), args=_sft_args(out, config), train_dataset=_steps(),
+                            data_collator=_by_step, processing_class=_sft_tokenizer())
+    return _trainer_losses(trainer)
+
+
+def test_usp_sft_trainer_with_a_vlm_equals_one_process(world4, tmp_path_factory):
+    from transformers import Trainer
+
+    from test_hf_trainer import _fresh_accelerate
+
+    got = world4.run(train_with_sft_trainer, str(tmp_path_factory.mktemp("sft")))
+    _fresh_accelerate()
+    args = _trainer_args(str(tmp_path_factory.mktemp("ref")), None)
+    args.train_sampling_strategy = "sequential"
+    want = _trainer_losses(Trainer(model=_qwen25_vl("sdpa"), args=args, train_dataset=_steps(), data_collator=_by_step))
+    _fresh_accelerate()
+    assert len(want) == 3 and all(g == got[0] for g in got)
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=1e-4, atol=1e-6)
