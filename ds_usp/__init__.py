@@ -12,6 +12,7 @@ from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, us
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.integration import data, hf
 from ds_usp.integration.data import USPDataLoader, shard_batch
+from ds_usp.integration.dynamic import dynamic_sp_step, plan_step
 from ds_usp.integration.loss import sp_cross_entropy
 from ds_usp.integration.engine import USPState, initialize, install_deepspeed_hook
 from ds_usp.native.build_locks import watch_build_locks
@@ -41,4 +42,5 @@ def __getattr__(name: str):
 __all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupRanks", "USPMpu", "USPTopology", "group_ranks",
            "USPAttention", "gather_sequence", "ring_attention", "shard_sequence", "ulysses_attention",
            "usp_attention", "data", "hf", "USPDataLoader", "shard_batch", "sp_cross_entropy",
+           "dynamic_sp_step", "plan_step",
            "USPState", "initialize", "USPTrainer", "USPSFTTrainer", *_RL_TRAINERS, "__version__"]

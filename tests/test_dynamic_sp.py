@@ -135,3 +135,89 @@ def refused_degree() -> str:
 def test_a_degree_not_built_is_refused_by_name(world4):
     for message in world4.run(refused_degree):
         assert "runs at sequence-parallel degree 2, but ds_usp.initialize built [4] (set usp.dynamic_sp" in message
+
+
+# ---- the step planner and the step helper -------------------------------------------------------------------------
+
+LENGTHS = [90, 7, 33, 12, 5, 48, 3, 20, 61, 9, 1, 26]
+
+
+def test_plan_puts_every_document_once_on_the_degree_it_needs():
+    from ds_usp.integration.dynamic import plan_step
+
+    for lengths, sp, cap in ((LENGTHS, 4, 24), ([5] * 9, 4, 24), ([96, 95], 4, 24), (LENGTHS, 8, 16), ([3], 1, 8)):
+        plan = plan_step(lengths, sp, cap)
+        seen = sorted(i for micro in plan for row in micro.rows for i in row)
+        assert seen == list(range(len(lengths))), (lengths, plan)
+        for micro in plan:
+            assert sp % micro.degree == 0 and len(micro.rows) == sp // micro.degree
+            for row in micro.rows:
+                assert sum(lengths[i] for i in row) <= micro.degree * cap
+                if row:  # the row's degree is the smallest that holds its longest document
+                    longest = max(lengths[i] for i in row)
+                    assert micro.degree == min(d for d in range(1, sp + 1) if sp % d == 0 and longest <= d * cap)
+    plan = plan_step(LENGTHS, 4, 24)
+    assert [m.degree for m in plan] == [4, 4, 2, 1], plan  # 90 and 61 on all 4, 48 and 33 on two pairs, the rest alone
+    with pytest.raises(ValueError, match=r"document 0 has 97 tokens, more than the SP group holds \(4 ranks x 24"):
+        plan_step([97], 4, 24)
+
+
+def _documents(step: int) -> list[dict]:
+    g = torch.Generator().manual_seed(50 + step)
+    docs = []
+    for n in LENGTHS[step:] + LENGTHS[:step]:
+        ids = torch.randint(3, 120, (n,), generator=g)
+        labels = ids.clone()
+        labels[: n // 3] = -100
+        docs.append({"input_ids": ids, "labels": labels})
+    return docs
+
+
+def _padded_documents(docs: list[dict]) -> dict:
+    seq = max(len(d["input_ids"]) for d in docs)
+    pad = lambda x, v: torch.cat([x, torch.full((seq - len(x),), v)])  # noqa: E731
+    return {"input_ids": torch.stack([pad(d["input_ids"], 0) for d in docs]),
+            "labels": torch.stack([pad(d["labels"], -100) for d in docs]),
+            "attention_mask": torch.stack([pad(torch.ones_like(d["input_ids"]), 0) for d in docs])}
+
+
+def train_steps(stage: int) -> str:
+    import deepspeed
+
+    import ds_usp
+    from ds_usp import dynamic_sp_step
+
+    reference = _model("sdpa")
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    want = []
+    for step in range(2):
+        loss = reference(**_padded_documents(_documents(step))).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss))
+    ds_usp.hf.register_usp_attention()
+    model = _model("usp")
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}, "sequence_parallel": "usp", "sequence_parallel_size": 4,
+              "usp": {"ulysses_degree": 2, "ring_degree": 2, "dynamic_sp": True}}
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for step in range(2):
+        got = dynamic_sp_step(engine, _documents(step), tokens_per_rank=24)
+        assert abs(got - want[step]) <= 1e-5 * abs(want[step]), f"step {step + 1}: {got} vs one process {want[step]}"
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())) if stage == 3 else _null():
+        for name, p in reference.named_parameters():
+            # atol 2e-5 against AdamW steps of 1e-3: Adam divides a near-zero gradient by its own size, so the
+            # fp32 summation order of the micro batches shows in a handful of elements (6.6e-6 seen)
+            torch.testing.assert_close(params[name].detach(), p.detach(), rtol=1e-5, atol=2e-5,
+                                       msg=lambda m: f"{name}: {m}")
+    return "ok"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dynamic_sp_step_equals_one_process(world4, stage):
+    """12 documents of 1 to 90 tokens per step, 24 tokens per rank: micro batches at degrees 4, 2 and 1, gradients
+    accumulated over them, the loss normalized by the whole step's targets; 2 AdamW steps equal one process."""
+    assert world4.run(train_steps, stage) == ["ok"] * 4

@@ -1,0 +1,158 @@
+"""Dynamic sequence parallelism: each of a step's documents on the smallest SP degree its length needs.
+
+Real data is long-tailed: most documents are short, a few are long. :func:`plan_step` packs one optimizer step's
+documents into rows and micro batches: a document longer than ``tokens_per_rank`` goes to a row of the smallest degree
+``d`` (a divisor of the SP size) with ``d * tokens_per_rank`` tokens, shorter ones fill the rows' free room (the
+longest first, into the open row of the smallest degree with room, so a short document rides along in a long
+document's row instead of paying a degree of its own), and the rows of one degree are cut into micro batches of
+``sp / d`` rows, one per sub-group, rows of similar attention cost together (the slowest sub-group sets a micro batch's
+time). :func:`dynamic_sp_step` runs the plan on an engine built with ``usp.dynamic_sp``: every rank its sub-group's row
+(:func:`ds_usp.shard_batch` with ``engine.usp.topo.degrees[d]``), the loss of each micro batch the sum of its targets'
+losses over the whole SP group divided by the targets of the whole step, the gradients accumulated over the micro
+batches (DeepSpeed's accumulation boundary set on the last) and one optimizer step: the same update as one process
+on all the documents. Everything here is decided from the lengths alone, so every rank of the group makes the same plan
+without communicating.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro batch of a dynamic-SP step.
+
+    Attributes:
+        degree: the sequence-parallel degree its rows run at.
+        rows: one row per sub-group (``sp / degree`` of them, in sub-group order): the indices of the step's documents
+            packed into it, in order (empty: that sub-group runs a one-token row that holds no target).
+    """
+
+    degree: int
+    rows: tuple[tuple[int, ...], ...]
+
+    def row_of(self, sp_rank: int) -> tuple[int, ...]:
+        """The documents of the row the rank at ``sp_rank`` (its position in the full SP group) runs."""
+        return self.rows[sp_rank // self.degree]
+
+
+def attention_cost(length: int, linear: float = 64.0) -> float:
+    """The work of one document, in units of query-key pairs: causal attention (``n^2 / 2``) plus ``linear`` pairs'
+    worth per token for everything else (projections, MLP)."""
+    return length * length / 2 + linear * length
+
+
+def plan_step(lengths: Sequence[int], sp_size: int, tokens_per_rank: int,
+              degrees: Optional[Sequence[int]] = None) -> list[MicroBatch]:
+    """Pack one step's documents into micro batches, each row on the smallest degree its longest document needs.
+
+    Args:
+        lengths: the tokens of every document of the step (all ranks of the SP group pass the same).
+        sp_size: ranks of the SP group.
+        tokens_per_rank: the most tokens one rank holds of a row (a degree-``d`` row holds ``d`` times this).
+        degrees: the degrees rows may run at (default: every divisor of ``sp_size``; ``[sp_size]``: static SP, every
+            row packed to ``sp_size * tokens_per_rank`` tokens on the whole group).
+
+    Returns:
+        The micro batches, the highest degree first.
+
+    Raises:
+        ValueError: a document longer than ``sp_size * tokens_per_rank``, or bad sizes.
+    """
+    if sp_size < 1 or tokens_per_rank < 1:
+        raise ValueError(f"sp_size ({sp_size}) and tokens_per_rank ({tokens_per_rank}) must be positive")
+    allowed = [d for d in range(1, sp_size + 1) if sp_size % d == 0]
+    if degrees is not None:
+        wrong = [d for d in degrees if d not in allowed]
+        if wrong or not degrees:
+            raise ValueError(f"degrees {list(degrees)}: each must divide the SP size {sp_size}")
+        allowed = sorted(degrees)
+    degrees = allowed
+    rows: list[list[Any]] = []  # [degree, free tokens, [document indices]]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = int(lengths[i])
+        if n < 1:
+            raise ValueError(f"document {i} has {n} tokens")
+        need = next((d for d in degrees if n <= d * tokens_per_rank), None)
+        if need is None:
+            raise ValueError(f"document {i} has {n} tokens, more than the SP group holds ({sp_size} ranks x "
+                             f"{tokens_per_rank} tokens per rank): raise tokens_per_rank or cut the document")
+        fits = [row for row in rows if row[1] >= n]
+        if fits:
+            row = min(fits, key=lambda r: (r[0], r[1]))
+        else:
+            row = [need, need * tokens_per_rank, []]
+            rows.append(row)
+        row[1] -= n
+        row[2].append(i)
+    plan = []
+    for d in sorted({row[0] for row in rows}, reverse=True):
+        mine = sorted((row[2] for row in rows if row[0] == d),
+                      key=lambda docs: -sum(attention_cost(int(lengths[i])) for i in docs))
+        per = sp_size // d
+        for start in range(0, len(mine), per):
+            group = [tuple(sorted(docs)) for docs in mine[start:start + per]]
+            plan.append(MicroBatch(degree=d, rows=tuple(group + [()] * (per - len(group)))))
+    return plan
+
+
+def pack_row(documents: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Documents (each ``input_ids`` and optional ``labels``, ``(1, n)`` or ``(n,)``) as one packed row whose
+    ``position_ids`` restart at each document (HF's flattening convention); no documents: one padding token."""
+    if not documents:
+        return {"input_ids": torch.zeros(1, 1, dtype=torch.long), "labels": torch.full((1, 1), IGNORE_INDEX),
+                "position_ids": torch.zeros(1, 1, dtype=torch.long)}
+    ids = [d["input_ids"].reshape(-1) for d in documents]
+    labels = [d.get("labels", d["input_ids"]).reshape(-1) for d in documents]
+    return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
+            "position_ids": torch.cat([torch.arange(len(x)) for x in ids])[None]}
+
+
+def step_targets(documents: Sequence[Mapping[str, Tensor]]) -> int:
+    """The targets of a step's documents: each document's labels after its first token that are not ignored."""
+    return sum(int((d.get("labels", d["input_ids"]).reshape(-1)[1:] != IGNORE_INDEX).sum()) for d in documents)
+
+
+def dynamic_sp_step(engine: Any, documents: Sequence[Mapping[str, Tensor]], tokens_per_rank: int,
+                    degrees: Optional[Sequence[int]] = None) -> float:
+    """One optimizer step of ``engine`` over ``documents`` with dynamic SP (see the module doc).
+
+    Every rank of the SP group passes the same documents (as the SP group's ranks share a batch); each runs its
+    sub-group's row of every micro batch of :func:`plan_step`.
+
+    Args:
+        engine: an engine from :func:`ds_usp.initialize` with ``usp.dynamic_sp`` on.
+        documents: the step's documents, each ``input_ids`` and optional ``labels``.
+        tokens_per_rank: the most tokens a rank holds of a row.
+        degrees: the degrees rows may run at (see :func:`plan_step`; ``[sp]``: static SP through the same path).
+
+    Returns:
+        The step's loss: the token-weighted mean over all documents (the same on every rank).
+
+    Raises:
+        ValueError: the engine has no dynamic-SP degrees, or a document does not fit (:func:`plan_step`).
+    """
+    from ds_usp.integration.data import shard_batch
+
+    topo = engine.usp.topo
+    if len(topo.degrees) <= 1 and topo.sp_size > 1 and list(degrees or ()) != [topo.sp_size]:
+        raise ValueError("dynamic_sp_step needs an engine built with \"usp\": {\"dynamic_sp\": true}")
+    plan = plan_step([int(d["input_ids"].numel()) for d in documents], topo.sp_size, tokens_per_rank, degrees)
+    targets = torch.tensor(float(max(step_targets(documents), 1)))
+    total = 0.0
+    for k, micro in enumerate(plan):
+        sub = topo.degrees.get(micro.degree, topo)
+        row = pack_row([documents[i] for i in micro.row_of(topo.sp_rank)])
+        shard = shard_batch(row, sub, layout=engine.usp.layout)
+        engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
+        loss = engine(**shard, num_items_in_batch=targets).loss
+        engine.backward(loss, scale_wrt_gas=False)
+        total += float(loss.detach())
+    engine.step()
+    return total
