@@ -28,7 +28,7 @@ import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Optional, Sequence
 
 from ds_usp.comm import FP8_SCALE_BYTES
 
@@ -497,7 +497,7 @@ def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int =
 
 
 def step_flops(shape: ModelShape, seq: int, micro_batch: int = 1, causal: bool = True,
-               checkpointing: str = "") -> float:
+               checkpointing: str = "", doc_lens: Optional[Sequence[int]] = None) -> float:
     """FLOPs of one training step over one micro-batch (all ranks together).
 
     ``6 N tokens`` for the matmuls (``N`` the active parameters, ``lm_head`` included) plus the attention's
@@ -510,13 +510,16 @@ def step_flops(shape: ModelShape, seq: int, micro_batch: int = 1, causal: bool =
         micro_batch: b.
         causal: causal attention.
         checkpointing: ``""``, ``"selective"`` or ``"full"``.
+        doc_lens: the documents packed in a row (a query meets only its own document's keys: ``sum n_i^2`` pairs
+            instead of ``S^2``); None: one document.
 
     Returns:
         FLOPs.
     """
     tokens = micro_batch * seq
     dense = 6 * shape.active_params * tokens
-    attn_fwd = 2 * micro_batch * seq * seq * shape.heads * (shape.head_dim + shape.v_head_dim) * shape.attention_layers
+    pairs = seq * seq if doc_lens is None else sum(n * n for n in doc_lens)
+    attn_fwd = 2 * micro_batch * pairs * shape.heads * (shape.head_dim + shape.v_head_dim) * shape.attention_layers
     attn_fwd *= 0.5 if causal else 1.0
     recompute = 2 * shape.active_params * tokens if checkpointing else 0
     if checkpointing == "full":
@@ -574,7 +577,7 @@ class StepTime:
 
 
 def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_batch: int = 1,
-              elem_bytes: int = 2) -> StepTime:
+              elem_bytes: int = 2, doc_lens: Optional[Sequence[int]] = None) -> StepTime:
     """Seconds of one training step per rank.
 
     Compute: :func:`step_flops` over the ranks of a sequence at ``peak x efficiency``. Communication: the exact
@@ -591,11 +594,12 @@ def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_
         hw: the cluster.
         micro_batch: b.
         elem_bytes: bytes of the training dtype.
+        doc_lens: the documents packed in the row (see :func:`step_flops`); None: one document.
 
     Returns:
         The :class:`StepTime`.
     """
-    flops = step_flops(shape, seq, micro_batch, checkpointing=s.checkpointing) / s.sp
+    flops = step_flops(shape, seq, micro_batch, checkpointing=s.checkpointing, doc_lens=doc_lens) / s.sp
     rate = hw.peak_tflops * 1e12 * hw.efficiency
     compute = flops / rate
     padded = tokens_per_rank(seq, 1, s.sp) * s.sp
@@ -616,7 +620,8 @@ def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_
                               shape.linear_v_dim, shape.conv_kernel, s.ulysses, s.ring, elem_bytes, 2)
         a2a += shape.linear_layers * (lf.all_to_all + lb.all_to_all) / bw(s.ulysses)
         ring += shape.linear_layers * (lf.other + lb.other) / bw(s.ulysses * s.ring if s.ring > 1 else 1)
-    attn_flops = 3 * 2 * micro_batch * padded * padded * shape.heads * (shape.head_dim + shape.v_head_dim) * 0.5
+    pairs = padded * padded if doc_lens is None else sum(n * n for n in doc_lens)
+    attn_flops = 3 * 2 * micro_batch * pairs * shape.heads * (shape.head_dim + shape.v_head_dim) * 0.5
     hidden = shape.attention_layers * attn_flops / s.sp / rate * (s.ring - 1) / s.ring if s.ring > 1 else 0.0
     per_param = elem_bytes * (3 if s.zero == 3 else 1) * (s.world - 1) / s.world
     zero = shape.params * per_param / bw(s.world) if s.world > 1 else 0.0

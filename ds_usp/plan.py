@@ -4,6 +4,7 @@
     python -m ds_usp.plan --model config.json --seq 65536 --gpus-per-node 8 --write ds.json
     python -m ds_usp.plan --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --vocab 128256 --intermediate 14336 \\
         --seq 262144 --nodes 4
+    python -m ds_usp.plan --model config.json --seq 65536 --lengths lengths.txt    # static vs dynamic SP
 
 Every split of the ranks into ``(U, R, dp)``, ZeRO stage and memory-feature preset is priced by the one cost model
 of :mod:`ds_usp.cost` (memory per rank by part, step time by part); the feasible plans are ranked by predicted
@@ -12,6 +13,12 @@ writes: ``"sequence_parallel": "usp"`` and the ``"usp"`` block). The model's sha
 local folder or JSON file, a model id whose config is in the local HF cache (nothing is downloaded), or the sizes
 given by hand; its parameters are counted on the meta device (no memory), MoE experts split into total and active,
 Gated DeltaNet layers counted apart, and a family ds-usp cannot shard refused by name. Instant, no progress.
+
+``--lengths FILE`` (document lengths, one per line or a JSON list; or a histogram, lines ``length count`` or JSON
+``{"lengths": [...], "counts": [...]}``) predicts, for the split of the fastest feasible plan with sequence parallelism, the tokens per second of static SP (every
+row packed to ``--seq`` tokens on the whole SP group) and of dynamic SP (:func:`ds_usp.plan_step`: each row on the
+smallest degree its longest document needs, ``--seq / sp`` tokens per rank), from the same cost model with each row's
+attention priced by its documents (``sum n_i^2``).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
 from ds_usp.cost import GIB, Hardware, ModelShape, StepMemory, StepSettings, StepTime, step_memory, step_time
+from ds_usp.integration.dynamic import plan_step
 from ds_usp.integration.model_shape import model_shape, split_refusal
 
 # the memory-feature presets the planner tries: name -> (checkpointing, tiled feed-forward, chunked loss, offloaded
@@ -167,6 +175,74 @@ def smallest_fitting_cluster(shape: ModelShape, hw: Hardware, seq: int, **kw: An
     return None
 
 
+def read_lengths(path: str) -> list[int]:
+    """Document lengths from a file: one per line or a JSON list; or a histogram (lines ``length count``, or JSON
+    ``{"lengths": [...], "counts": [...]}``), expanded.
+
+    Raises:
+        ValueError: naming the file and what is wrong in it.
+    """
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--lengths {path}: {e.strerror}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError:
+        raw = None
+    if isinstance(raw, dict):
+        pairs = list(zip(raw.get("lengths", []), raw.get("counts", [])))
+    elif isinstance(raw, list):
+        pairs = [(x, 1) for x in raw]
+    else:
+        pairs = []
+        for i, line in enumerate(text.splitlines(), 1):
+            parts = line.split("#")[0].split()
+            if not parts:
+                continue
+            if len(parts) > 2 or not all(p.isdigit() for p in parts):
+                raise ValueError(f"--lengths {path}, line {i}: {line.strip()!r} is not 'length' or 'length count'")
+            pairs.append((int(parts[0]), int(parts[1]) if len(parts) == 2 else 1))
+    bad = [p for p in pairs if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in p)]
+    if bad or not pairs:
+        raise ValueError(f"--lengths {path}: " + (f"{bad[0]} is not a positive (length, count)" if bad else
+                                                   "no lengths in it"))
+    return [n for n, count in pairs for _ in range(count)]
+
+
+def length_plans(shape: ModelShape, hw: Hardware, settings: StepSettings, lengths: Sequence[int], seq: int,
+                 elem_bytes: int = 2) -> dict[str, Any]:
+    """Predicted tokens/s of static and dynamic SP on these documents (one SP group's view; replicas scale both).
+
+    Static: rows packed to ``seq`` tokens, each on the whole SP group. Dynamic: :func:`plan_step` with ``seq / sp``
+    tokens per rank; a micro batch lasts as long as its slowest row, each degree at ``(gcd(U, d), d / gcd)``. Every
+    row is priced by :func:`ds_usp.cost.step_time` with its own documents; ZeRO's collectives once per step.
+
+    Returns:
+        ``{"static": {...}, "dynamic": {...}, "speedup": dynamic / static}``, each with ``tokens_per_s``,
+        ``seconds`` and the micro batches' degrees.
+    """
+    import math
+
+    sp, cap = settings.sp, max(1, seq // settings.sp)
+    out: dict[str, Any] = {}
+    for name, degrees in (("static", [sp]), ("dynamic", None)):
+        micro_batches = plan_step(lengths, sp, cap, degrees)
+        seconds = 0.0
+        for micro in micro_batches:
+            u = math.gcd(settings.ulysses, micro.degree)
+            s = replace(settings, ulysses=u, ring=micro.degree // u)
+            times = [step_time(shape, s, sum(lengths[i] for i in row) or 1, hw, elem_bytes=elem_bytes,
+                               doc_lens=[lengths[i] for i in row] or [1]) for row in micro.rows]
+            seconds += max(t.compute + t.all_to_all + t.ring_exposed for t in times)
+        seconds += step_time(shape, settings, cap * sp, hw, elem_bytes=elem_bytes).zero
+        out[name] = {"tokens_per_s": sum(lengths) / seconds, "seconds": seconds,
+                     "micro_batches": [m.degree for m in micro_batches]}
+    out["speedup"] = out["dynamic"]["tokens_per_s"] / out["static"]["tokens_per_s"]
+    return out
+
+
 def ds_config(c: Candidate, micro_batch: int, bf16: bool = True) -> dict[str, Any]:
     """The DeepSpeed JSON of a plan: DeepSpeed's keys and ds-usp's (what a user writes)."""
     s = c.settings
@@ -209,6 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="feasible plans to print")
     p.add_argument("--write", metavar="DS_JSON", help="write the first plan's DeepSpeed JSON here")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    p.add_argument("--lengths", metavar="FILE", help="document lengths (or a histogram): predict static vs dynamic SP")
     return p
 
 
@@ -248,13 +325,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     kw = dict(micro_batch=args.micro_batch, elem_bytes=4 if args.fp32 else 2,
               zero=None if args.zero == "auto" else int(args.zero), offload=args.offload, presets=presets,
               ulysses=args.ulysses, ring=args.ring)
+    try:
+        lengths = read_lengths(args.lengths) if args.lengths else None
+    except ValueError as e:
+        print(f"ds_usp.plan: {e}", file=sys.stderr)
+        return 1
     found = plans(shape, hw, args.seq, **kw)
     good = [c for c in found if c.problem is None]
+    dynamic = None
+    if lengths is not None and good:
+        too_long = max(lengths)
+        if too_long > args.seq:
+            print(f"ds_usp.plan: --lengths has a document of {too_long} tokens, longer than --seq {args.seq}",
+                  file=sys.stderr)
+            return 1
+        chosen = next((i for i, c in enumerate(good) if c.settings.sp > 1), 0)  # SP is what the lengths change
+        dynamic = length_plans(shape, hw, good[chosen].settings, lengths, args.seq, 4 if args.fp32 else 2)
+        dynamic["plan"] = chosen + 1
     if args.json:
         print(json.dumps({"model": asdict(shape), "seq": args.seq, "hardware": asdict(hw),
-                          "plans": [c.row(args.seq) for c in found]}, indent=1))
+                          "plans": [c.row(args.seq) for c in found], "lengths": dynamic}, indent=1))
     else:
         _print(shape, hw, args, good[:args.top], [c for c in found if c.problem][:5], len(good), len(found))
+        if dynamic is not None:
+            s = good[dynamic["plan"] - 1].settings
+            print(f"{len(lengths)} documents ({sum(lengths)} tokens, longest {max(lengths)}) on the SP group of the "
+                  f"fastest plan with one (#{dynamic['plan']}) "
+                  f"(U={s.ulysses} R={s.ring}): static SP {dynamic['static']['tokens_per_s']:.0f} tokens/s "
+                  f"({len(dynamic['static']['micro_batches'])} rows of {args.seq}), dynamic SP "
+                  f"{dynamic['dynamic']['tokens_per_s']:.0f} tokens/s (micro batches at degrees "
+                  f"{dynamic['dynamic']['micro_batches']}): {dynamic['speedup']:.2f}x")
     if not good:
         seq_ok = largest_fitting_seq(shape, hw, args.seq, **kw)
         nodes_ok = smallest_fitting_cluster(shape, hw, args.seq, **kw)

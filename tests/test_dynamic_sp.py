@@ -23,12 +23,9 @@ STEPS = [
 
 
 def _model(attn: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from test_vlm import _llama_text  # the same tiny Llama
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, initializer_range=0.2)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    return _llama_text(attn)
 
 
 def _row(name: str) -> dict:

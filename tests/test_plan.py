@@ -159,3 +159,32 @@ def test_auto_degrees_are_priced_at_the_models_length(monkeypatch):
     long = choose_degrees(cfg, shape, 2, 2, max_positions=None)
     assert (short.ulysses_degree, short.ring_degree) == (2, 2)
     assert (long.ulysses_degree, long.ring_degree) == (1, 4)
+
+
+def test_cli_predicts_static_and_dynamic_sp_from_lengths(tmp_path):
+    """--lengths: a long-tailed list (or the same as a histogram) priced as static and as dynamic SP on the split of
+    the fastest plan with SP; long documents on all ranks, short ones alone."""
+    lengths = [9000, 4000, 3000] + [300] * 40 + [60] * 100
+    listed = tmp_path / "lengths.txt"
+    listed.write_text("\n".join(map(str, lengths)) + "\n")
+    histogram = tmp_path / "histogram.json"
+    histogram.write_text(json.dumps({"lengths": [9000, 4000, 3000, 300, 60], "counts": [1, 1, 1, 40, 100]}))
+    args = (*LLAMA8B, "--seq", "16384", "--nodes", "2", "--gpus-per-node", "2", "--ulysses", "2", "--ring", "2",
+            "--zero", "3")
+    text = _plan(*args, "--lengths", str(listed))
+    assert text.returncode == 0, text.stderr
+    assert "static SP" in text.stdout and "dynamic SP" in text.stdout and "(U=2 R=2)" in text.stdout
+    got = [json.loads(_plan(*args, "--lengths", str(f), "--json").stdout)["lengths"] for f in (listed, histogram)]
+    assert got[0] == got[1]
+    found = got[0]
+    assert found["static"]["micro_batches"] == [4] * len(found["static"]["micro_batches"])
+    assert found["dynamic"]["micro_batches"][0] == 4 and found["dynamic"]["micro_batches"][-1] == 1
+    # 9000 tokens need all 4 ranks; the ring across the 2 nodes is what the short rows save
+    assert found["speedup"] > 1.0, found
+    assert abs(found["static"]["tokens_per_s"] * found["static"]["seconds"] - sum(lengths)) < 1e-3 * sum(lengths)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("100\nten\n")
+    done = _plan(*args, "--lengths", str(bad))
+    assert done.returncode == 1 and "line 2: 'ten' is not 'length' or 'length count'" in done.stderr
+    done = _plan(*args, "--seq", "8192", "--lengths", str(listed))
+    assert done.returncode == 1 and "a document of 9000 tokens, longer than --seq 8192" in done.stderr

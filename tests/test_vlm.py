@@ -447,6 +447,12 @@ class _Rows(torch.utils.data.Dataset):
         return _qwen_padded_batch(i)  # each item already a padded batch of two rows (the collator takes it as is)
 
 
+TRAINER_DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                     "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+                     "zero_optimization": {"stage": 2}, "sequence_parallel": "usp", "sequence_parallel_size": 4,
+                     "usp": {"ulysses_degree": 2, "ring_degree": 2, "layout": "zigzag"}}
+
+
 def _trainer_args(out: str, ds_config):
     from transformers import TrainingArguments
 
@@ -467,11 +473,7 @@ def train_with_trainer(out: str) -> list[float]:
     from ds_usp import USPTrainer
 
     _fresh_accelerate()
-    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 2}, "sequence_parallel": "usp", "sequence_parallel_size": 4,
-              "usp": {"ulysses_degree": 2, "ring_degree": 2, "layout": "zigzag"}}
-    args = _trainer_args(out, config)
+    args = _trainer_args(out, TRAINER_DS_CONFIG)
     trainer = USPTrainer(model=_qwen25_vl("usp"), args=args, train_dataset=_Rows(), data_collator=lambda rows: rows[0])
     return _trainer_losses(trainer)
 
@@ -572,11 +574,7 @@ def train_with_sft_trainer(out: str) -> list[float]:
     from ds_usp import USPSFTTrainer
 
     _fresh_accelerate()
-    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 2}, "sequence_parallel": "usp", "sequence_parallel_size": 4,
-              "usp": {"ulysses_degree": 2, "ring_degree": 2, "layout": "zigzag"}}
-    trainer = USPSFTTrainer(model=_qwen25_vl("usp"), args=_sft_args(out, config), train_dataset=_steps(),
+    trainer = USPSFTTrainer(model=_qwen25_vl("usp"), args=_sft_args(out, TRAINER_DS_CONFIG), train_dataset=_steps(),
                             data_collator=_by_step, processing_class=_sft_tokenizer())
     return _trainer_losses(trainer)
 

@@ -5,8 +5,9 @@ vision tower, splices the visual features in at their placeholder tokens, comput
 the image and video grids) and then calls its language model with ``inputs_embeds`` and ``position_ids``. ds-usp runs
 that body, the family's own code, on the whole sequence on every rank of the group, and shards at the language model's
 door (:func:`sharded_language_model`): ``inputs_embeds``, ``position_ids`` (any leading dimensions: MRoPE's
-``(3, b, S)``; in packed rows counted from each document's start, :func:`restart_per_document`) and what a layer adds at visual positions (Qwen3-VL's deepstack: ``visual_pos_masks`` and the rows of
-``deepstack_visual_embeds`` that belong to the rank's own visual positions) are cut to the rank's shard, the documents
+``(3, b, S)``; in packed rows counted from each document's start, :func:`restart_per_document`) and what a layer
+adds at visual positions (Qwen3-VL's deepstack: ``visual_pos_masks`` and the rows of ``deepstack_visual_embeds``
+that belong to the rank's own visual positions) are cut to the rank's shard, the documents
 passed as ``cu_seq_lens_q``. The decoder layers then run USP on the shard; the loss is the SP loss on the shard's
 ``shift_labels`` (:func:`ds_usp.shard_batch` shifts them over the whole sequence). The gradient reaching the vision
 tower and the embeddings from each rank is its own positions' share; DeepSpeed's sum over the group is the whole.

@@ -56,20 +56,17 @@ def prepare_vision_towers(model: nn.Module, mode: str = "replicated") -> list[st
             block.register_forward_hook(_gather_block_output)
         log_rank0(f"{type(tower).__name__}: {len(tower.blocks)} blocks run on each rank's shard of the patches "
                   f"(usp.vision_tower=\"sharded\")")
-    if towers:
-        return sorted({type(t).__name__ for t in towers})
-    text = id(language.config)
+    keep = {id(language.config), id(model.config), *(id(t.config) for t in towers)}
     switched = []
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and id(config) != text and config is not model.config and \
-                getattr(config, "_attn_implementation", None) == "usp":
+        if config is not None and id(config) not in keep and getattr(config, "_attn_implementation", None) == "usp":
             config._attn_implementation = "sdpa"
             switched.append(type(config).__name__)
     switched = sorted(set(switched))
     if switched:
         log_rank0(f"the vision tower runs whole images on every rank: {', '.join(switched)} attention set to sdpa")
-    return switched
+    return sorted({type(t).__name__ for t in towers}) if towers else switched
 
 
 def _shardable_tower(module: nn.Module) -> bool:
