@@ -16,6 +16,8 @@ import socket
 import traceback
 from typing import Any, Callable, Optional
 
+FAILED_GRACE_S = 60.0  # how long the other ranks may still take once one rank of a case has failed
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -77,8 +79,9 @@ class World:
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
         while len(out) + len(failures) < self.world_size:
-            try:
-                cid, rank, ok, payload = self._results.get(timeout=self.timeout)
+            try:  # once a rank has failed, the others get a short grace: they may wait on it in a collective
+                cid, rank, ok, payload = self._results.get(timeout=min(self.timeout, FAILED_GRACE_S) if failures
+                                                           else self.timeout)
             except queue.Empty:
                 missing = sorted(set(range(self.world_size)) - set(out) - set(failures))
                 self.close()

@@ -320,3 +320,41 @@ def test_a_damaged_latest_is_named_and_the_previous_checkpoint_loads(world4, sav
         assert f"/global_step{SAVE_AT}/" in path and step == SAVE_AT, path
         assert words[damage] in refusal and os.path.join(ckpt, "later") in refusal, refusal
     assert len({r[1] for r in results}) == 1  # the same message on every rank
+
+
+# ---- a rank killed at each point of a save ---------------------------------------------------------------------------
+
+CRASHES = [("before_files", 1), ("during_files", 2), ("after_files", 3), ("manifest", 2), ("latest", 1)]
+
+
+@pytest.mark.parametrize("point,stage", CRASHES, ids=[f"{p}-zero{s}" for p, s in CRASHES])
+def test_a_save_killed_at_any_point_resumes_from_the_last_complete_checkpoint(world4, saved, tmp_path, point, stage):
+    """A 4-rank job resumes from step 2, trains step 3 and has a rank die at ``point`` of saving it
+    (tests/save_crash_job.py: before / during / after its files, inside the manifest, before ``latest`` moves); the
+    launcher ends the others. ``latest`` still names step 2, the torn tag has no manifest (or, killed before
+    ``latest`` moved, a complete one ``latest`` does not name), and a fresh job resumes from step 2 and continues
+    exactly as the uninterrupted run."""
+    import shutil
+    import subprocess
+    import sys
+
+    from dist_harness import _free_port
+
+    from ds_usp.integration.saves import MANIFEST
+
+    ckpt_dir, losses, params = saved(stage)
+    ckpt = str(tmp_path / "checkpoints")
+    shutil.copytree(ckpt_dir, ckpt)
+    job = os.path.join(os.path.dirname(__file__), "save_crash_job.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                           str(_free_port()), job, ckpt, str(stage), point], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode != 0 and "completed" not in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    torn = os.path.join(ckpt, f"global_step{SAVE_AT + 1}")
+    assert os.path.isdir(torn), os.listdir(ckpt)  # the save had begun
+    assert open(os.path.join(ckpt, "latest")).read().strip() == f"global_step{SAVE_AT}"
+    assert os.path.isfile(os.path.join(torn, MANIFEST)) == (point == "latest")
+    got = world4.run(train, ckpt, stage, *SAVED, resume="engine")[0]
+    torch.testing.assert_close(torch.tensor(_tail(got[0])), torch.tensor(_tail(losses)), **TOL)
+    for name, value in params.items():
+        torch.testing.assert_close(got[1][name], value, **TOL, msg=lambda m: f"{name}: {m}")
