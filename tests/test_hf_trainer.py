@@ -13,6 +13,7 @@ a checkpoint saved at step 2 continues the losses bitwise. An ``SFTTrainer`` wit
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def _summary(trainer, stage: int) -> dict:
             if stage else {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
 
 
-def train_trainer(out: str, stage: int, u: int, r: int, layout: str, resume: bool = False, save: bool = False) -> dict:
+def train_trainer(out: str, stage: int, u: int, r: int, layout: str, resume: Any = False, save: bool = False) -> dict:
     """On every rank: USPTrainer on the DeepSpeed JSON with "sequence_parallel"; returns its logs and parameters."""
     from ds_usp import USPTrainer
 
@@ -88,7 +89,9 @@ def train_trainer(out: str, stage: int, u: int, r: int, layout: str, resume: boo
     model = _same_weights(_llama("usp"), reference)  # ZeRO-3: built inside HF's zero.Init (the arguments came first)
     trainer = USPTrainer(model=model, args=args, train_dataset=_dataset(STEPS * GAS), eval_dataset=_dataset(4))
     engine_ok = trainer.state is not None
-    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if resume else None)
+    # resume: "auto" (True: the newest complete checkpoint-N), True (checkpoint-2 by path) or False
+    trainer.train(resume_from_checkpoint=True if resume == "auto" else
+                  os.path.join(out, "checkpoint-2") if resume else None)
     result = _summary(trainer, stage)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     result["mpu"] = type(trainer.model_wrapped.mpu).__name__ if engine_ok else None
@@ -144,6 +147,31 @@ def test_resume_continues_bitwise(world4, tmp_path_factory):
     saved = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"), attn_implementation="sdpa")
     for name, value in saved.named_parameters():  # save_model wrote the trained weights, loadable without ds-usp
         assert torch.equal(value, full["params"][name]), name
+
+
+def test_resume_skips_a_damaged_checkpoint_folder(world4, tmp_path_factory):
+    """USPTrainer's checkpoint-N folders get a manifest after every rank's files; resume_from_checkpoint=True skips a
+    damaged newest folder (a file truncated, as a crash mid-save leaves it) with a warning and resumes from the one
+    before, bitwise as the uninterrupted run; the damaged folder named by path is refused naming the file."""
+    import shutil
+
+    from ds_usp.integration.saves import MANIFEST, CheckpointDamaged
+
+    out = str(tmp_path_factory.mktemp("damaged"))
+    full = world4.run(train_trainer, out, 2, 2, 2, "zigzag", False, True)[0]
+    assert all(os.path.isfile(os.path.join(out, f"checkpoint-{n}", MANIFEST)) for n in (2, 4, 5))
+    shutil.rmtree(os.path.join(out, "checkpoint-5"))  # the run "crashed" while saving checkpoint-4
+    victim = os.path.join(out, "checkpoint-4", "trainer_state.json")
+    os.truncate(victim, os.path.getsize(victim) // 2)
+    resumed = world4.run(train_trainer, out, 2, 2, 2, "zigzag", "auto", False)[0]
+    assert resumed["loss"] == full["loss"], (resumed["loss"], full["loss"])
+    for name, value in resumed["params"].items():
+        assert torch.equal(value, full["params"][name]), name
+    from ds_usp.integration.hf_trainer import complete_checkpoint_folder
+
+    assert complete_checkpoint_folder(out, True) == os.path.join(out, "checkpoint-2")
+    with pytest.raises(CheckpointDamaged, match=r"checkpoint-4/trainer_state\.json: \d+ bytes, expected"):
+        complete_checkpoint_folder(out, os.path.join(out, "checkpoint-4"))
 
 
 def refused_loss(out: str) -> str:

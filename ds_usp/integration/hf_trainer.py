@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -46,6 +47,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens, shard_batch
+from ds_usp.integration.saves import MANIFEST, CheckpointDamaged, problems, write_manifest
+from ds_usp.log import log_warning
 from ds_usp.integration.multimodal import VISUAL_KEYS
 from ds_usp.integration.patches import (TRAINER_ROUTE, check_accelerate_reads_deepspeed_initialize,
                                        fix_trainer_batch_size)
@@ -64,6 +67,11 @@ HOOKS = (
     ("transformers", "Trainer", "compute_loss", ("model", "inputs", "return_outputs", "num_items_in_batch")),
     ("transformers", "Trainer", "prediction_step", ("model", "inputs", "prediction_loss_only", "ignore_keys")),
     ("transformers", "Trainer", "_prepare_inputs", ("inputs",)),
+    ("transformers", "Trainer", "_save_checkpoint", ("model", "trial")),
+    ("transformers", "Trainer", "_get_output_dir", ("trial",)),
+    ("transformers", "Trainer", "train", ("resume_from_checkpoint",)),
+    ("transformers.trainer_utils", "", "rotate_checkpoints",
+     ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime")),
     ("transformers.integrations.deepspeed", "HfTrainerDeepSpeedConfig", "trainer_config_process",
      ("args", "auto_find_batch_size")),
     ("accelerate", "Accelerator", "prepare", ()),
@@ -71,7 +79,7 @@ HOOKS = (
 )
 # Trainer attributes this module sets for the Trainer to read: each must still be read by transformers.trainer.
 READ_BY_TRAINER = ("loss_is_scaled_for_ga", "gather_function", "current_gradient_accumulation_steps",
-                   "compute_loss_func", "label_smoother", "model_wrapped")
+                   "compute_loss_func", "label_smoother", "model_wrapped", "save_total_limit")
 
 
 def _installed(package: str) -> Optional[str]:
@@ -85,7 +93,8 @@ def check_hooks(hooks: tuple = HOOKS, read_by_trainer: tuple = READ_BY_TRAINER) 
     """Refuse a transformers / accelerate that lacks a hook this integration uses (instead of a version range).
 
     Args:
-        hooks: ``(module, class, method, parameters)`` that must exist with those parameters.
+        hooks: ``(module, class, method, parameters)`` that must exist with those parameters (class ``""``: a
+            function of the module).
         read_by_trainer: attribute names that ``transformers.trainer`` must still read.
 
     Raises:
@@ -96,14 +105,16 @@ def check_hooks(hooks: tuple = HOOKS, read_by_trainer: tuple = READ_BY_TRAINER) 
 
     missing = []
     for module, cls, method, params in hooks:
-        owner = getattr(importlib.import_module(module), cls, None)
+        found = importlib.import_module(module)
+        owner = getattr(found, cls, None) if cls else found  # cls "": a function of the module
         fn = getattr(owner, method, None)
+        name = ".".join(x for x in (module, cls, method) if x)
         if fn is None:
-            missing.append(f"{module}.{cls}.{method}")
+            missing.append(name)
             continue
         lacking = [p for p in params if p not in inspect.signature(fn).parameters]
         if lacking:
-            missing.append(f"{module}.{cls}.{method} parameter(s) {', '.join(lacking)}")
+            missing.append(f"{name} parameter(s) {', '.join(lacking)}")
     source = inspect.getsource(importlib.import_module("transformers.trainer"))
     missing += [f"transformers.trainer reading Trainer.{name}" for name in read_by_trainer if name not in source]
     if missing:
@@ -111,6 +122,42 @@ def check_hooks(hooks: tuple = HOOKS, read_by_trainer: tuple = READ_BY_TRAINER) 
         raise ImportError(f"ds-usp's HF Trainer integration hooks pieces that this {found} does not have: "
                           f"{'; '.join(missing)}. It was tested with transformers 5.23, accelerate 1.15 and TRL 1.16 "
                           f"(pip install -e '.[trainer]' installs them)")
+
+
+def complete_checkpoint_folder(output_dir: str, wanted: Any) -> Any:
+    """The ``checkpoint-N`` folder to resume from: ``wanted`` verified, or (``True``) the newest complete one.
+
+    Args:
+        output_dir: the Trainer's output directory.
+        wanted: ``True`` or a folder's path.
+
+    Returns:
+        The folder's path; ``wanted`` itself where no folder of ``output_dir`` has a manifest (saved without ds-usp).
+
+    Raises:
+        CheckpointDamaged: the folder given is damaged, or no complete one is left (every problem named).
+    """
+    import re
+
+    root = Path(output_dir)
+    folders = sorted((p for p in root.glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)),
+                     key=lambda p: int(p.name.split("-")[1]), reverse=True) if root.is_dir() else []
+    if not any((p / MANIFEST).is_file() for p in folders):
+        return wanted
+    if wanted is not True:
+        found = problems(Path(wanted))
+        if found:
+            raise CheckpointDamaged(f"checkpoint {wanted} is damaged: " + "; ".join(found))
+        return wanted
+    skipped = []
+    for folder in folders:
+        found = problems(folder)
+        if not found:
+            if skipped:
+                log_warning(f"ds-usp: skipped damaged checkpoint(s), resuming from {folder}: " + "; ".join(skipped))
+            return str(folder)
+        skipped.extend(found)
+    raise CheckpointDamaged(f"no complete checkpoint in {root}: " + "; ".join(skipped))
 
 
 def _sp_size(ds_config: dict) -> int:
@@ -198,6 +245,39 @@ class USPTrainerBase:
     def get_total_train_batch_size(self, args: Any) -> int:
         """Sequences per optimizer step: the ranks of an SP group share one."""
         return super().get_total_train_batch_size(args) // self._usp_sp
+
+    # ---- checkpoint-N folders: complete or absent -----------------------------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """HF's save of a ``checkpoint-N`` folder, then (once every rank's files are written) its manifest
+        (:func:`ds_usp.integration.saves.write_manifest`), and only then the rotation of older folders
+        (``save_total_limit``), so a crash at any point leaves the previous folder complete and a folder without a
+        manifest is never resumed from (:meth:`train`)."""
+        if self._usp is None:
+            return super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # HF rotates inside its save: here, after the manifest
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        dist.barrier()  # every rank's files (DeepSpeed's, the RNG states) are written
+        if self.args.should_save:
+            write_manifest(folder, self.state.global_step)
+            rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        dist.barrier()
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """HF's ``train``; ``resume_from_checkpoint=True`` takes the newest *complete* ``checkpoint-N`` (a damaged or
+        half-written one is skipped with a warning naming what is wrong), and a folder given by path is verified first
+        (:class:`~ds_usp.integration.saves.CheckpointDamaged` naming its files otherwise). Folders saved without
+        manifests (by a plain Trainer) are taken as HF takes them."""
+        if self._usp_sp > 1 and resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = complete_checkpoint_folder(self.args.output_dir, resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
 
 class USPTrainerMixin(USPTrainerBase):
