@@ -392,6 +392,24 @@ def provenance(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     return record
 
 
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """The hidden flags of a benchmark that launches itself as jobs: ``--role`` (which system this job runs) and
+    ``--out`` (where it writes its row)."""
+    p.add_argument("--role", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+
+
+def run_as_job(args: argparse.Namespace, run: Callable[[argparse.Namespace], Mapping[str, Any]]) -> bool:
+    """When started as one of its own jobs (``--role``): ``run(args)`` and its row (empty on all but rank 0) written
+    to ``--out``. Returns whether it was such a job."""
+    if not args.role:
+        return False
+    row = run(args)
+    if row:
+        Path(args.out).write_text(json.dumps(row))
+    return True
+
+
 def write_result(path: Union[str, Path], payload: Any) -> Path:
     """Write ``payload`` as JSON with this process's :func:`provenance` (the one writer of ``benchmarks/results``).
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import free_port, write_result  # noqa: E402
+from _common import add_job_flags, free_port, run_as_job, write_result  # noqa: E402
 from long_seq import read_peak, reset_peak  # noqa: E402
 
 TAG = "[rl_memory]"
@@ -144,13 +144,9 @@ def main() -> None:
     p.add_argument("--ulysses", type=int, default=2)
     p.add_argument("--ring", type=int, default=2)
     p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
-    p.add_argument("--role", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    add_job_flags(p)
     args = p.parse_args()
-    if args.role:
-        row = run_single(args) if args.role == "single" else run_usp(args)
-        if row:
-            Path(args.out).write_text(json.dumps(row))
+    if run_as_job(args, lambda a: run_single(a) if a.role == "single" else run_usp(a)):
         return
     rows = {"TRL, 1 process": _job("single", args), f"ds-usp {args.ulysses * args.ring} ranks": _job("usp", args)}
     (name_a, a), (name_b, b) = rows.items()

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import free_port, write_result  # noqa: E402
+from _common import add_job_flags, free_port, run_as_job, write_result  # noqa: E402
 from long_seq import read_peak, reset_peak  # noqa: E402
 
 TAG = "[vision_tower]"
@@ -108,15 +108,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
-    p.add_argument("--role", default=None, help=argparse.SUPPRESS)
+    add_job_flags(p)
     p.add_argument("--frame-count", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--side-count", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.role:
-        row = run(args)
-        if row:
-            Path(args.out).write_text(json.dumps(row))
+    if run_as_job(args, run):
         return
     results = []
     systems = args.systems.split(",")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
@@ -281,6 +282,25 @@ def kv_heads_compatible(num_kv_heads: int, ulysses_degree: int) -> bool:
         True when the heads split evenly, or each head can be replicated a whole number of times.
     """
     return num_kv_heads % ulysses_degree == 0 or ulysses_degree % num_kv_heads == 0
+
+
+def degree_split(ulysses_degree: int, degree: int, num_kv_heads: Optional[int] = None) -> tuple[int, int]:
+    """``(U_d, R_d)`` of a smaller sequence-parallel degree ``degree`` cut from a topology with ``ulysses_degree``
+    (dynamic SP): as much Ulysses as the full split has, ``gcd(U, d)`` (inside a node), the rest ring; Ulysses 1 where
+    the kv heads would not fit it.
+
+    Args:
+        ulysses_degree: the full topology's U.
+        degree: d.
+        num_kv_heads: the model's kv heads (None: unknown).
+
+    Returns:
+        ``(U_d, d / U_d)``.
+    """
+    u = math.gcd(ulysses_degree, degree)
+    if num_kv_heads is not None and not kv_heads_compatible(num_kv_heads, u):
+        u = 1
+    return u, degree // u
 
 
 def choose_degrees(

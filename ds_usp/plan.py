@@ -29,6 +29,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
+from ds_usp.config import degree_split
 from ds_usp.cost import GIB, Hardware, ModelShape, StepMemory, StepSettings, StepTime, step_memory, step_time
 from ds_usp.integration.dynamic import plan_step
 from ds_usp.integration.model_shape import model_shape, split_refusal
@@ -216,23 +217,22 @@ def length_plans(shape: ModelShape, hw: Hardware, settings: StepSettings, length
     """Predicted tokens/s of static and dynamic SP on these documents (one SP group's view; replicas scale both).
 
     Static: rows packed to ``seq`` tokens, each on the whole SP group. Dynamic: :func:`plan_step` with ``seq / sp``
-    tokens per rank; a micro batch lasts as long as its slowest row, each degree at ``(gcd(U, d), d / gcd)``. Every
+    tokens per rank; a micro batch lasts as long as its slowest row, each degree split as ``ds_usp.initialize`` splits
+    it (:func:`ds_usp.config.degree_split`). Every
     row is priced by :func:`ds_usp.cost.step_time` with its own documents; ZeRO's collectives once per step.
 
     Returns:
         ``{"static": {...}, "dynamic": {...}, "speedup": dynamic / static}``, each with ``tokens_per_s``,
         ``seconds`` and the micro batches' degrees.
     """
-    import math
-
     sp, cap = settings.sp, max(1, seq // settings.sp)
     out: dict[str, Any] = {}
     for name, degrees in (("static", [sp]), ("dynamic", None)):
         micro_batches = plan_step(lengths, sp, cap, degrees)
         seconds = 0.0
         for micro in micro_batches:
-            u = math.gcd(settings.ulysses, micro.degree)
-            s = replace(settings, ulysses=u, ring=micro.degree // u)
+            u, r = degree_split(settings.ulysses, micro.degree, shape.kv_heads)
+            s = replace(settings, ulysses=u, ring=r)
             times = [step_time(shape, s, sum(lengths[i] for i in row) or 1, hw, elem_bytes=elem_bytes,
                                doc_lens=[lengths[i] for i in row] or [1]) for row in micro.rows]
             seconds += max(t.compute + t.all_to_all + t.ring_exposed for t in times)

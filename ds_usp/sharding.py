@@ -23,7 +23,7 @@ this rank's shard (no communication) and :func:`gather_sequence` puts the shards
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -81,6 +81,32 @@ def padded_length(seq_len: int, ulysses_degree: int, ring_degree: int, layout: s
     return -(-seq_len // m) * m
 
 
+def per_row(values: Union[Sequence[Any], Tensor], batch: int, name: str, what: str,
+            one_for_all: Callable[[list], bool]) -> list:
+    """A per-row argument given once for every row or once per row, as one entry per row.
+
+    Args:
+        values: the argument (a tensor is read as nested lists).
+        batch: rows of the batch.
+        name: the argument's name (in the error).
+        what: what one row's entry holds (in the error).
+        one_for_all: whether ``values`` (as a list) is one entry for every row.
+
+    Returns:
+        ``batch`` entries.
+
+    Raises:
+        ValueError: per-row entries whose count is not ``batch``.
+    """
+    rows = values.tolist() if isinstance(values, Tensor) else list(values)
+    if one_for_all(rows):
+        return [rows] * batch
+    if len(rows) != batch:
+        raise ValueError(f"{name} has {len(rows)} rows, the batch has {batch}: give one list of {what} for every row, "
+                         f"or one list for all rows")
+    return rows
+
+
 def normalize_docs(doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None], batch: int,
                    seq_len: int) -> Optional[Docs]:
     """Documents of each batch row, as the first position of every document.
@@ -101,14 +127,8 @@ def normalize_docs(doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tenso
     """
     if doc_lens is None:
         return None
-    if isinstance(doc_lens, Tensor):
-        doc_lens = doc_lens.tolist()
-    rows = list(doc_lens)
-    if rows and not isinstance(rows[0], (list, tuple)):
-        rows = [rows] * batch
-    elif len(rows) != batch:
-        raise ValueError(f"doc_lens has {len(rows)} rows, the batch has {batch}: give one list of document lengths "
-                         f"for every row, or one list for all rows")
+    rows = per_row(doc_lens, batch, "doc_lens", "document lengths",
+                   lambda rows: bool(rows) and not isinstance(rows[0], (list, tuple)))
     starts = []
     for i, row in enumerate(rows):
         lens = list(row)

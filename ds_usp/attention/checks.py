@@ -16,6 +16,7 @@ from torch import Tensor
 from ds_usp.attention.ulysses import check_heads
 from ds_usp.comm import all_gather_rows, backend_device_type
 from ds_usp.config import LAYOUTS
+from ds_usp.sharding import per_row
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -112,13 +113,9 @@ def check_spans(spans: Any, batch: int, seq_len: int,
     """
     if spans is None:
         return None
-    rows = spans.tolist() if isinstance(spans, Tensor) else list(spans)
-    flat = not rows or (isinstance(rows[0], (list, tuple)) and rows[0] and not isinstance(rows[0][0], (list, tuple)))
-    if flat:
-        rows = [rows] * batch
-    elif len(rows) != batch:
-        raise ValueError(f"spans has {len(rows)} rows, the batch has {batch}: give one list of (start, end) spans for "
-                         f"every row, or one list for all rows")
+    rows = per_row(spans, batch, "spans", "(start, end) spans",
+                   lambda rows: not rows or (isinstance(rows[0], (list, tuple)) and bool(rows[0]) and
+                                             not isinstance(rows[0][0], (list, tuple))))
     out = []
     for i, row in enumerate(rows):
         pairs = []

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.comm import group_device
-from ds_usp.config import (USPConfig, USPConfigError, kv_heads_compatible, load_usp_config, process_group_timeout,
+from ds_usp.config import (USPConfig, USPConfigError, degree_split, load_usp_config, process_group_timeout,
                            ranks_per_node, read_ds_config)
 from ds_usp.integration.degrees import choose_degrees, shape_of
 from ds_usp.integration.hf import USPContext, attach
@@ -70,8 +69,7 @@ class USPState:
 
 
 def dynamic_degrees(cfg: USPConfig, kv_heads: Optional[int]) -> dict[int, tuple[int, int]]:
-    """``{d: (U_d, R_d)}`` for every proper divisor ``d`` of the SP size: as much Ulysses as the full split has
-    (``gcd(U, d)``, inside a node), the rest ring; Ulysses 1 where the kv heads would not fit.
+    """``{d: (U_d, R_d)}`` for every proper divisor ``d`` of the SP size (:func:`ds_usp.config.degree_split`).
 
     Args:
         cfg: the validated config.
@@ -80,15 +78,8 @@ def dynamic_degrees(cfg: USPConfig, kv_heads: Optional[int]) -> dict[int, tuple[
     Returns:
         The degrees and their splits.
     """
-    out = {}
-    for d in range(1, cfg.sequence_parallel_size):
-        if cfg.sequence_parallel_size % d:
-            continue
-        u = math.gcd(cfg.ulysses_degree, d)
-        if kv_heads is not None and not kv_heads_compatible(kv_heads, u):
-            u = 1
-        out[d] = (u, d // u)
-    return out
+    sp = cfg.sequence_parallel_size
+    return {d: degree_split(cfg.ulysses_degree, d, kv_heads) for d in range(1, sp) if sp % d == 0}
 
 
 def _partition_for_zero3(model: Any, ds_config: Mapping[str, Any], topo: USPTopology) -> None:

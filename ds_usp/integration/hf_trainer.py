@@ -47,8 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens, shard_batch
-from ds_usp.integration.saves import MANIFEST, CheckpointDamaged, problems, write_manifest
-from ds_usp.log import log_warning
+from ds_usp.integration.saves import MANIFEST, first_complete, verify, write_manifest
 from ds_usp.integration.multimodal import VISUAL_KEYS
 from ds_usp.integration.patches import (TRAINER_ROUTE, check_accelerate_reads_deepspeed_initialize,
                                        fix_trainer_batch_size)
@@ -145,19 +144,9 @@ def complete_checkpoint_folder(output_dir: str, wanted: Any) -> Any:
     if not any((p / MANIFEST).is_file() for p in folders):
         return wanted
     if wanted is not True:
-        found = problems(Path(wanted))
-        if found:
-            raise CheckpointDamaged(f"checkpoint {wanted} is damaged: " + "; ".join(found))
+        verify(Path(wanted))
         return wanted
-    skipped = []
-    for folder in folders:
-        found = problems(folder)
-        if not found:
-            if skipped:
-                log_warning(f"ds-usp: skipped damaged checkpoint(s), resuming from {folder}: " + "; ".join(skipped))
-            return str(folder)
-        skipped.extend(found)
-    raise CheckpointDamaged(f"no complete checkpoint in {root}: " + "; ".join(skipped))
+    return str(root / first_complete(root, [p.name for p in folders]))
 
 
 def _sp_size(ds_config: dict) -> int:

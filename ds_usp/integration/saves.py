@@ -125,13 +125,28 @@ def resolve_tag(load_dir: str, tag: Optional[str], fallback: bool = True) -> Opt
     if not with_manifest:
         return tag
     if tag is not None:
-        found = problems(root / tag)
-        if found:
-            raise CheckpointDamaged(f"checkpoint {root / tag} is damaged: " + "; ".join(found))
+        verify(root / tag)
         return tag
     latest = root / LATEST
     first = latest.read_text().strip() if latest.is_file() else None
     order = ([first] if first else []) + [p.name for p in with_manifest if p.name != first]
+    return first_complete(root, order, fallback)
+
+
+def verify(folder: Path) -> None:
+    """Raise :class:`CheckpointDamaged` listing every file of ``folder`` found wrong against its manifest."""
+    found = problems(folder)
+    if found:
+        raise CheckpointDamaged(f"checkpoint {folder} is damaged: " + "; ".join(found))
+
+
+def first_complete(root: Path, order: list[str], fallback: bool = True) -> str:
+    """The first of ``order`` (folder names under ``root``) that is complete; those before it are skipped with a
+    warning naming what is wrong (``fallback=False``: an error instead).
+
+    Raises:
+        CheckpointDamaged: the first is damaged and ``fallback`` is False, or none is complete.
+    """
     skipped = []
     for candidate in order:
         found = problems(root / candidate)
