@@ -277,6 +277,79 @@ def test_sft_packing_equals_single_process(world4, tmp_path_factory):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=5e-5, atol=1e-6)
 
 
+# ---- dynamic SP through the Trainer: a config key, nothing else ------------------------------------------------------
+
+DYN_BATCH, DYN_STEPS = 6, 3
+
+
+def _dyn_dataset():
+    """Rows of 3 to 150 tokens (a long tail), a prompt masked in each; the collator pads them on the right."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(5)
+    lens = [150, 7, 12, 3, 40, 9, 21, 5, 66, 8, 14, 30, 4, 90, 6, 11, 35, 17][: DYN_BATCH * DYN_STEPS]
+    ids = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
+    return Dataset.from_dict({"input_ids": ids, "labels": [[-100] * (len(x) // 3) + x[len(x) // 3:] for x in ids]})
+
+
+def _pad_right(rows: list) -> dict:
+    seq = max(len(r["input_ids"]) for r in rows)
+    pad = lambda xs, v: torch.tensor([x + [v] * (seq - len(x)) for x in xs])  # noqa: E731
+    return {"input_ids": pad([r["input_ids"] for r in rows], 0), "labels": pad([r["labels"] for r in rows], -100),
+            "attention_mask": pad([[1] * len(r["input_ids"]) for r in rows], 0)}
+
+
+def _dyn_args(out: str, ds_config, gas: int = 1):
+    return _args(out, ds_config, max_steps=DYN_STEPS, per_device_train_batch_size=DYN_BATCH,
+                 gradient_accumulation_steps=gas, remove_unused_columns=False)
+
+
+def train_dynamic_trainer(out: str, stage: int, u: int, r: int, gas: int = 1) -> Any:
+    """On every rank: USPTrainer with ``"usp": {"dynamic_sp": true}``; its logs and parameters (or its refusal)."""
+    from ds_usp import USPTrainer
+
+    _fresh_accelerate()
+    reference = _llama("sdpa").state_dict()
+    config = _ds_config(stage, u, r, "zigzag")
+    config["usp"]["dynamic_sp"] = True
+    args = _dyn_args(out, config, gas)
+    model = _same_weights(_llama("usp"), reference)
+    try:
+        trainer = USPTrainer(model=model, args=args, train_dataset=_dyn_dataset(), data_collator=_pad_right)
+    except ValueError as err:
+        return str(err)
+    trainer.train()
+    return _summary(trainer, stage)
+
+
+@pytest.mark.parametrize("stage,u,r", [(2, 2, 2), (3, 1, 4)], ids=["zero2-2x2", "zero3-1x4"])
+def test_dynamic_sp_trainer_equals_single_process(world4, tmp_path_factory, stage, u, r):
+    """Each step's 6 right-padded rows become documents on the degrees their lengths need (the 150-token row on all 4
+    ranks, short rows alone on one rank): every logged loss and grad norm and the parameters equal the plain Trainer's
+    in one process on the same padded batches; tokens seen count each real token once."""
+    from transformers import Trainer
+
+    _fresh_accelerate()
+    plain = Trainer(model=_llama("sdpa"), args=_dyn_args(str(tmp_path_factory.mktemp("dyn_ref")), None),
+                    train_dataset=_dyn_dataset(), data_collator=_pad_right)
+    plain.train()
+    want = _summary(plain, 0)
+    _fresh_accelerate()
+    results = world4.run(train_dynamic_trainer, str(tmp_path_factory.mktemp("dyn")), stage, u, r)
+    got = results[0]
+    assert len(got["loss"]) == DYN_STEPS and all(res["loss"] == got["loss"] for res in results)
+    torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), **TOL)
+    torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(want["grad_norm"]), **TOL)
+    assert got["tokens"] == want["tokens"] == sum(len(x) for x in _dyn_dataset()["input_ids"])
+    for name, value in got["params"].items():
+        torch.testing.assert_close(value, want["params"][name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_dynamic_sp_trainer_refuses_gradient_accumulation(world4, tmp_path_factory):
+    results = world4.run(train_dynamic_trainer, str(tmp_path_factory.mktemp("dyn_gas")), 2, 2, 2, 2)
+    assert all("gradient_accumulation_steps=1 (not 2)" in str(res) for res in results), results[0]
+
+
 def test_hook_check_names_what_is_missing(monkeypatch):
     """Versions are not gated; a release without a hook the integration uses is refused naming the hook."""
     import transformers

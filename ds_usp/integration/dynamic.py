@@ -119,6 +119,52 @@ def step_targets(documents: Sequence[Mapping[str, Tensor]]) -> int:
     return sum(int((d.get("labels", d["input_ids"]).reshape(-1)[1:] != IGNORE_INDEX).sum()) for d in documents)
 
 
+def documents_of_batch(batch: Mapping[str, Any]) -> list[dict[str, Tensor]]:
+    """A collated batch's documents, each ``input_ids`` and ``labels`` ``(n,)``: every row's real tokens (the
+    ``attention_mask``'s right padding dropped), packed rows cut into their documents (as HF's collators describe them:
+    ``seq_lens``, ``cu_seq_lens_q`` or restarting ``position_ids``).
+
+    Raises:
+        ValueError: padding on the left or between real tokens.
+    """
+    from ds_usp.integration.data import packed_doc_lens, right_padded_docs
+
+    ids = batch["input_ids"]
+    rows, seq = ids.shape
+    labels = batch.get("labels")
+    labels = ids if labels is None else labels
+    mask = batch.get("attention_mask")
+    real = [seq] * rows if mask is None else [row[0] for row in right_padded_docs(mask)]
+    packed = packed_doc_lens(batch, rows, seq) or [[seq]] * rows
+    out = []
+    for r in range(rows):
+        start = 0
+        for n in packed[r]:
+            end = min(start + n, real[r])
+            if end > start:
+                out.append({"input_ids": ids[r, start:end], "labels": labels[r, start:end]})
+            start += n
+    return out
+
+
+def micro_batch_shards(engine: Any, documents: Sequence[Mapping[str, Tensor]], tokens_per_rank: int,
+                       degrees: Optional[Sequence[int]] = None) -> list[dict[str, Any]]:
+    """This rank's shard of every micro batch of :func:`plan_step` over ``documents`` (its sub-group's row, sharded
+    over that degree's groups), in order.
+
+    Raises:
+        ValueError: the engine has no dynamic-SP degrees, or a document does not fit (:func:`plan_step`).
+    """
+    from ds_usp.integration.data import shard_batch
+
+    topo = engine.usp.topo
+    if len(topo.degrees) <= 1 and topo.sp_size > 1 and list(degrees or ()) != [topo.sp_size]:
+        raise ValueError("dynamic SP needs an engine built with \"usp\": {\"dynamic_sp\": true}")
+    plan = plan_step([int(d["input_ids"].numel()) for d in documents], topo.sp_size, tokens_per_rank, degrees)
+    return [shard_batch(pack_row([documents[i] for i in micro.row_of(topo.sp_rank)]),
+                        topo.degrees.get(micro.degree, topo), layout=engine.usp.layout) for micro in plan]
+
+
 def dynamic_sp_step(engine: Any, documents: Sequence[Mapping[str, Tensor]], tokens_per_rank: int,
                     degrees: Optional[Sequence[int]] = None) -> float:
     """One optimizer step of ``engine`` over ``documents`` with dynamic SP (see the module doc).
@@ -138,19 +184,11 @@ def dynamic_sp_step(engine: Any, documents: Sequence[Mapping[str, Tensor]], toke
     Raises:
         ValueError: the engine has no dynamic-SP degrees, or a document does not fit (:func:`plan_step`).
     """
-    from ds_usp.integration.data import shard_batch
-
-    topo = engine.usp.topo
-    if len(topo.degrees) <= 1 and topo.sp_size > 1 and list(degrees or ()) != [topo.sp_size]:
-        raise ValueError("dynamic_sp_step needs an engine built with \"usp\": {\"dynamic_sp\": true}")
-    plan = plan_step([int(d["input_ids"].numel()) for d in documents], topo.sp_size, tokens_per_rank, degrees)
+    shards = micro_batch_shards(engine, documents, tokens_per_rank, degrees)
     targets = torch.tensor(float(max(step_targets(documents), 1)))
     total = 0.0
-    for k, micro in enumerate(plan):
-        sub = topo.degrees.get(micro.degree, topo)
-        row = pack_row([documents[i] for i in micro.row_of(topo.sp_rank)])
-        shard = shard_batch(row, sub, layout=engine.usp.layout)
-        engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
+    for k, shard in enumerate(shards):
+        engine.set_gradient_accumulation_boundary(k == len(shards) - 1)
         loss = engine(**shard, num_items_in_batch=targets).loss
         engine.backward(loss, scale_wrt_gas=False)
         total += float(loss.detach())

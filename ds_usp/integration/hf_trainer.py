@@ -66,6 +66,7 @@ HOOKS = (
     ("transformers", "Trainer", "compute_loss", ("model", "inputs", "return_outputs", "num_items_in_batch")),
     ("transformers", "Trainer", "prediction_step", ("model", "inputs", "prediction_loss_only", "ignore_keys")),
     ("transformers", "Trainer", "_prepare_inputs", ("inputs",)),
+    ("transformers", "Trainer", "training_step", ("model", "inputs", "num_items_in_batch")),
     ("transformers", "Trainer", "_save_checkpoint", ("model", "trial")),
     ("transformers", "Trainer", "_get_output_dir", ("trial",)),
     ("transformers", "Trainer", "train", ("resume_from_checkpoint",)),
@@ -74,6 +75,7 @@ HOOKS = (
     ("transformers.integrations.deepspeed", "HfTrainerDeepSpeedConfig", "trainer_config_process",
      ("args", "auto_find_batch_size")),
     ("accelerate", "Accelerator", "prepare", ()),
+    ("accelerate.state", "GradientState", "_set_sync_gradients", ("sync_gradients",)),
     ("accelerate.data_loader", "BatchSamplerShard", "__init__", ("num_processes", "process_index")),
 )
 # Trainer attributes this module sets for the Trainer to read: each must still be read by transformers.trainer.
@@ -278,6 +280,12 @@ class USPTrainerMixin(USPTrainerBase):
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is not None and plugin.deepspeed_config.get("sequence_parallel"):
             self.loss_is_scaled_for_ga = True
+            usp_block = plugin.deepspeed_config.get("usp") or {}
+            if usp_block.get("dynamic_sp") is True and self.args.gradient_accumulation_steps != 1:
+                raise ValueError(f"USPTrainer with \"usp\": {{\"dynamic_sp\": true}} plans each optimizer step's "
+                                 f"micro batches itself: set gradient_accumulation_steps=1 (not "
+                                 f"{self.args.gradient_accumulation_steps}) and per_device_train_batch_size to the "
+                                 f"sequences of one step")
 
     def _shard(self, batch: dict) -> dict:
         usp = self._usp
@@ -296,10 +304,50 @@ class USPTrainerMixin(USPTrainerBase):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
+        if len(self._usp.topo.degrees) > 1 and batches:
+            return self._dynamic_step([self._prepare_inputs(b) for b in batches], device)
         shards = [self._shard(self._prepare_inputs(b)) for b in batches]
         count = torch.tensor(sum(int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards), device=device)
         dist.all_reduce(count)  # the shards partition a group's targets, the replicas hold different ones
         return shards, count
+
+    # ---- dynamic SP: each optimizer step's documents on the degrees their lengths need -------------------------
+    def _dynamic_step(self, batches: list, device: Any) -> tuple[list, Tensor]:
+        """The step's sequences as documents (padding dropped, packed rows cut), planned by
+        :func:`ds_usp.plan_step` with ``tokens_per_rank`` = the longest document over the SP size (it runs on the
+        whole group, each shorter one on the smallest degree that holds it): one :class:`DynamicStep` holding every
+        micro batch's shard, and the step's targets over the replicas."""
+        from ds_usp.integration.dynamic import documents_of_batch, micro_batch_shards, step_targets
+
+        visual = sorted(k for b in batches for k in VISUAL_KEYS if b.get(k) is not None)
+        if visual:
+            raise ValueError(f"USPTrainer: \"dynamic_sp\" takes text documents; this batch has {visual}")
+        topo = self._usp.topo
+        documents = [d for b in batches for d in documents_of_batch(b)]
+        longest = max(int(d["input_ids"].numel()) for d in documents)
+        shards = micro_batch_shards(self.model_wrapped, documents, -(-longest // topo.sp_size))
+        count = torch.tensor(step_targets(documents), device=device)
+        if topo.dp_size > 1:
+            dist.all_reduce(count, group=topo.dp_group)  # the ranks of a group hold the same documents
+        tokens = sum(int(d["input_ids"].numel()) for d in documents) if topo.sp_rank == 0 else 0
+        return [DynamicStep(shards, tokens)], count
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Optional[Tensor] = None) -> Tensor:
+        """A :class:`DynamicStep`: every micro batch's forward and backward, DeepSpeed's accumulation boundary (and so
+        its optimizer step) on the last; otherwise the Trainer's."""
+        if not isinstance(inputs, DynamicStep):
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        state, total = self.accelerator.gradient_state, torch.zeros(())
+        try:
+            for k, shard in enumerate(inputs.shards):
+                state._set_sync_gradients(k == len(inputs.shards) - 1)  # accelerate's DeepSpeed backward reads it
+                loss = self.compute_loss(model, shard, num_items_in_batch=num_items_in_batch)
+                self.accelerator.backward(loss)
+                total = total + loss.detach().cpu()
+        finally:
+            state._set_sync_gradients(True)
+        return total
 
     # ---- the loss ------------------------------------------------------------------------------------------
     def _refuse_other_losses(self) -> None:
@@ -358,6 +406,18 @@ class USPTrainerMixin(USPTrainerBase):
         if state.end_of_dataloader and state.remainder > 0:
             tensor = tensor[:state.remainder]  # the last uneven batch was padded with repeated samples
         return tensor
+
+
+class DynamicStep(dict):
+    """One dynamic-SP optimizer step, the one batch the Trainer's loop gets per step: ``shards``, this rank's shard of
+    every micro batch; as a dict it holds only what the Trainer counts tokens seen from (``input_ids`` and
+    ``attention_mask`` as long as the step's real tokens on the SP group's first rank, empty on the others, so that
+    the sum over ranks counts each token once)."""
+
+    def __init__(self, shards: list, tokens: int) -> None:
+        super().__init__(input_ids=torch.zeros(tokens, dtype=torch.long),
+                         attention_mask=torch.ones(tokens, dtype=torch.long))
+        self.shards = shards
 
 
 _BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "seq_lens", "cu_seq_lens_q", *VISUAL_KEYS)
