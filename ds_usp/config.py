@@ -97,6 +97,10 @@ class _USPBlock(BaseModel):
         False, "true or false", "also build the groups of every smaller sequence-parallel degree (a divisor of "
         "`sequence_parallel_size`), so that a micro batch's rows can run on fewer ranks each "
         "(`ds_usp.shard_batch(rows, engine.usp.topo.degrees[d])`); losses stay averaged over the whole SP group")
+    async_save: StrictBool = _key(
+        False, "true or false", "`engine.save_checkpoint` pauses training only to copy the state; a background "
+        "thread writes the files, and the manifest and `latest` follow once every rank's files are on disk "
+        "(docs/reliability.md)")
     tile_mib: Union[StrictInt, StrictFloat] = _key(
         128, "a positive number of MiB", "the size of one tile: the most a loss chunk's fp32 logits take, what an MLP tile's backward holds",
         gt=0, allow_inf_nan=False)
@@ -111,7 +115,7 @@ def _type_name(key: str) -> str:
     kinds = {"ulysses_degree": "integer", "ring_degree": "integer", "timeout_seconds": "number", "tile_mib": "number",
              "native_op": "string or boolean", "chunked_loss": "string or boolean", "tiled_mlp": "string or boolean",
              "activation_checkpointing": "string or boolean", "offload_activations": "string or boolean",
-             "dynamic_sp": "boolean"}
+             "dynamic_sp": "boolean", "async_save": "boolean"}
     return kinds.get(key, "string" if isinstance(default, str) else type(default).__name__)
 
 
@@ -162,6 +166,7 @@ class USPConfig:
         tile_mib: the tile budget in MiB.
         vision_tower: ``"replicated"`` or ``"sharded"`` (a VLM's vision tower).
         dynamic_sp: build the groups of every smaller SP degree too.
+        async_save: checkpoints written by a background thread.
     """
 
     mode: Optional[str]
@@ -183,6 +188,7 @@ class USPConfig:
     tile_mib: float = 128.0
     vision_tower: str = "replicated"
     dynamic_sp: bool = False
+    async_save: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -471,4 +477,4 @@ def load_usp_config(
                      activation_checkpointing="selective" if block.activation_checkpointing is True
                      else block.activation_checkpointing, offload_activations=block.offload_activations,
                      tile_mib=float(block.tile_mib), vision_tower=block.vision_tower,
-                     dynamic_sp=block.dynamic_sp)
+                     dynamic_sp=block.dynamic_sp, async_save=block.async_save)

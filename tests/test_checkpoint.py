@@ -71,13 +71,16 @@ def _engine(stage: int, u: int, r: int, dp: int, universal: bool = False):
 
 
 def train(ckpt_dir: str, stage: int, u: int, r: int, dp: int, *, save: bool = False, resume: str = "",
-          universal: bool = False, mutate: str = "") -> tuple[dict, dict]:
+          universal: bool = False, mutate: str = "", async_save: bool = False) -> tuple[dict, dict]:
     """On every rank: train to step STEPS, from scratch or resumed from ``ckpt_dir``.
 
     Args:
         resume: "" (from scratch), "engine" (``engine.load_checkpoint``) or "helper"
             (``ds_usp.checkpoint.load_checkpoint``, which checks the checkpoint first).
         mutate: one of MUTATIONS: drop that part of the state on resume (to show the test notices).
+        async_save: save with ``async_save=True``, each file's write held back 1.5 s so that later steps run (and
+            change the parameters and optimizer state) while the save is still being written; the save must
+            return before its manifest exists.
 
     Returns:
         ``({step: loss}, params after the last step)``; the loss is the global batch's mean.
@@ -117,7 +120,23 @@ def train(ckpt_dir: str, stage: int, u: int, r: int, dp: int, *, save: bool = Fa
             dist.all_reduce(value, group=topo.dp_group)
         losses[step + 1] = float(value) / GLOBAL_BATCH
         if save and engine.global_steps == SAVE_AT:
-            engine.save_checkpoint(ckpt_dir)
+            if async_save:
+                import time
+
+                write = engine.checkpoint_engine.save
+
+                def slow_write(state_dict, path, _write=write):
+                    time.sleep(1.5)
+                    _write(state_dict, path)
+
+                engine.checkpoint_engine.save = slow_write
+                engine.save_checkpoint(ckpt_dir, async_save=True)
+                assert not os.path.exists(os.path.join(ckpt_dir, f"global_step{SAVE_AT}", "ds_usp_manifest.json"))
+            else:
+                engine.save_checkpoint(ckpt_dir)
+    if async_save:
+        engine.wait_for_checkpoint()
+        dist.barrier()  # every rank's wait returned: rank 0's committed too
     return losses, _params(engine, stage)
 
 
@@ -175,6 +194,24 @@ def test_same_layout_resume_is_exact(world4, saved, stage):
         assert sorted(got_losses) == list(range(SAVE_AT + 1, STEPS + 1))
         assert _tail(got_losses) == _tail(losses), f"ZeRO-{stage}: {got_losses} vs {losses}"
         assert got_params.keys() == params.keys()
+        for name in params:
+            assert torch.equal(got_params[name], params[name]), f"ZeRO-{stage} {name}"
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"zero{s}")
+def test_an_async_save_taken_while_training_goes_on_resumes_exactly(world4, saved, tmp_path, stage):
+    """``save_checkpoint(..., async_save=True)`` at step 2 returns before its files are written; steps 3-5 run while
+    they are (each write held back); the checkpoint it leaves resumes to the blocking run's losses and parameters
+    bitwise: the files hold step 2's state, not a later one."""
+    ckpt_dir, losses, params = saved(stage)
+    ckpt = str(tmp_path / "checkpoints")
+    trained = world4.run(train, ckpt, stage, *SAVED, save=True, async_save=True)
+    assert trained[0][0] == losses  # saving asynchronously did not change training
+    assert open(os.path.join(ckpt, "latest")).read().strip() == f"global_step{SAVE_AT}"
+    assert sorted(os.listdir(os.path.join(ckpt, f"global_step{SAVE_AT}"))) == sorted(
+        os.listdir(os.path.join(ckpt_dir, f"global_step{SAVE_AT}")))  # no marker left behind
+    for got_losses, got_params in world4.run(train, ckpt, stage, *SAVED, resume="engine"):
+        assert _tail(got_losses) == _tail(losses), f"ZeRO-{stage}: {got_losses} vs {losses}"
         for name in params:
             assert torch.equal(got_params[name], params[name]), f"ZeRO-{stage} {name}"
 
@@ -285,7 +322,8 @@ def damaged_load(ckpt_dir: str, stage: int, damage: str) -> tuple[str, str, int]
     engine.load_checkpoint(ckpt_dir)
     engine.save_checkpoint(ckpt_dir, tag="later")
     later = os.path.join(ckpt_dir, "later")
-    victim = os.path.join(later, sorted(f for f in os.listdir(later) if f.endswith("optim_states.pt"))[-1])
+    kind = "model_states.pt" if stage == 3 else "optim_states.pt"  # ZeRO-3: a rank's shard of the parameters
+    victim = os.path.join(later, sorted(f for f in os.listdir(later) if f.endswith(kind))[-1])
     if dist.get_rank() == 0:
         if damage == "corrupt":  # 4 KiB overwritten inside, the size unchanged
             with open(victim, "r+b") as f:
@@ -308,13 +346,16 @@ def damaged_load(ckpt_dir: str, stage: int, damage: str) -> tuple[str, str, int]
     return path, refusal, fresh.global_steps
 
 
-@pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_latest_is_named_and_the_previous_checkpoint_loads(world4, saved, tmp_path, damage):
+DAMAGE_CASES = [(d, 2) for d in DAMAGES] + [("corrupt", 1), ("truncated", 3)]
+
+
+@pytest.mark.parametrize("damage,stage", DAMAGE_CASES, ids=[f"{d}-zero{s}" for d, s in DAMAGE_CASES])
+def test_a_damaged_latest_is_named_and_the_previous_checkpoint_loads(world4, saved, tmp_path, damage, stage):
     import shutil
 
     ckpt = str(tmp_path / "checkpoints")
-    shutil.copytree(saved(2)[0], ckpt)
-    results = world4.run(damaged_load, ckpt, 2, damage)
+    shutil.copytree(saved(stage)[0], ckpt)
+    results = world4.run(damaged_load, ckpt, stage, damage)
     words = {"corrupt": "SHA-256", "truncated": "expected", "missing": "missing", "torn_latest": "did not complete"}
     for path, refusal, step in results:
         assert f"/global_step{SAVE_AT}/" in path and step == SAVE_AT, path

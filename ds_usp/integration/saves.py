@@ -12,23 +12,36 @@ identically on every rank. By default it falls back to the newest complete check
 skipped; ``load_checkpoint(..., fallback=False)`` makes that an error. A directory saved without manifests (before
 ds-usp wrote them, or by DeepSpeed directly) loads as before, unverified.
 
+Asynchronous saves (``save_checkpoint(..., async_save=True)``, or ``"usp": {"async_save": true}``): the step pauses
+only while DeepSpeed's save runs against a checkpoint engine that copies each state dict (:class:`_Snapshots`); a
+background thread on every rank then writes and syncs its copies and drops a marker file (:data:`WRITTEN`), and rank
+0's thread, once every rank's marker is there, writes the manifest and moves ``latest``: the same order as a blocking
+save, with no collective off the main thread. A save, a load or the end of the process waits for the pending one
+(``engine.wait_for_checkpoint()`` does so explicitly and raises what the background write raised). A crash before the
+manifest leaves the previous checkpoint as ``latest``, as for a blocking save.
+
 The files of a tag must be visible to rank 0 (one node, or a shared filesystem: what DeepSpeed's own ``latest``
 assumes).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from ds_usp.log import log_warning
 
 MANIFEST = "ds_usp_manifest.json"
 LATEST = "latest"
+WRITTEN = ".ds_usp_written.rank"  # + rank: an asynchronous save's files of that rank are written and synced
 
 
 class CheckpointDamaged(ValueError):
@@ -66,7 +79,7 @@ def write_manifest(folder: Path, step: int) -> dict:
     """Sync every file of a tag and write its manifest (last). Returns the manifest."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST and
-                       not p.name.startswith(f".{MANIFEST}")):
+                       not p.name.startswith((f".{MANIFEST}", WRITTEN))):
         _fsync(path)
         files[str(path.relative_to(folder))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     manifest = {"step": step, "files": files}
@@ -163,30 +176,167 @@ def first_complete(root: Path, order: list[str], fallback: bool = True) -> str:
     raise CheckpointDamaged(f"no complete checkpoint in {root}: " + "; ".join(skipped))
 
 
+def commit(save_dir: str, tag: str, step: int, save_latest: bool) -> None:
+    """Rank 0, once every rank's files of ``tag`` are written: the manifest (last of the tag's files), then
+    ``latest``."""
+    write_manifest(Path(save_dir) / tag, step)
+    if save_latest:
+        _write_atomically(Path(save_dir) / LATEST, tag)
+
+
+def _snapshot(obj: Any) -> Any:
+    """A copy of a state dict that later training steps cannot change: tensors copied to host memory (a view becomes
+    a compact tensor, as DeepSpeed's own clone before ``torch.save`` does), containers copied, other values deep-copied
+    (numbers and strings shared)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, (dict, list)):
+        out = copy.copy(obj)
+        for key in (out.keys() if isinstance(out, dict) else range(len(out))):
+            out[key] = _snapshot(out[key])
+        return out
+    if isinstance(obj, tuple):
+        items = [_snapshot(x) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)):
+        return obj
+    return copy.deepcopy(obj)
+
+
+class _Snapshots:
+    """A checkpoint engine in front of DeepSpeed's: ``save`` keeps a :func:`_snapshot` of each state dict to be written
+    later by the engine behind it; everything else is the engine behind it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.files: list[tuple[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.files.append((path, _snapshot(state_dict)))
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # the snapshot is already compact: DeepSpeed need not clone first
+
+    def is_decoupled(self) -> bool:
+        return False
+
+
+class _Pending:
+    """The asynchronous save a rank still writes (at most one)."""
+
+    def __init__(self) -> None:
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+        self.what = ""
+        self.started = False  # an asynchronous save was ever started (the same on every rank: saves are collective)
+
+    def start(self, what: str, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - kept for wait(), logged now
+                self.error = err
+                log_warning(f"ds-usp: the background save of {what} failed: {err}")
+
+        self.what, self.error, self.started = what, None, True
+        self.thread = threading.Thread(target=run, name="ds-usp-save", daemon=False)  # a normal exit finishes it
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"ds-usp: the background save of {self.what} failed: {err}") from err
+
+
+def _write_later(inner: Any, files: list[tuple[str, Any]], save_dir: str, tag: str, step: int, save_latest: bool,
+                 rank: int, world: int, timeout: float) -> None:
+    """A background save's work on one rank: its files written and synced, its marker; rank 0 then waits for every
+    rank's marker and commits."""
+    folder = Path(save_dir) / tag
+    for path, state in files:
+        inner.save(state, path)
+        _fsync(Path(path))
+    _write_atomically(folder / f"{WRITTEN}{rank}", "")
+    if rank != 0:
+        return
+    markers = [folder / f"{WRITTEN}{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout
+    while not all(m.exists() for m in markers):
+        if time.monotonic() > deadline:
+            missing = [m.name for m in markers if not m.exists()]
+            raise TimeoutError(f"{folder}: after {timeout:.0f} s the ranks of {', '.join(missing)} have not written "
+                               f"their files; the checkpoint stays incomplete and latest unchanged")
+        time.sleep(0.05)
+    for marker in markers:
+        marker.unlink()
+    commit(save_dir, tag, step, save_latest)
+
+
 def install(engine: Any) -> None:
-    """Give ``engine`` the atomic ``save_checkpoint`` and the verifying ``load_checkpoint`` (module docstring)."""
+    """Give ``engine`` the atomic ``save_checkpoint`` (blocking or asynchronous), the verifying ``load_checkpoint`` and
+    ``wait_for_checkpoint`` (module docstring)."""
     save: Callable[..., Any] = engine.save_checkpoint
     load: Callable[..., Any] = engine.load_checkpoint
+    usp_config = getattr(getattr(engine, "usp", None), "config", None)
+    default_async = bool(getattr(usp_config, "async_save", False))
+    timeout = float(getattr(usp_config, "timeout_seconds", 1800.0))
+    pending = _Pending()
+
+    def settle() -> None:
+        """Wait for this rank's pending save; once the engine has saved asynchronously, every rank raises if any
+        rank's background write failed (so none goes on into a collective the failed one never reaches)."""
+        try:
+            pending.wait()
+            mine = ""
+        except RuntimeError as err:
+            mine = str(err)
+        if pending.started and dist.is_initialized():
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            failed = [f"rank {r}: {e}" for r, e in enumerate(everyone) if e]
+            if failed:
+                raise RuntimeError("; ".join(failed))
+        elif mine:
+            raise RuntimeError(mine)
 
     def save_checkpoint(save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, **kwargs: Any) -> Any:
+                        save_latest: bool = True, async_save: Optional[bool] = None, **kwargs: Any) -> Any:
+        settle()  # one save at a time, in order: an older one never moves latest after a newer one
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        out = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
+        step = int(engine.global_steps)
         distributed = dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        if async_save if async_save is not None else default_async:
+            inner = engine.checkpoint_engine
+            engine.checkpoint_engine = snapshots = _Snapshots(inner)
+            try:
+                out = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
+            finally:
+                engine.checkpoint_engine = inner
+            pending.start(f"{Path(save_dir) / tag}", lambda: _write_later(
+                inner, snapshots.files, save_dir, tag, step, save_latest, rank, world, timeout))
+            return out
+        out = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
         if distributed:
             dist.barrier()  # every rank's files are written
-        if not distributed or dist.get_rank() == 0:
-            write_manifest(Path(save_dir) / tag, int(engine.global_steps))
-            if save_latest:
-                _write_atomically(Path(save_dir) / LATEST, tag)
+        if rank == 0:
+            commit(save_dir, tag, step, save_latest)
         if distributed:
             dist.barrier()  # nobody returns before the checkpoint is complete
         return out
 
     def load_checkpoint(load_dir: str, tag: Optional[str] = None, *args: Any, fallback: bool = True,
                         **kwargs: Any) -> Any:
+        settle()
         return load(load_dir, resolve_tag(load_dir, tag, fallback), *args, **kwargs)
 
     load_checkpoint.unverified = load  # for a caller that resolved (verified) the tag itself
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+    engine.wait_for_checkpoint = pending.wait
