@@ -78,14 +78,18 @@ def _summary(trainer, stage: int) -> dict:
             if stage else {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
 
 
-def train_trainer(out: str, stage: int, u: int, r: int, layout: str, resume: Any = False, save: bool = False) -> dict:
-    """On every rank: USPTrainer on the DeepSpeed JSON with "sequence_parallel"; returns its logs and parameters."""
+def train_trainer(out: str, stage: int, u: int, r: int, layout: str, resume: Any = False, save: bool = False,
+                  async_save: bool = False) -> dict:
+    """On every rank: USPTrainer on the DeepSpeed JSON with "sequence_parallel" (and ``usp.async_save``); returns its
+    logs and parameters."""
     from ds_usp import USPTrainer
 
     _fresh_accelerate()
     reference = _llama("sdpa").state_dict()  # before the arguments switch HF's zero.Init on
     extra = {"save_strategy": "steps", "save_steps": 2} if save else {}
-    args = _args(out, _ds_config(stage, u, r, layout), **extra)
+    config = _ds_config(stage, u, r, layout)
+    config["usp"]["async_save"] = async_save
+    args = _args(out, config, **extra)
     model = _same_weights(_llama("usp"), reference)  # ZeRO-3: built inside HF's zero.Init (the arguments came first)
     trainer = USPTrainer(model=model, args=args, train_dataset=_dataset(STEPS * GAS), eval_dataset=_dataset(4))
     engine_ok = trainer.state is not None
@@ -136,7 +140,9 @@ def test_trainer_equals_single_process(world4, tmp_path_factory, single_process,
 
 def test_resume_continues_bitwise(world4, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("resume"))
-    full = world4.run(train_trainer, out, 2, 2, 2, "zigzag", False, True)[0]
+    # saved with "usp.async_save": the engine writes in the background, the trainer waits before the folder's manifest
+    full = world4.run(train_trainer, out, 2, 2, 2, "zigzag", False, True, True)[0]
+    assert all(os.path.isfile(os.path.join(out, f"checkpoint-{n}", "ds_usp_manifest.json")) for n in (2, 4))
     resumed = world4.run(train_trainer, out, 2, 2, 2, "zigzag", True, False)[0]
     # the first two logged losses come back with the checkpoint's trainer state; steps 3..5 are new and bitwise equal
     assert len(resumed["loss"]) == STEPS and resumed["loss"] == full["loss"], (resumed["loss"], full["loss"])
@@ -158,7 +164,9 @@ def test_resume_skips_a_damaged_checkpoint_folder(world4, tmp_path_factory):
     from ds_usp.integration.saves import MANIFEST, CheckpointDamaged
 
     out = str(tmp_path_factory.mktemp("damaged"))
-    full = world4.run(train_trainer, out, 2, 2, 2, "zigzag", False, True)[0]
+    # saved with "usp.async_save": the engine writes in the background, the trainer waits before the folder's manifest
+    full = world4.run(train_trainer, out, 2, 2, 2, "zigzag", False, True, True)[0]
+    assert all(os.path.isfile(os.path.join(out, f"checkpoint-{n}", "ds_usp_manifest.json")) for n in (2, 4))
     assert all(os.path.isfile(os.path.join(out, f"checkpoint-{n}", MANIFEST)) for n in (2, 4, 5))
     shutil.rmtree(os.path.join(out, "checkpoint-5"))  # the run "crashed" while saving checkpoint-4
     victim = os.path.join(out, "checkpoint-4", "trainer_state.json")

@@ -254,6 +254,9 @@ class USPTrainerBase:
         finally:
             self.args.save_total_limit = limit
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        wait = getattr(self.model_wrapped, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()  # under "usp.async_save" the engine's files are still being written: the folder's manifest waits
         dist.barrier()  # every rank's files (DeepSpeed's, the RNG states) are written
         if self.args.should_save:
             write_manifest(folder, self.state.global_step)
