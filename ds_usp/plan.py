@@ -176,6 +176,11 @@ def smallest_fitting_cluster(shape: ModelShape, hw: Hardware, seq: int, **kw: An
     return None
 
 
+def _count_degrees(degrees: Sequence[int]) -> str:
+    """``[4, 4, 2, 1]`` as "2 at degree 4, 1 at degree 2, 1 at degree 1" (a histogram's plan has thousands)."""
+    return ", ".join(f"{degrees.count(d)} at degree {d}" for d in sorted(set(degrees), reverse=True))
+
+
 def read_lengths(path: str) -> list[int]:
     """Document lengths from a file: one per line or a JSON list; or a histogram (lines ``length count``, or JSON
     ``{"lengths": [...], "counts": [...]}``), expanded.
@@ -353,8 +358,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"fastest plan with one (#{dynamic['plan']}) "
                   f"(U={s.ulysses} R={s.ring}): static SP {dynamic['static']['tokens_per_s']:.0f} tokens/s "
                   f"({len(dynamic['static']['micro_batches'])} rows of {args.seq}), dynamic SP "
-                  f"{dynamic['dynamic']['tokens_per_s']:.0f} tokens/s (micro batches at degrees "
-                  f"{dynamic['dynamic']['micro_batches']}): {dynamic['speedup']:.2f}x")
+                  f"{dynamic['dynamic']['tokens_per_s']:.0f} tokens/s (micro batches: "
+                  f"{_count_degrees(dynamic['dynamic']['micro_batches'])}): {dynamic['speedup']:.2f}x")
     if not good:
         seq_ok = largest_fitting_seq(shape, hw, args.seq, **kw)
         nodes_ok = smallest_fitting_cluster(shape, hw, args.seq, **kw)
