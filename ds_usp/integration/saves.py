@@ -313,6 +313,9 @@ def install(engine: Any) -> None:
         distributed = dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         if async_save if async_save is not None else default_async:
+            # a marker left by an earlier save of this tag that crashed must not count: each rank drops its own
+            # before DeepSpeed's save, whose barriers come before any rank's thread starts
+            (Path(save_dir) / tag / f"{WRITTEN}{rank}").unlink(missing_ok=True)
             inner = engine.checkpoint_engine
             engine.checkpoint_engine = snapshots = _Snapshots(inner)
             try:
