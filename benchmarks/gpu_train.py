@@ -13,6 +13,8 @@ DeepSpeed's fp32 master weights, ZeRO-3, AdamW, one sequence of S random tokens 
 * ``ds-usp``: ``"sequence_parallel": "usp"`` and nothing else (memory features "auto": chunked loss, tiled
   MLP, checkpointing, offload of the checkpointed inputs as the step plan decides);
 * ``ds-usp off``: the same with every memory feature false (only the attention path);
+* ``ds-usp offload`` / ``ds-usp no offload``: "auto" with ``offload_activations`` true / false (what offloading
+  the checkpointed inputs saves and costs);
 * ``ALST full``: DeepSpeed's own pieces as its ALST tutorial wires them at sequence parallel 1: HF Llama
   with sdpa attention, ``TiledMLP`` (``ceil(S / hidden)`` shards), ``TiledFusedLogitsLoss`` (1/8 GiB fp32
   logits tiles) and HF gradient checkpointing (ALST's checkpoint offload lives in ArcticTraining, not in
@@ -120,8 +122,7 @@ def usp_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, C
     import ds_usp
 
     ds_usp.hf.register_usp_attention()
-    usp = {} if name == "ds-usp" else {"chunked_loss": False, "tiled_mlp": False, "activation_checkpointing": False,
-                                       "offload_activations": False}
+    usp = USP_SETTINGS[name]
     model = build_model(shape, "usp")
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(),
                                    config=dict(ds_config(args), sequence_parallel="usp", usp=usp))
@@ -166,7 +167,14 @@ def alst_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, 
     return engine, at
 
 
-SYSTEMS = {"ds-usp": usp_system, "ds-usp off": usp_system, "ALST full": alst_system}
+# the "usp" block of each ds-usp system: "auto" everywhere; every memory feature off; "auto" with the checkpointed
+# inputs offloaded to host memory, and the same kept on the GPU (item 4 of issue 40: what offload saves and costs)
+USP_SETTINGS = {"ds-usp": {},
+                "ds-usp off": {"chunked_loss": False, "tiled_mlp": False, "activation_checkpointing": False,
+                               "offload_activations": False},
+                "ds-usp offload": {"offload_activations": True},
+                "ds-usp no offload": {"offload_activations": False}}
+SYSTEMS = {**{name: usp_system for name in USP_SETTINGS}, "ALST full": alst_system}
 
 
 # ---------------------------------------------------------------------------------------- worker
