@@ -35,11 +35,11 @@ MAX_JOBS=8 python3 -c "import torch; from ds_usp.native import resolve_native_op
     r(True, torch.device('cuda')).source, r(True, torch.device('cpu')).source)" > "$R/build.log" 2>&1 &
 cd benchmarks
 # 1. the whole training step, 1B Llama-3 shape, bf16, ZeRO-3, S doubling from 16K (the GPU otherwise idle)
-step 330 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 2 --budget 75 \
+step 300 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 2 --budget 75 \
     --json "$R/gpu_train.json"
 wait
 # 2. offload_activations: "ds-usp" above offloads at 128K ("auto"); the same step with it off
-step 100 offload python3 gpu_train.py --shape 1b --systems "ds-usp no offload" --start 131072 --max-seq 131072 \
+step 90 offload python3 gpu_train.py --shape 1b --systems "ds-usp no offload" --start 131072 --max-seq 131072 \
     --steps 2 --budget 60 --json "$R/gpu_offload.json"
 # 3. hybrid families with the kernels transformers picks on CUDA, against the unsharded model
 step 70 hybrid python3 gpu_hybrid.py --families qwen3_5_text,jamba,nemotron_h --json "$R/gpu_hybrid.json"
@@ -47,5 +47,5 @@ step 70 hybrid python3 gpu_hybrid.py --families qwen3_5_text,jamba,nemotron_h --
 step 45 triton python3 triton_attn.py --seqs 16384 --softcap 50 --iters 3 --warmup 1 --json "$R/triton_softcap.json"
 cd ..
 # 5. the GPU tests (native CUDA op, Triton compiled, CUDA kernels) and the quick subset, on the GPU host
-step 150 pytest python3 -m pytest -q -m "gpu or fast" -p no:cacheprovider
+step 120 pytest python3 -m pytest -q -m "gpu or fast" -p no:cacheprovider
 tail -5 "$R/session.log"
