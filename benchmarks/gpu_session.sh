@@ -3,7 +3,9 @@
 # one step that hangs leaves the others their time. Run from the repository root on the GPU machine, with the
 # wheels of DeepSpeed 0.19.8 and what the image lacks in .whl/ (see docs/benchmarks.md, "GPU training"):
 #
-#     bash benchmarks/gpu_session.sh RESULTS_DIR
+#     bash benchmarks/gpu_session.sh RESULTS_DIR [STEP...]
+#
+# STEPS (default: all, in this order): train alst128 offload hybrid pytest triton.
 #
 # Writes into RESULTS_DIR: env.txt (device, driver, versions), gpu_train.json + train.log (1B shape: ds-usp, ALST
 # full, ds-usp without its memory features), gpu_offload.json (offload_activations off at the longest S),
@@ -11,6 +13,8 @@
 # tests and the quick subset on the GPU host).
 set -u
 R=${1:?results folder}
+shift
+STEPS=${*:-train alst128 offload hybrid pytest triton}
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -18,6 +22,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 step() {  # step SECONDS NAME COMMAND...: one step under its limit, its output in session.log
     local limit=$1 name=$2; shift 2
+    [[ " $STEPS " == *" $name "* ]] || return 0
     echo "=== $name ($(date +%T), limit ${limit}s)" | tee -a "$R/session.log"
     timeout "$limit" "$@" >> "$R/session.log" 2>&1
     echo "=== $name: exit $? ($(date +%T))" | tee -a "$R/session.log"
@@ -34,18 +39,22 @@ EOF
 MAX_JOBS=8 python3 -c "import torch; from ds_usp.native import resolve_native_op as r; print('native op:', \
     r(True, torch.device('cuda')).source, r(True, torch.device('cpu')).source)" > "$R/build.log" 2>&1 &
 cd benchmarks
-# 1. the whole training step, 1B Llama-3 shape, bf16, ZeRO-3, S doubling from 16K (the GPU otherwise idle)
-step 300 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 2 --budget 75 \
+# the whole training step, 1B Llama-3 shape, bf16, ZeRO-3, S doubling from 16K (the GPU otherwise idle)
+step 300 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 2 --budget 120 \
     --json "$R/gpu_train.json"
-wait
-# 2. offload_activations: "ds-usp" above offloads at 128K ("auto"); the same step with it off
+# DeepSpeed's ALST recipe at 128K, which the budget above may stop before
+step 100 alst128 python3 gpu_train.py --shape 1b --systems "ALST full" --start 131072 --max-seq 131072 --steps 2 \
+    --budget 90 --json "$R/gpu_alst128.json"
+# offload_activations: "ds-usp" above offloads at 128K ("auto"); the same step with it off
 step 90 offload python3 gpu_train.py --shape 1b --systems "ds-usp no offload" --start 131072 --max-seq 131072 \
     --steps 2 --budget 60 --json "$R/gpu_offload.json"
-# 3. hybrid families with the kernels transformers picks on CUDA, against the unsharded model
-step 70 hybrid python3 gpu_hybrid.py --families qwen3_5_text,jamba,nemotron_h --json "$R/gpu_hybrid.json"
-# 4. the Triton kernels with soft-capping against PyTorch's attention
-step 45 triton python3 triton_attn.py --seqs 16384 --softcap 50 --iters 3 --warmup 1 --json "$R/triton_softcap.json"
+# hybrid families with the kernels transformers picks on CUDA, against the unsharded model
+step 60 hybrid python3 gpu_hybrid.py --families qwen3_5_text,jamba,nemotron_h --json "$R/gpu_hybrid.json"
 cd ..
-# 5. the GPU tests (native CUDA op, Triton compiled, CUDA kernels) and the quick subset, on the GPU host
-step 120 pytest python3 -m pytest -q -m "gpu or fast" -p no:cacheprovider
+# the GPU tests (native CUDA op, Triton compiled, CUDA kernels) on the GPU host; the build above is done by then
+wait
+step 90 pytest python3 -m pytest -q -m gpu -p no:cacheprovider
+# the Triton kernels with soft-capping against PyTorch's attention
+step 45 triton python3 benchmarks/triton_attn.py --seqs 16384 --softcap 50 --iters 3 --warmup 1 \
+    --json "$R/triton_softcap.json"
 tail -5 "$R/session.log"

@@ -204,7 +204,8 @@ def run_worker(args: argparse.Namespace) -> None:
                                       f"--budget {args.budget:.0f} s"}) + "\n")
                 break
         step = at(seq)
-        times, losses, peaks, error = [], [], [], None
+        times, losses, peaks, reserved, error = [], [], [], [], None
+        retries = _alloc_retries()
         for _ in range(steps):
             if CUDA:
                 torch.cuda.synchronize()
@@ -219,6 +220,7 @@ def run_worker(args: argparse.Namespace) -> None:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - w0)
             peaks.append(torch.cuda.max_memory_allocated() if CUDA else 0)
+            reserved.append(torch.cuda.max_memory_reserved() if CUDA else 0)
         if error:
             out.write(json.dumps({"system": name, "S": seq, "note": error}) + "\n")
             break
@@ -226,6 +228,10 @@ def run_worker(args: argparse.Namespace) -> None:
         last = statistics.median(timed)
         row = {"system": name, "S": seq, "step_s": last, "steps_timed": len(timed), "first_step_s": times[0],
                "peak_GiB": max(peaks) / 2 ** 30, "loss": losses[0], "params": params,
+               # the caching allocator: what it held, and how often it had to free its cache and retry (a step
+               # slower after the first with the same work points there)
+               "reserved_GiB": max(reserved) / 2 ** 30, "alloc_retries": _alloc_retries() - retries,
+               "step_times_s": times, "choices": _choices(engine),
                "tflops": flops_per_step(shape, params, seq) / last / 1e12}
         row["mfu"] = row["tflops"] / peak_tflops(args)
         row["tokens_per_s"] = seq / last
@@ -235,6 +241,18 @@ def run_worker(args: argparse.Namespace) -> None:
               f"{row['tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), peak {row['peak_GiB']:.1f} GiB", flush=True)
         seq *= 2
     out.close()
+
+
+def _alloc_retries() -> int:
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if CUDA else 0
+
+
+def _choices(engine: Any) -> Optional[str]:
+    """What ds-usp's "auto" memory features chose for the last step (None for a system without them)."""
+    usp = getattr(engine, "usp", None)
+    memory = getattr(usp, "memory", None)
+    choices = getattr(memory, "choices", None)
+    return None if choices is None else str(choices)
 
 
 # ---------------------------------------------------------------------------------------- driver

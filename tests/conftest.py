@@ -5,7 +5,8 @@ The same suite runs on CPU machines and on GPU hosts:
 * ds-usp's Triton kernels run on CPU tensors in Triton's interpreter: ``TRITON_INTERPRET=1`` is set here, before
   any test imports triton (ds-usp still compiles the kernels for CUDA tensors, see ``triton_attn._kernels``);
 * on a GPU host this process keeps the GPU for the ``gpu`` tests, and every process it starts (gloo worlds,
-  launchers, jobs) sees none: the multi-rank tests are CPU tests over gloo wherever they run.
+  launchers, jobs) sees none: the multi-rank tests are CPU tests over gloo wherever they run. A ``gpu`` test is
+  skipped here when there is no CUDA device; test modules do not decide that themselves (see :data:`CUDA`).
 
 ``python -m pytest -m fast`` runs the quick subset listed in :data:`FAST` (no gloo world, no launcher, no build of
 the native op; under 3 minutes on 2 cores) for local work; CI (``.ci/run``) runs the whole suite.
@@ -20,8 +21,14 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-if torch.cuda.is_available():
-    torch.cuda.init()  # this process's devices are fixed from here on
+# Read before the children's variable is cleared: torch reads CUDA_VISIBLE_DEVICES again in later
+# torch.cuda.is_available() calls, so a test module's own skipif would see no GPU on a GPU host (the gpu tests were
+# all skipped there). The ``gpu`` tests are skipped here when there is none (pytest_collection_modifyitems) and run
+# with the variable as it was (pytest_runtest_protocol).
+CUDA = torch.cuda.is_available()
+CUDA_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
+if CUDA:
+    torch.cuda.init()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children: CPU ranks
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -47,7 +54,8 @@ FAST: dict[str, object] = {
     "test_native_op.py": {  # the ones that need neither the built op nor a world
         "test_twin_packing_matches_a_hand_written_layout", "test_native_op_true_without_compiler_is_an_error",
         "test_native_op_auto_without_compiler_warns_once", "test_native_op_false_never_builds",
-        "test_native_op_bad_setting", "test_unsupported_device_type", "test_cuda_builder_takes_arch_specific_entries"},
+        "test_native_op_bad_setting", "test_unsupported_device_type", "test_cuda_builder_takes_arch_specific_entries",
+        "test_builders_load_from_a_source_checkout"},
     "test_triton.py": {  # the kernels in Triton's interpreter on small shapes; not the sm_90 compile (a subprocess)
         "test_matches_exact_attention_cpu", "test_half_precision_cpu",
         "test_plain_entries_are_the_causal_and_full_bands", "test_unavailable_reason_on_cpu",
@@ -74,9 +82,12 @@ FAST: dict[str, object] = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of :data:`FAST` ``fast``; warn about listed names a test module no longer has."""
+    """Mark the tests of :data:`FAST` ``fast``; skip the ``gpu`` tests without CUDA; warn about listed names a test
+    module no longer has."""
     modules = {}
     for item in items:
+        if not CUDA and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         wanted = FAST.get(item.path.name)
         name = getattr(item, "originalname", item.name)
         if wanted == "*" or (wanted is not None and name in wanted):
@@ -88,6 +99,27 @@ def pytest_collection_modifyitems(config, items):
         if stale:
             warnings.warn(f"tests/conftest.py FAST lists tests {file} no longer has: {', '.join(stale)}",
                           pytest.PytestWarning)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A ``gpu`` test runs with CUDA_VISIBLE_DEVICES as this process found it (cleared again afterwards)."""
+    if not (CUDA and item.get_closest_marker("gpu")):
+        yield
+        return
+    gpu_visible(True)
+    try:
+        yield
+    finally:
+        gpu_visible(False)
+
+
+def gpu_visible(visible: bool) -> None:
+    """Give this process's CUDA_VISIBLE_DEVICES its original value (``visible``) or the children's empty one."""
+    if visible and CUDA_VISIBLE is None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = CUDA_VISIBLE if visible else ""
 
 
 def _world(request, size: int):

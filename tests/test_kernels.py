@@ -335,12 +335,10 @@ def test_flash_attn_adapter_with_fake_api(monkeypatch, style, d):
 
 # ------------------------------------------------------------------------------------------- GPU
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA_TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # TF32 may be on for fp32 matmuls
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hq,hkv", HEADS, ids=HEAD_IDS)
@@ -353,7 +351,6 @@ def test_torch_cuda_matches_reference(dtype, causal, hq, hkv, d):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("backend_name", ["torch", "flash_attn"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("hq,hkv", HEADS, ids=HEAD_IDS)
@@ -377,7 +374,6 @@ def test_cuda_merged_lse_and_cross_lengths(backend_name, dtype, hq, hkv):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash_attn not installed")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hq,hkv", HEADS, ids=HEAD_IDS)

@@ -8,10 +8,12 @@ installed as ``ds_usp.native.op_builder``) import nothing from ``ds_usp``: setup
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
 DOC = ROOT / "docs" / "architecture.md"
 
 
@@ -131,3 +133,31 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     fake.write_text("from ds_usp.integration.engine import initialize\n")
     assert _layer_of("ds_usp.integration.engine", layers) > _layer_of("ds_usp.config", layers)
     assert _imports(fake) == {"ds_usp.integration.engine"}
+
+
+def test_test_modules_do_not_decide_cuda_at_import():
+    """conftest.py hides the GPU from this process's children by clearing CUDA_VISIBLE_DEVICES, and torch reads it
+    again: a skip condition on CUDA evaluated at a module's import skipped every GPU test on a
+    GPU host. The ``gpu`` marker alone decides (conftest skips those tests without CUDA and runs them with the
+    variable restored)."""
+    import conftest
+
+    offenders = [p.name for p in TESTS.glob("test_*.py") if re.search(r"skipif\(\s*not torch\.cuda\.is_available",
+                                                                          p.read_text())]
+    assert not offenders, f"decide CUDA through the gpu marker, not at import: {offenders}"
+    saved = (conftest.CUDA_VISIBLE, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    try:
+        conftest.CUDA_VISIBLE = "3"
+        conftest.gpu_visible(True)
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+        conftest.gpu_visible(False)
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+        conftest.CUDA_VISIBLE = None
+        conftest.gpu_visible(True)
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    finally:
+        conftest.CUDA_VISIBLE = saved[0]
+        if saved[1] is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved[1]

@@ -342,7 +342,6 @@ def test_cuda_builder_takes_arch_specific_entries(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_kernels_match_twins(dtype):
     cuda_ops = load_native_op("cuda")
@@ -381,3 +380,30 @@ def test_report_lists_backends_and_native_op_state(ops, capsys):
     cpu_line = next(line for line in text.splitlines() if line.startswith("native op (cpu)"))
     assert any(state in cpu_line for state in ("prebuilt", "jit-built")), cpu_line  # the ops fixture built it
     assert "native op (cuda)" in text
+
+
+def _source_checkout_python(root: Path, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh python that finds ds_usp in ``root`` (a copy of the sources, not installed) and the
+    site-packages, without the installed ds-usp's mapping of ops/ (``-S``: no .pth files)."""
+    import site
+
+    boot = f"import sys; sys.path[:0] = {[str(root), *site.getsitepackages()]!r}\n"
+    return subprocess.run([os.sys.executable, "-S", "-c", boot + code], capture_output=True, text=True, timeout=120,
+                          cwd=root)
+
+
+def test_builders_load_from_a_source_checkout(tmp_path):
+    """Run from a checkout with PYTHONPATH at it (no pip install), the op builders are the checkout's ops/ (the GPU
+    session found ``ModuleNotFoundError: ds_usp.native.op_builder`` there, even with native_op "auto")."""
+    repo = Path(__file__).resolve().parents[1]
+    shutil.copytree(repo / "ds_usp", tmp_path / "ds_usp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "ops", tmp_path / "ops", ignore=shutil.ignore_patterns("__pycache__"))
+    code = "import ds_usp.native as n; print(n._op_builders().CSRC); print(type(n._builder('cpu')).__name__)"
+    done = _source_checkout_python(tmp_path, code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == [str(tmp_path / "ops" / "csrc"), "USPCPUBuilder"]
+    shutil.rmtree(tmp_path / "ops")  # neither installed nor beside the package: named, not a ModuleNotFoundError
+    done = _source_checkout_python(tmp_path, "import ds_usp.native as n\ntry:\n    n._op_builders()\nexcept "
+                                             "n.NativeOpUnavailable as e:\n    print('unavailable:', e)")
+    assert done.returncode == 0 and "unavailable: ds_usp.native.op_builder is not installed" in done.stdout, \
+        done.stdout + done.stderr[-2000:]

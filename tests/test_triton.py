@@ -195,7 +195,6 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_matches_exact_attention_cuda(case, dtype):

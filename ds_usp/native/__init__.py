@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
+import sys
 import threading
 import time
 import warnings
@@ -113,9 +115,32 @@ class NativeOpState:
     detail: str
 
 
-def _builder(device_type: str) -> Any:
-    from ds_usp.native.op_builder import builder_for  # imports DeepSpeed's op builders: only when needed
+OP_BUILDER = "ds_usp.native.op_builder"
 
+
+def _op_builders() -> ModuleType:
+    """The op builders: ``ds_usp.native.op_builder`` as installed (setup.py maps the top-level ``ops/`` there), or,
+    in a source checkout used without installing (``PYTHONPATH`` at the repository), that ``ops/`` loaded under the
+    same name. Imports DeepSpeed's op builders: only when needed."""
+    try:
+        return importlib.import_module(OP_BUILDER)
+    except ModuleNotFoundError as e:
+        if e.name != OP_BUILDER:
+            raise
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ops",
+                        "__init__.py")
+    if not os.path.isfile(path):
+        raise NativeOpUnavailable(f"{OP_BUILDER} is not installed and no ops/ folder is beside the package "
+                                  f"(reinstall ds-usp: pip install .)")
+    spec = importlib.util.spec_from_file_location(OP_BUILDER, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[OP_BUILDER] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _builder(device_type: str) -> Any:
+    builder_for = _op_builders().builder_for
     try:
         return builder_for(device_type)
     except ValueError as e:
