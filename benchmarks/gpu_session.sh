@@ -5,7 +5,10 @@
 #
 #     bash benchmarks/gpu_session.sh RESULTS_DIR [STEP...]
 #
-# STEPS (default: all, in this order): train alst128 offload hybrid pytest triton.
+# STEPS (default: all, in this order): train alst128 offload hybrid pytest triton. Their limits add up to more than
+# one device call may take (10 minutes): name the steps of each call. Measured on an H100 (2026-11-26): the native
+# op builds in 43 s; train (steps 2) took 274 s; hybrid and triton did not finish inside 60 and 45 s (the first
+# compile of flash-linear-attention's and ds-usp's Triton kernels), hence their limits now.
 #
 # Writes into RESULTS_DIR: env.txt (device, driver, versions), gpu_train.json + train.log (1B shape: ds-usp, ALST
 # full, ds-usp without its memory features), gpu_offload.json (offload_activations off at the longest S),
@@ -40,7 +43,7 @@ MAX_JOBS=8 python3 -c "import torch; from ds_usp.native import resolve_native_op
     r(True, torch.device('cuda')).source, r(True, torch.device('cpu')).source)" > "$R/build.log" 2>&1 &
 cd benchmarks
 # the whole training step, 1B Llama-3 shape, bf16, ZeRO-3, S doubling from 16K (the GPU otherwise idle)
-step 300 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 2 --budget 120 \
+step 330 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 3 --budget 120 --profile \
     --json "$R/gpu_train.json"
 # DeepSpeed's ALST recipe at 128K, which the budget above may stop before
 step 100 alst128 python3 gpu_train.py --shape 1b --systems "ALST full" --start 131072 --max-seq 131072 --steps 2 \
@@ -49,12 +52,12 @@ step 100 alst128 python3 gpu_train.py --shape 1b --systems "ALST full" --start 1
 step 90 offload python3 gpu_train.py --shape 1b --systems "ds-usp no offload" --start 131072 --max-seq 131072 \
     --steps 2 --budget 60 --json "$R/gpu_offload.json"
 # hybrid families with the kernels transformers picks on CUDA, against the unsharded model
-step 60 hybrid python3 gpu_hybrid.py --families qwen3_5_text,jamba,nemotron_h --json "$R/gpu_hybrid.json"
+step 150 hybrid python3 gpu_hybrid.py --families qwen3_5_text,jamba,nemotron_h --json "$R/gpu_hybrid.json"
 cd ..
 # the GPU tests (native CUDA op, Triton compiled, CUDA kernels) on the GPU host; the build above is done by then
 wait
-step 90 pytest python3 -m pytest -q -m gpu -p no:cacheprovider
+step 150 pytest python3 -m pytest -q -m gpu -p no:cacheprovider
 # the Triton kernels with soft-capping against PyTorch's attention
-step 45 triton python3 benchmarks/triton_attn.py --seqs 16384 --softcap 50 --iters 3 --warmup 1 \
+step 90 triton python3 benchmarks/triton_attn.py --seqs 16384 --softcap 50 --iters 3 --warmup 1 \
     --json "$R/triton_softcap.json"
 tail -5 "$R/session.log"

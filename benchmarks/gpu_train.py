@@ -68,6 +68,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=240.0, help="seconds a system may spend on its steps")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 dense peak (MFU)")
     p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-3 optimizer state in host memory")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps at the first S, one more step under torch.profiler: its kernels by "
+                        "device time go into the row ('profile') and the log")
     p.add_argument("--json", default=None, help="result file (bare name: benchmarks/results/)")
     p.add_argument("--plot", default="", help="write a plot of tokens/s and peak memory against S here")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "system|rows file"
@@ -233,6 +236,9 @@ def run_worker(args: argparse.Namespace) -> None:
                "reserved_GiB": max(reserved) / 2 ** 30, "alloc_retries": _alloc_retries() - retries,
                "step_times_s": times, "choices": _choices(engine),
                "tflops": flops_per_step(shape, params, seq) / last / 1e12}
+        if args.profile and seq == args.start:
+            row["profile"] = profile_step(step)
+            print(f"{TAG} {name} S={seq}, one step under torch.profiler:\n{row['profile']}", flush=True)
         row["mfu"] = row["tflops"] / peak_tflops(args)
         row["tokens_per_s"] = seq / last
         out.write(json.dumps(row) + "\n")
@@ -241,6 +247,19 @@ def run_worker(args: argparse.Namespace) -> None:
               f"{row['tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), peak {row['peak_GiB']:.1f} GiB", flush=True)
         seq *= 2
     out.close()
+
+
+def profile_step(step: Step) -> str:
+    """One step under torch.profiler: the table of operators by device time (CPU time without CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with profile(activities=activities) as prof:
+        step()
+        if CUDA:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
 
 
 def _alloc_retries() -> int:
