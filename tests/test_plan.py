@@ -10,6 +10,7 @@ target is 15%, the largest rank of a run moves by about 5% from run to run).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -188,3 +189,32 @@ def test_cli_predicts_static_and_dynamic_sp_from_lengths(tmp_path):
     assert done.returncode == 1 and "line 2: 'ten' is not 'length' or 'length count'" in done.stderr
     done = _plan(*args, "--seq", "8192", "--lengths", str(listed))
     assert done.returncode == 1 and "a document of 9000 tokens, longer than --seq 8192" in done.stderr
+
+
+GPU_TOLERANCE = 0.15  # the planner's target
+
+
+def test_predicted_peak_within_15_percent_of_the_h100_rows():
+    """The cost model against ``torch.cuda.max_memory_allocated`` of whole training steps on one H100
+    (benchmarks/results/gpu_train_h100.json, gpu_offload_h100.json: the 1B Llama-3 shape, bf16, ZeRO-3, world size
+    1, ds-usp's "auto" memory features, which are the "selective" preset without offload up to 64K tokens; at 128K
+    "auto" offloads, so the 128K row is the run with offload_activations false)."""
+    from pathlib import Path
+
+    from ds_usp.cost import StepSettings, step_memory
+    from ds_usp.plan import PRESETS, shape_by_hand
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    rows = [r for name in ("gpu_train_h100.json", "gpu_offload_h100.json")
+            for r in json.loads((results / name).read_text())["rows"]
+            if r.get("peak_GiB") and (r["system"] == "ds-usp" and r["S"] <= 65536 or r["system"] == "ds-usp no offload")]
+    assert len(rows) == 4, rows
+    shape = shape_by_hand(argparse.Namespace(hidden=2048, layers=16, heads=32, kv_heads=8, vocab=128256,
+                                             intermediate=8192))
+    ckpt, tiled, chunked, offload_act = PRESETS["selective"]
+    ratios = {}
+    for r in rows:
+        assert r["params"] == shape.params, "the benchmark's model is not the shape priced here"
+        s = StepSettings(1, 1, 1, 3, ckpt, tiled, chunked, False, offload_act)
+        ratios[r["S"]] = step_memory(shape, s, r["S"]).total / 2 ** 30 / r["peak_GiB"]
+    assert all(abs(x - 1) <= GPU_TOLERANCE for x in ratios.values()), f"predicted / measured peak per S: {ratios}"

@@ -23,8 +23,8 @@ Backends, selected with :func:`get_backend` (``usp.attn_backend``):
   CUDA/ROCm tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests); band and document
   masks computed in the kernel, the ring's LSE merge fused into the forward (``band_forward_merge_``), and a band
   backward in one call.
-* "auto": "flash_attn" on a CUDA device when flash-attn 2.x imports and the dtype is fp16/bf16 (or not known yet),
-  else "torch"; never "triton".
+* "auto": "torch" (on CUDA, PyTorch's own FlashAttention-2 kernels, measured on an H100); never "flash_attn", which
+  has not run on a GPU of this project (docs/config.md says why), nor "triton".
 
 :func:`available_backends` says which of the three can run on a device, and why not.
 """
@@ -178,9 +178,9 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
     """Resolve the ``usp.attn_backend`` setting to a backend for ``device`` and ``dtype``.
 
     Args:
-        name: "auto", "torch", "flash_attn" or "triton". "auto" picks flash_attn on CUDA when
-            flash-attn imports and the dtype is fp16/bf16 (all it supports), else torch; it never picks
-            triton (no GPU measurement shows it faster yet: docs/benchmarks.md), name it to use it.
+        name: "auto", "torch", "flash_attn" or "triton". "auto" picks torch: never flash_attn (never run on a
+            GPU of this project: docs/config.md) nor triton (no GPU measurement shows it faster yet:
+            docs/benchmarks.md); name either to use it.
         device: the device attention will run on.
         dtype: the inputs' dtype (None: not known yet, not checked).
 
@@ -201,9 +201,7 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
     half = dtype is None or dtype in (torch.float16, torch.bfloat16)
     if reasons["flash_attn"] is None and not half:
         reasons["flash_attn"] = f"flash-attn supports float16 and bfloat16 only, the inputs are {dtype}"
-    chosen = name
-    if name == "auto":
-        chosen = "flash_attn" if reasons["flash_attn"] is None else "torch"
+    chosen = "torch" if name == "auto" else name
     if reasons[chosen] is not None:
         resolved = f" (resolved to {chosen!r})" if chosen != name else ""
         raise ValueError(f"usp.attn_backend={name!r}{resolved} cannot be used on {device}: {reasons[chosen]}; "
