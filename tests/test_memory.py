@@ -228,6 +228,51 @@ def test_checkpointing_peaks_below_six_tenths(world4):
         assert on < 0.6 * off, f"checkpointed peak {on / 2**20:.0f} MiB vs {off / 2**20:.0f} MiB without"
 
 
+def mlp_passes(family: str) -> tuple[int, int, float]:
+    """On every rank (2x2): one step of a 2-layer model with selective checkpointing and a tiled MLP; how many
+    times a layer's MLP ran per tile, the tiles, and the largest relative gradient difference from the same step
+    with neither."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
+
+    import ds_usp
+    from ds_usp.integration.hf import USPContext, attach
+    from ds_usp.integration.memory import MemorySettings, apply
+
+    ds_usp.hf.register_usp_attention()
+    topo = ds_usp.USPTopology.build(2, 2)
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    cfg = LlamaConfig(**base) if family == "llama" else Gemma2Config(**base, head_dim=16)
+    ids = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(0))
+    shard = ds_usp.shard_batch({"input_ids": ids}, topo)
+    runs = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="usp")
+        attach(model, USPContext(topo=topo, layout="zigzag"))
+        ctx = apply(model, MemorySettings(chunked_loss=True, tiled_mlp=on, activation_checkpointing=on and "selective",
+                                          offload_activations=False, tile_mib=0.05), topo, "zigzag", zero3=False)
+        calls = [0]
+        model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+              shift_labels=shard["shift_labels"]).loss.backward()
+        runs.append((calls[0], ctx.choices.mlp_tiles, {n: p.grad for n, p in model.named_parameters()}))
+    (_, _, want), (passes, tiles, got) = runs
+    err = max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)) for n in want)
+    return passes, tiles, err
+
+
+def test_checkpoint_recompute_does_not_run_the_tiled_mlp_again(world4):
+    """A Llama layer's recomputation stops once the tiled MLP's input is back: 2 passes of the MLP per tile (forward,
+    the tiled backward), not 3 (the first version saved its input only after every tile had run again). Gemma 2 keeps
+    the third (its post-feed-forward norm saves the MLP's output, which the recomputation must rebuild); both
+    exact."""
+    for family, want in (("llama", 2), ("gemma2", 3)):
+        for passes, tiles, err in world4.run(mlp_passes, family):
+            assert tiles > 1 and passes == want * tiles, f"{family}: {passes} MLP calls for {tiles} tiles"
+            assert err < 1e-5, f"{family}: gradients differ by {err:.2e} (relative)"
+
+
 def test_auto_plan_follows_the_tokens_per_rank():
     """``"auto"``: nothing for short sequences; chunked loss, selective checkpointing and (free under it) tiled MLP
     for long ones; ``false`` keeps everything off. The issue's model: vocab 32000, hidden 256, intermediate 896."""

@@ -34,7 +34,7 @@ from ds_usp.integration.multimodal import (MULTIMODAL_KEY, VISUAL_KEYS, body_and
 from ds_usp.integration.loss import LogitsTail, chunked_lm_loss, load_balancing_loss, sp_loss
 from ds_usp.integration.model_tail import RouterAux, find_logits_tail, find_router_aux
 from ds_usp.integration.step_choices import MemoryContext, MemorySettings
-from ds_usp.integration.tiling import TiledMLP, tile_bounds
+from ds_usp.integration.tiling import tile_bounds, tiled_mlp
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 
@@ -148,7 +148,7 @@ def _tiled_mlp_forward(original: Callable[[Tensor], Tensor], params: tuple, ctx:
         tiles = ctx.choices.mlp_tiles if ctx.choices is not None else 0
         if not tiles or x.dim() != 3:
             return original(x)
-        return TiledMLP.apply(x, original, tiles, params)
+        return tiled_mlp(x, original, tiles, params)
     return forward
 
 

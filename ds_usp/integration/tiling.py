@@ -22,18 +22,43 @@ def tile_bounds(length: int, tiles: int) -> list[tuple[int, int]]:
     return [(min(i * step, length), min((i + 1) * step, length)) for i in range(tiles)]
 
 
+class _KeepInput(torch.autograd.Function):
+    """Saves the MLP's input and returns it (a view): its own Function so that the save is packed before the MLP
+    runs. A checkpointed layer's recomputation stops once every saved tensor is back, and tensors saved by a
+    Function are packed only when its ``forward`` returns: saved by :class:`TiledMLP` itself, ``x`` would come back
+    only after every tile had run again, for nothing (the MLP's output is not saved)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+def tiled_mlp(x: Tensor, mlp: Callable[[Tensor], Tensor], tiles: int, params: tuple) -> Tensor:
+    """``mlp(x)`` over ``tiles`` sequence tiles (:class:`TiledMLP`), its input saved before the tiles run."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return TiledMLP.apply(_KeepInput.apply(x), mlp, tiles, params)
+    return TiledMLP.apply(x, mlp, tiles, params)
+
+
 class TiledMLP(torch.autograd.Function):
     """``mlp(x)`` over ``tiles`` sequence tiles; the backward recomputes one tile at a time.
 
-    ``x`` is saved before anything is computed, so a checkpointed layer's recomputation (which stops
-    once every saved tensor is back) ends before the MLP runs again. Under ZeRO every parameter of
-    ``mlp`` is marked not ready (``ds_grad_is_ready``) until its last tile's gradient is in, so its
-    gradient is reduced once.
+    ``x`` is the output of :class:`_KeepInput` (see :func:`tiled_mlp`), whose saved copy the backward reads, so a
+    checkpointed layer's recomputation ends before the MLP runs again where nothing after it saves a tensor (a
+    Llama layer); any other ``x`` is saved here. Under ZeRO every parameter of ``mlp`` is marked not ready
+    (``ds_grad_is_ready``) until its last tile's gradient is in, so its gradient is reduced once.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, mlp: Callable[[Tensor], Tensor], tiles: int, params: tuple) -> Tensor:
-        ctx.save_for_backward(x)
+        ctx.kept = x.grad_fn if type(x.grad_fn).__name__ == "_KeepInputBackward" else None
+        if ctx.kept is None:
+            ctx.save_for_backward(x)
         ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
         outs = [mlp(x[:, a:b]) for a, b in tile_bounds(x.shape[1], tiles)]
         if not isinstance(outs[0], Tensor):
@@ -43,7 +68,8 @@ class TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        (x,) = ctx.saved_tensors
+        (x,) = ctx.kept.saved_tensors if ctx.kept is not None else ctx.saved_tensors
+        ctx.kept = None
         dx = torch.zeros_like(x)
         bounds = tile_bounds(x.shape[1], ctx.tiles)
         for i, (a, b) in enumerate(bounds):
