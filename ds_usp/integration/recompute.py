@@ -98,11 +98,16 @@ def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callab
         if choices is None or not choices.checkpoint or not torch.is_grad_enabled():
             return original(hidden_states, *args, **kwargs)
 
+        first = [hidden_states]
+
         def run(hidden: Tensor, *rest: Any, **kw: Any) -> Any:  # also the recomputation: the same choices
             ctx.choices = choices
             if device.type == "cpu":
                 trim_host_heap()
-            return original(hidden.to(device), *rest, **kw)
+            # the forward runs on the input it was given; only the recomputation reads the (offloaded) stored copy,
+            # so an offloaded input is not copied to the host and straight back in the forward
+            x = first.pop() if first else hidden.to(device, non_blocking=True)
+            return original(x, *rest, **kw)
 
         device = hidden_states.device
         # a KV cache would be filled twice (forward and recomputation); training does not read it anyway
