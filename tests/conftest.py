@@ -21,9 +21,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Read before the children's variable is cleared: torch reads CUDA_VISIBLE_DEVICES again in later
-# torch.cuda.is_available() calls, so a test module's own skipif would see no GPU on a GPU host (the gpu tests were
-# all skipped there). The ``gpu`` tests are skipped here when there is none (pytest_collection_modifyitems) and run
+# Read before the children's variable is cleared: on the H100 host (torch 2.11) the test modules' own import-time
+# torch.cuda.is_available() answered False once it was cleared, and every gpu test was skipped. The ``gpu`` tests are skipped here when there is none (pytest_collection_modifyitems) and run
 # with the variable as it was (pytest_runtest_protocol).
 CUDA = torch.cuda.is_available()
 CUDA_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")

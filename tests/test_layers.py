@@ -136,9 +136,9 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 
 
 def test_test_modules_do_not_decide_cuda_at_import():
-    """conftest.py hides the GPU from this process's children by clearing CUDA_VISIBLE_DEVICES, and torch reads it
-    again: a skip condition on CUDA evaluated at a module's import skipped every GPU test on a
-    GPU host. The ``gpu`` marker alone decides (conftest skips those tests without CUDA and runs them with the
+    """conftest.py hides the GPU from this process's children by clearing CUDA_VISIBLE_DEVICES, after which torch
+    answered no CUDA on the H100 host: a skip condition on CUDA evaluated at a module's import skipped every GPU
+    test there. The ``gpu`` marker alone decides (conftest skips those tests without CUDA and runs them with the
     variable restored)."""
     import conftest
 

@@ -135,7 +135,11 @@ def _op_builders() -> ModuleType:
     spec = importlib.util.spec_from_file_location(OP_BUILDER, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[OP_BUILDER] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[OP_BUILDER]  # no half-made module for the next import to find
+        raise
     return module
 
 
