@@ -68,6 +68,10 @@ def train_with_features(tmp_dir: str, stage: int, u: int, r: int, memory: dict, 
         engine.step()
         losses.append(float(out.loss))  # the whole sequence's loss on every rank
         plans.append(engine.usp.memory.choices)
+    if stage == 3 and memory["tiled_mlp"]:  # gathered once per block call, not per Linear per tile
+        from deepspeed.utils import z3_leaf_module
+
+        assert all(z3_leaf_module(layer.mlp) for layer in engine.module.model.layers)
     plan = plans[-1]
     assert bool(plan.loss_chunk) == memory["chunked_loss"] and bool(plan.mlp_tiles) == memory["tiled_mlp"]
     assert plan.checkpoint == (memory["activation_checkpointing"] or "")
@@ -271,6 +275,21 @@ def test_checkpoint_recompute_does_not_run_the_tiled_mlp_again(world4):
         for passes, tiles, err in world4.run(mlp_passes, family):
             assert tiles > 1 and passes == want * tiles, f"{family}: {passes} MLP calls for {tiles} tiles"
             assert err < 1e-5, f"{family}: gradients differ by {err:.2e} (relative)"
+
+
+def test_only_dense_mlp_blocks_become_zero3_leaves():
+    """Under ZeRO-3 with the tiled MLP a dense block is a ZeRO-3 leaf (its weights gathered once per call: at world
+    size 1 with 24 tiles, 113 fetches a step instead of 1265, the same losses); an MoE block is not (a leaf would
+    gather every expert at once)."""
+    from transformers import LlamaConfig, MixtralConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from ds_usp.integration.memory import _has_experts
+
+    base = dict(hidden_size=32, intermediate_size=64)
+    assert not _has_experts(LlamaMLP(LlamaConfig(**base)))
+    assert _has_experts(MixtralSparseMoeBlock(MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2)))
 
 
 def test_auto_plan_follows_the_tokens_per_rank():

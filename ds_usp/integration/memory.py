@@ -138,8 +138,24 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
     for layer in layers:
         for block in feed_forward_blocks(layer):
             block.forward = _tiled_mlp_forward(block.forward, tuple(block.parameters()), ctx)
+            if zero3 and settings.tiled_mlp is not False and not _has_experts(block):
+                _gather_once_per_call(block)
         layer.forward = checkpointed_layer_forward(layer.forward, ctx)
     return ctx
+
+
+def _has_experts(block: nn.Module) -> bool:
+    return any("expert" in name.lower() for name, _ in block.named_modules())
+
+
+def _gather_once_per_call(block: nn.Module) -> None:
+    """A dense MLP block as a ZeRO-3 leaf module (DeepSpeed's ``set_z3_leaf_module``): its weights gathered once when
+    the block is called and its gradients reduced once after its backward, instead of DeepSpeed's fetch/release hooks
+    on each of its ``Linear`` layers at every tile (forward and backward), CPU work that outgrows a tile's matmuls on
+    GPUs at length. MoE blocks are left alone: a leaf would gather every expert at once."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    set_z3_leaf_module(block, True)
 
 
 def _tiled_mlp_forward(original: Callable[[Tensor], Tensor], params: tuple, ctx: MemoryContext) -> Callable:
