@@ -159,6 +159,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def world_of_one() -> None:
+    """The launcher's variables for this process alone (rank 0 of 1, a free port), so that ``ds_usp.initialize`` or
+    ``deepspeed.init_distributed`` starts a one-process world without a launcher."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+
+
 def log(msg: str) -> None:
     """Print a progress line, tagged with the benchmark's name, on rank 0 (or without a process group)."""
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -14,9 +14,7 @@ the loss difference and the largest relative gradient difference over the parame
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -24,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from _common import free_port, save_results, table
+from _common import save_results, table, world_of_one
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 TAG = "[gpu_hybrid]"
@@ -76,8 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tol", type=float, default=1e-3, help="largest relative gradient difference accepted")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    world_of_one()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     import ds_usp
 

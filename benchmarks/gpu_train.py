@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from _common import free_port, save_results, table
+from _common import save_results, table, world_of_one
 from long_seq import alst_full, alst_tiled_loss
 
 TAG = "[gpu_train]"
@@ -187,8 +187,7 @@ def run_worker(args: argparse.Namespace) -> None:
     """One system: S doubling in one process; a JSON line per S (a crash or timeout keeps the lines so far)."""
     name, path = args.worker.split("|")
     shape = SHAPES[args.shape]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    world_of_one()
     if CUDA:
         torch.cuda.set_device(0)
     t0 = time.perf_counter()

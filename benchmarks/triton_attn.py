@@ -153,7 +153,8 @@ def main() -> None:
         timed = ["fwd_full", "bwd_full", "fwd_causal", "bwd_causal", "ring_fused"]
         print(table(sweep, ["S", "BM", "BN", "warps", "stages", *timed, "error"], fmt={c: ".2f" for c in timed}))
     plain = [row for seq in args.seqs for causal in (False, True) for row in plain_rows(args, seq, causal, dtype)]
-    print(table(plain, ["S", "causal", "backend", "softcap", "fwd_ms", "bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "error"],
+    print(table(plain, ["S", "causal", "backend", "softcap", "fwd_ms", "bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
+                        "error"],
                 fmt={"fwd_ms": ".2f", "bwd_ms": ".2f", "fwd_tflops": ".0f", "fwd_bwd_tflops": ".0f"}))
     ring = [row for seq in args.seqs for row in ring_rows(args, seq, dtype)]
     print(table(ring, ["S", "step", "ms"], fmt={"ms": ".2f"}))

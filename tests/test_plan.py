@@ -207,7 +207,8 @@ def test_predicted_peak_within_15_percent_of_the_h100_rows():
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     rows = [r for name in ("gpu_train_h100.json", "gpu_offload_h100.json")
             for r in json.loads((results / name).read_text())["rows"]
-            if r.get("peak_GiB") and (r["system"] == "ds-usp" and r["S"] <= 65536 or r["system"] == "ds-usp no offload")]
+            if r.get("peak_GiB")
+            and (r["system"] == "ds-usp" and r["S"] <= 65536 or r["system"] == "ds-usp no offload")]
     assert len(rows) == 4, rows
     shape = shape_by_hand(argparse.Namespace(hidden=2048, layers=16, heads=32, kv_heads=8, vocab=128256,
                                              intermediate=8192))

@@ -40,23 +40,23 @@ class _KeepInput(torch.autograd.Function):
 
 def tiled_mlp(x: Tensor, mlp: Callable[[Tensor], Tensor], tiles: int, params: tuple) -> Tensor:
     """``mlp(x)`` over ``tiles`` sequence tiles (:class:`TiledMLP`), its input saved before the tiles run."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return TiledMLP.apply(_KeepInput.apply(x), mlp, tiles, params)
-    return TiledMLP.apply(x, mlp, tiles, params)
+    kept = torch.is_grad_enabled() and x.requires_grad
+    return TiledMLP.apply(_KeepInput.apply(x) if kept else x, mlp, tiles, params, kept)
 
 
 class TiledMLP(torch.autograd.Function):
     """``mlp(x)`` over ``tiles`` sequence tiles; the backward recomputes one tile at a time.
 
-    ``x`` is the output of :class:`_KeepInput` (see :func:`tiled_mlp`), whose saved copy the backward reads, so a
-    checkpointed layer's recomputation ends before the MLP runs again where nothing after it saves a tensor (a
-    Llama layer); any other ``x`` is saved here. Under ZeRO every parameter of ``mlp`` is marked not ready
+    With ``kept``, ``x`` is the output of :class:`_KeepInput` (see :func:`tiled_mlp`), whose saved copy the backward
+    reads, so a checkpointed layer's recomputation ends before the MLP runs again where nothing after it saves a
+    tensor (a Llama layer); any other ``x`` is saved here. Under ZeRO every parameter of ``mlp`` is marked not ready
     (``ds_grad_is_ready``) until its last tile's gradient is in, so its gradient is reduced once.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, mlp: Callable[[Tensor], Tensor], tiles: int, params: tuple) -> Tensor:
-        ctx.kept = x.grad_fn if type(x.grad_fn).__name__ == "_KeepInputBackward" else None
+    def forward(ctx: Any, x: Tensor, mlp: Callable[[Tensor], Tensor], tiles: int, params: tuple,
+                kept: bool = False) -> Tensor:
+        ctx.kept = x.grad_fn if kept else None  # _KeepInput's node, which holds x
         if ctx.kept is None:
             ctx.save_for_backward(x)
         ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
@@ -80,4 +80,4 @@ class TiledMLP(torch.autograd.Function):
                 yt = ctx.mlp(xt)
             torch.autograd.backward(yt, grad[:, a:b])
             dx[:, a:b] = xt.grad
-        return dx, None, None, None
+        return dx, None, None, None, None
