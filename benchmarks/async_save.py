@@ -14,7 +14,9 @@ SHA-256, ``latest`` last):
   with ``--layers`` of its 22 layers (8 by default: 0.48B parameters; training state and one copy of it fill this
   24 GiB machine at 8), one rank, ZeRO-2, fp32, Adam.
 
-Reported per save: the pause (the wall time of the ``save_checkpoint`` call, slowest rank), for an asynchronous save
+Reported per save: the pause (how much later the group goes on: from the last rank's entering ``save_checkpoint`` to
+the last rank's leaving it; beside it the slowest rank's call, which also counts any wait for a rank that entered
+late), for an asynchronous save
 also the time until its files are committed (``wait_for_checkpoint`` right after: nothing else runs), the time of one
 training step taken while the write goes on against one without it, the growth of the resident set over the save
 (``VmHWM``, largest rank: the host copy) and the bytes written; and the floor: DeepSpeed's own save with a checkpoint
@@ -111,8 +113,8 @@ def run(args: argparse.Namespace) -> dict:
     for rep in range(args.reps):
         for mode in ("blocking", "async", "floor"):
             where = root / f"{mode}{rep}"
+            base = reset_peak()  # before the barrier: it took a rank up to 0.3 s here, which the save's pause counted
             dist.barrier()
-            base = reset_peak()
             start = time.perf_counter()
             if mode == "floor":  # DeepSpeed's own save with a checkpoint engine that writes nothing
                 inner, engine.checkpoint_engine = engine.checkpoint_engine, _NoWrites(engine.checkpoint_engine)
@@ -120,8 +122,8 @@ def run(args: argparse.Namespace) -> dict:
                 engine.checkpoint_engine = inner
             else:
                 engine.save_checkpoint(str(where), async_save=mode == "async")
-            pause = time.perf_counter() - start
-            row = {"mode": mode, "pause_s": pause}
+            end = time.perf_counter()
+            row = {"mode": mode, "start": start, "end": end}
             if mode == "async":
                 row["step_during_write_s"] = step()
                 engine.wait_for_checkpoint()
@@ -140,9 +142,14 @@ def run(args: argparse.Namespace) -> dict:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rows)
     for i, row in enumerate(rows):  # the slowest rank, the largest growth
-        for key in ("pause_s", "until_committed_s", "step_during_write_s", "peak_growth_mib"):
+        for key in ("until_committed_s", "step_during_write_s", "peak_growth_mib"):
             if key in row:
                 row[key] = max(r[i][key] for r in everyone)
+        # the group goes on when its last rank leaves the save; without a save it could go on when its last rank
+        # arrived (the clock is the host's monotonic one, the same in every process of one node)
+        starts, ends = [r[i].pop("start") for r in everyone], [r[i].pop("end") for r in everyone]
+        row["pause_s"] = max(ends) - max(starts)
+        row["slowest_call_s"] = max(e - s for s, e in zip(starts, ends))
     dist.barrier()
     return {"params": params, "ranks": ranks, "zero_stage": stage, "idle_step_s": idle_step, "saves": rows} \
         if dist.get_rank() == 0 else {}
@@ -186,7 +193,9 @@ def main() -> None:
               f"after {min(s['until_committed_s'] for s in async_):.2f} s; a step {res['idle_step_s']:.2f} s idle, "
               f"{min(s['step_during_write_s'] for s in async_):.2f} s while writing; copy "
               f"{max(s['peak_growth_mib'] for s in async_):.0f} MiB; DeepSpeed's save writing nothing {floor:.2f} s "
-              f"({floor / min(blocking):.3f} of the blocking pause)", flush=True)
+              f"({floor / min(blocking):.3f} of the blocking pause); the slowest rank's call: blocking "
+              f"{min(s['slowest_call_s'] for s in res['saves'] if s['mode'] == 'blocking'):.2f} s, async "
+              f"{min(s['slowest_call_s'] for s in async_):.2f} s", flush=True)
     if args.json:
         path = write_result(args.json, {"benchmark": "async_save", "args": {
             k: v for k, v in vars(args).items() if k not in ("role", "out", "dir")}, "shapes": results})

@@ -210,10 +210,52 @@ def test_an_async_save_taken_while_training_goes_on_resumes_exactly(world4, save
     assert open(os.path.join(ckpt, "latest")).read().strip() == f"global_step{SAVE_AT}"
     assert sorted(os.listdir(os.path.join(ckpt, f"global_step{SAVE_AT}"))) == sorted(
         os.listdir(os.path.join(ckpt_dir, f"global_step{SAVE_AT}")))  # no marker left behind
+    for name in os.listdir(os.path.join(ckpt_dir, f"global_step{SAVE_AT}")):  # DeepSpeed's own files, state for state
+        if name.endswith(".pt"):
+            _same_state(*(torch.load(os.path.join(d, f"global_step{SAVE_AT}", name), weights_only=False)
+                          for d in (ckpt, ckpt_dir)), f"ZeRO-{stage} {name}")
     for got_losses, got_params in world4.run(train, ckpt, stage, *SAVED, resume="engine"):
         assert _tail(got_losses) == _tail(losses), f"ZeRO-{stage}: {got_losses} vs {losses}"
         for name in params:
             assert torch.equal(got_params[name], params[name]), f"ZeRO-{stage} {name}"
+
+
+def async_tag_refusal(ckpt_dir: str) -> str:
+    """On every rank: an asynchronous save under a tag of the rank's own (DeepSpeed's own tag check only warns by
+    default; an asynchronous save's commit would wait for markers that never come)."""
+    import torch.distributed as dist
+
+    engine = _engine(2, *SAVED)
+    try:
+        engine.save_checkpoint(ckpt_dir, tag=f"step-of-rank{dist.get_rank()}", async_save=True)
+    except ValueError as e:
+        return str(e)
+    return "saved"
+
+
+def test_an_async_save_under_tags_that_differ_across_ranks_is_refused_on_every_rank(world4, tmp_path):
+    for rank, message in enumerate(world4.run(async_tag_refusal, str(tmp_path / "checkpoints"))):
+        assert f"the checkpoint tag differs across ranks (this rank: 'step-of-rank{rank}')" in message
+    assert not (tmp_path / "checkpoints").exists()  # refused before anything was written
+
+
+def _same_state(got, want, where: str) -> None:
+    """``got`` equals ``want`` (nested state dicts): same keys and types, tensors of the same shape, dtype and values."""
+    assert type(got) is type(want), f"{where}: {type(got).__name__} vs {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want), f"{where}: {got} vs {want}"
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{where}: keys {list(got)} vs {list(want)}"
+        for key in want:
+            _same_state(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: {len(got)} vs {len(want)} items"
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same_state(a, b, f"{where}[{i}]")
+    elif hasattr(want, "__dict__") and type(want).__eq__ is object.__eq__:  # DeepSpeed's config and loss scaler
+        _same_state(vars(got), vars(want), f"{where}.")
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
 
 
 @pytest.mark.parametrize("mutate", MUTATIONS)

@@ -13,10 +13,12 @@ skipped; ``load_checkpoint(..., fallback=False)`` makes that an error. A directo
 ds-usp wrote them, or by DeepSpeed directly) loads as before, unverified.
 
 Asynchronous saves (``save_checkpoint(..., async_save=True)``, or ``"usp": {"async_save": true}``): the step pauses
-only while DeepSpeed's save runs against a checkpoint engine that copies each state dict (:class:`_Snapshots`); a
-background thread on every rank then writes and syncs its copies and drops a marker file (:data:`WRITTEN`), and rank
-0's thread, once every rank's marker is there, writes the manifest and moves ``latest``: the same order as a blocking
-save, with no collective off the main thread. A save, a load or the end of the process waits for the pending one
+only while each rank builds its state dicts with DeepSpeed's own per-rank builders against a checkpoint engine that
+copies them (:class:`_Snapshots`), after one small all-reduce (the tag the same on every rank, no earlier background
+write failed): DeepSpeed's barriers, tag check and ZeRO-3's re-gather of its persistent parameters stay off the
+training thread (:func:`_state_only_save`). A background thread on every rank then writes and syncs its copies and
+drops a marker file (:data:`WRITTEN`), and rank 0's thread, once every rank's marker is there, writes the manifest
+and moves ``latest``: the same order as a blocking save, with no collective off the main thread. A save, a load or the end of the process waits for the pending one
 (``engine.wait_for_checkpoint()`` does so explicitly and raises what the background write raised). A crash before the
 manifest leaves the previous checkpoint as ``latest``, as for a blocking save.
 
@@ -32,7 +34,8 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -278,6 +281,64 @@ def _write_later(inner: Any, files: list[tuple[str, Any]], save_dir: str, tag: s
     commit(save_dir, tag, step, save_latest)
 
 
+_BUILDERS = ("_create_checkpoint_file", "_save_checkpoint", "_create_zero_checkpoint_files", "_save_zero_checkpoint",
+             "_optimizer_has_ckpt_event_prologue", "module_state_dict")
+
+
+def _state_only_save(engine: Any, save_dir: str, tag: str, client_state: dict, **kwargs: Any) -> bool:
+    """DeepSpeed's ``save_checkpoint`` without its collectives: the same files from the same per-rank builders
+    (``_save_checkpoint``, ``_save_zero_checkpoint``), for a caller that has checked the tag across ranks itself.
+
+    What DeepSpeed's save adds around them is collective: two barriers, the tag check (two all-reduces) and, under
+    ZeRO-3, a prologue that partitions every parameter and an epilogue that all-gathers the persistent ones again.
+    The prologue only shapes the model-states file (a partitioned parameter is saved as an empty tensor), so the
+    module's state dict is given that form directly (:func:`_as_partitioned`) and the live parameters are left alone.
+
+    Returns False (nothing done) where the engine is one this does not cover (MoE layers, NVMe-offloaded optimizer
+    state, pipeline modules, an optimizer with a checkpoint prologue other than ZeRO-3's, a DeepSpeed without these
+    builders): the caller runs DeepSpeed's whole save instead.
+    """
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if (not all(hasattr(engine, name) for name in _BUILDERS) or set(kwargs) - {"exclude_frozen_parameters"}
+            or getattr(engine, "has_moe_layers", True) or engine.zero_nvme_offload_optimizer()
+            or type(engine.module).__name__ == "PipelineModule"
+            or (engine._optimizer_has_ckpt_event_prologue()
+                and not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3))):
+        return False
+    os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+    engine._create_checkpoint_file(save_dir, tag, False)
+    with _as_partitioned(engine):
+        engine._save_checkpoint(save_dir, tag, client_state=client_state, **kwargs)
+    if engine.save_zero_checkpoint:
+        engine._create_zero_checkpoint_files(save_dir, tag)
+        engine._save_zero_checkpoint(save_dir, tag)
+    return True
+
+
+@contextmanager
+def _as_partitioned(engine: Any) -> Iterator[None]:
+    """While it lasts, ``engine.module_state_dict`` gives every ZeRO-3 parameter as DeepSpeed's save would after its
+    prologue has partitioned it: an empty tensor of the parameter's dtype (``free_param``'s form). Other engines'
+    state dicts are unchanged."""
+    whole = engine.module_state_dict
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> Any:
+        kwargs["keep_vars"] = True
+        state = whole(*args, **kwargs)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = (torch.empty(0, dtype=value.dtype, device=value.device) if hasattr(value, "ds_id")
+                              else value.detach())
+        return state
+
+    engine.module_state_dict = module_state_dict
+    try:
+        yield
+    finally:
+        del engine.module_state_dict  # the class's method again
+
+
 def install(engine: Any) -> None:
     """Give ``engine`` the atomic ``save_checkpoint`` (blocking or asynchronous), the verifying ``load_checkpoint`` and
     ``wait_for_checkpoint`` (module docstring)."""
@@ -288,43 +349,54 @@ def install(engine: Any) -> None:
     timeout = float(getattr(usp_config, "timeout_seconds", 1800.0))
     pending = _Pending()
 
-    def settle() -> None:
-        """Wait for this rank's pending save; once the engine has saved asynchronously, every rank raises if any
-        rank's background write failed (so none goes on into a collective the failed one never reaches)."""
+    def settle(tag: Optional[str] = None, before: Callable[[], Any] = lambda: None) -> None:
+        """Wait for this rank's pending save; once the engine has saved asynchronously (or a ``tag`` is to be
+        checked), one all-reduce tells every rank whether any rank's background write failed (then every rank raises,
+        so none goes on into a collective the failed one never reaches) and whether ``tag`` is the same on every rank
+        (else every rank raises, naming it). ``before`` runs on each rank before that all-reduce."""
         try:
             pending.wait()
             mine = ""
         except RuntimeError as err:
             mine = str(err)
-        if pending.started and dist.is_initialized():
+        before()
+        if not dist.is_initialized() or not (pending.started or tag is not None):
+            if mine:
+                raise RuntimeError(mine)
+            return
+        digest = int.from_bytes(hashlib.sha1(str(tag).encode()).digest()[:7], "big")
+        flags = torch.tensor([int(bool(mine)), digest, -digest], dtype=torch.int64, device=engine.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0]:
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
-            failed = [f"rank {r}: {e}" for r, e in enumerate(everyone) if e]
-            if failed:
-                raise RuntimeError("; ".join(failed))
-        elif mine:
-            raise RuntimeError(mine)
+            raise RuntimeError("; ".join(f"rank {r}: {e}" for r, e in enumerate(everyone) if e))
+        if tag is not None and flags[1] != -flags[2]:
+            raise ValueError(f"ds-usp: the checkpoint tag differs across ranks (this rank: {tag!r}); every rank must "
+                             f"save under the same tag")
 
     def save_checkpoint(save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, async_save: Optional[bool] = None, **kwargs: Any) -> Any:
-        settle()  # one save at a time, in order: an older one never moves latest after a newer one
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         step = int(engine.global_steps)
         distributed = dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         if async_save if async_save is not None else default_async:
-            # a marker left by an earlier save of this tag that crashed must not count: each rank drops its own
-            # before DeepSpeed's save, whose barriers come before any rank's thread starts
-            (Path(save_dir) / tag / f"{WRITTEN}{rank}").unlink(missing_ok=True)
+            # one save at a time, in order (an older one never moves latest after a newer one); a marker left by an
+            # earlier save of this tag that crashed must not count: each rank drops its own before settle's
+            # all-reduce, which comes before any rank's thread starts
+            settle(tag, lambda: (Path(save_dir) / tag / f"{WRITTEN}{rank}").unlink(missing_ok=True))
             inner = engine.checkpoint_engine
             engine.checkpoint_engine = snapshots = _Snapshots(inner)
             try:
-                out = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
+                out = _state_only_save(engine, save_dir, tag, client_state or {}, **kwargs) or save(
+                    save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
             finally:
                 engine.checkpoint_engine = inner
             pending.start(f"{Path(save_dir) / tag}", lambda: _write_later(
                 inner, snapshots.files, save_dir, tag, step, save_latest, rank, world, timeout))
             return out
+        settle()
         out = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
         if distributed:
             dist.barrier()  # every rank's files are written
