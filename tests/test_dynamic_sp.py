@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+SGD_LR = 0.1  # the hybrid family's optimizer: an update is its gradient, free of Adam's sign amplification
 LR, SEQS = 1e-3, {"A": 37, "B": 9, "C": 14, "D": 61, "E": 11, "F": 23, "G": 5, "H": 17}
 # per step: what each of the 4 ranks runs, as (degree, rows); ranks of one sub-group list the same rows
 STEPS = [
@@ -178,25 +179,67 @@ def _padded_documents(docs: list[dict]) -> dict:
             "attention_mask": torch.stack([pad(torch.ones_like(d["input_ids"]), 0) for d in docs])}
 
 
-def train_steps(stage: int) -> str:
+def _family_model(family: str, attn: str):
+    """The tiny model of ``family``: "llama", or "qwen3_next" (Gated DeltaNet layers beside attention, MoE layers with
+    their router loss on: the linear-attention state passing and the router loss under sub-degrees)."""
+    if family == "llama":
+        return _model(attn)
+    from test_linear import _config
+    from transformers import AutoModelForCausalLM
+
+    config = _config(family)
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.1
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _reference_steps(family: str, tokens_per_rank: int) -> tuple[list[float], object]:
+    """One process on the same documents: the llama on each step's documents as one padded batch (the loss is the
+    token mean over the whole step); a family with a router loss micro batch by micro batch, as dynamic SP runs it
+    (the router loss is a mean over a micro batch's tokens, not a sum, so it is one per micro batch: each micro batch
+    its documents as one padded batch, the cross-entropy over the whole step's targets, gradients accumulated)."""
+    from ds_usp.integration.dynamic import plan_step, step_targets
+
+    reference = _family_model(family, "sdpa")
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR) if family == "llama" else \
+        torch.optim.SGD(reference.parameters(), lr=SGD_LR)
+    want = []
+    for step in range(2):
+        docs = _documents(step)
+        if family == "llama":
+            micro = [list(range(len(docs)))]
+            targets = None
+        else:
+            plan = plan_step([len(d["input_ids"]) for d in docs], 4, tokens_per_rank)
+            assert any(not row for m in plan for row in m.rows)  # a rank with no documents (one padding token)
+            micro = [[i for row in m.rows for i in row] for m in plan]
+            targets = torch.tensor(float(step_targets(docs)))
+        total = 0.0
+        for indices in micro:
+            kwargs = {} if targets is None else {"num_items_in_batch": targets}
+            loss = reference(**_padded_documents([docs[i] for i in indices]), **kwargs).loss
+            loss.backward()
+            total += float(loss)
+        opt.step()
+        opt.zero_grad()
+        want.append(total)
+    return want, reference
+
+
+def train_steps(stage: int, family: str = "llama") -> str:
     import deepspeed
 
     import ds_usp
     from ds_usp import dynamic_sp_step
 
-    reference = _model("sdpa")
-    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    want = []
-    for step in range(2):
-        loss = reference(**_padded_documents(_documents(step))).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(float(loss))
+    want, reference = _reference_steps(family, 24)
     ds_usp.hf.register_usp_attention()
-    model = _model("usp")
+    model = _family_model(family, "usp")
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}} if family == "llama" else \
+        {"type": "SGD", "params": {"lr": SGD_LR}}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+              "optimizer": optimizer, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": stage}, "sequence_parallel": "usp", "sequence_parallel_size": 4,
               "usp": {"ulysses_degree": 2, "ring_degree": 2, "dynamic_sp": True}}
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -206,15 +249,22 @@ def train_steps(stage: int) -> str:
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())) if stage == 3 else _null():
         for name, p in reference.named_parameters():
-            # atol 2e-5 against AdamW steps of 1e-3: Adam divides a near-zero gradient by its own size, so the
-            # fp32 summation order of the micro batches shows in a handful of elements (6.6e-6 seen)
-            torch.testing.assert_close(params[name].detach(), p.detach(), rtol=1e-5, atol=2e-5,
-                                       msg=lambda m: f"{name}: {m}")
+            if family == "llama":
+                # atol 2e-5 against AdamW steps of 1e-3: Adam divides a near-zero gradient by its own size, so the
+                # fp32 summation order of the micro batches shows in a handful of elements (6.6e-6 seen)
+                torch.testing.assert_close(params[name].detach(), p.detach(), rtol=1e-5, atol=2e-5,
+                                           msg=lambda m: f"{name}: {m}")
+            else:  # SGD: each parameter's update is the learning rate times its gradients, compared as a whole
+                update, want_update = params[name].detach() - start[name], p.detach() - start[name]
+                error = float((update - want_update).norm() / want_update.norm().clamp_min(1e-12))
+                assert error <= 1e-4, f"{name}: update {error:.2e} relative off one process's"
     return "ok"
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_dynamic_sp_step_equals_one_process(world4, stage):
-    """12 documents of 1 to 90 tokens per step, 24 tokens per rank: micro batches at degrees 4, 2 and 1, gradients
-    accumulated over them, the loss normalized by the whole step's targets; 2 AdamW steps equal one process."""
-    assert world4.run(train_steps, stage) == ["ok"] * 4
+@pytest.mark.parametrize("stage,family", [(2, "llama"), (3, "llama"), (2, "qwen3_next"), (3, "qwen3_next")])
+def test_dynamic_sp_step_equals_one_process(world4, stage, family):
+    """12 documents of 1 to 90 tokens per step, 24 tokens per rank: micro batches at degrees 4, 2 and 1 (two ranks
+    without a document in the last), gradients accumulated over them, the loss normalized by the whole step's targets;
+    2 AdamW steps equal one process. Qwen3-Next: Gated DeltaNet state passed over a degree's ranks, MoE router loss
+    over each micro batch's tokens."""
+    assert world4.run(train_steps, stage, family) == ["ok"] * 4

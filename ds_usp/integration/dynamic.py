@@ -104,10 +104,11 @@ def plan_step(lengths: Sequence[int], sp_size: int, tokens_per_rank: int,
 
 def pack_row(documents: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """Documents (each ``input_ids`` and optional ``labels``, ``(1, n)`` or ``(n,)``) as one packed row whose
-    ``position_ids`` restart at each document (HF's flattening convention); no documents: one padding token."""
+    ``position_ids`` restart at each document (HF's flattening convention); no documents: one padding token, marked
+    as padding (``attention_mask`` 0) so that nothing counts it (the MoE router loss is a mean over real tokens)."""
     if not documents:
         return {"input_ids": torch.zeros(1, 1, dtype=torch.long), "labels": torch.full((1, 1), IGNORE_INDEX),
-                "position_ids": torch.zeros(1, 1, dtype=torch.long)}
+                "attention_mask": torch.zeros(1, 1, dtype=torch.long)}
     ids = [d["input_ids"].reshape(-1) for d in documents]
     labels = [d.get("labels", d["input_ids"]).reshape(-1) for d in documents]
     return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
