@@ -240,10 +240,11 @@ def test_an_async_save_under_tags_that_differ_across_ranks_is_refused_on_every_r
 
 
 def _same_state(got, want, where: str) -> None:
-    """``got`` equals ``want`` (nested state dicts): same keys and types, tensors of the same shape, dtype and values."""
+    """``got`` equals ``want`` (nested state dicts): the same keys and types, tensors of one shape, dtype and values."""
     assert type(got) is type(want), f"{where}: {type(got).__name__} vs {type(want).__name__}"
     if isinstance(want, torch.Tensor):
-        assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want), f"{where}: {got} vs {want}"
+        assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want), \
+            f"{where}: {got} vs {want}"
     elif isinstance(want, dict):
         assert list(got) == list(want), f"{where}: keys {list(got)} vs {list(want)}"
         for key in want:

@@ -18,9 +18,10 @@ copies them (:class:`_Snapshots`), after one small all-reduce (the tag the same 
 write failed): DeepSpeed's barriers, tag check and ZeRO-3's re-gather of its persistent parameters stay off the
 training thread (:func:`_state_only_save`). A background thread on every rank then writes and syncs its copies and
 drops a marker file (:data:`WRITTEN`), and rank 0's thread, once every rank's marker is there, writes the manifest
-and moves ``latest``: the same order as a blocking save, with no collective off the main thread. A save, a load or the end of the process waits for the pending one
-(``engine.wait_for_checkpoint()`` does so explicitly and raises what the background write raised). A crash before the
-manifest leaves the previous checkpoint as ``latest``, as for a blocking save.
+and moves ``latest``: the same order as a blocking save, with no collective off the main thread. A save, a load or
+the end of the process waits for the pending one (``engine.wait_for_checkpoint()`` does so explicitly and raises what
+the background write raised). A crash before the manifest leaves the previous checkpoint as ``latest``, as for a
+blocking save.
 
 The files of a tag must be visible to rank 0 (one node, or a shared filesystem: what DeepSpeed's own ``latest``
 assumes).
@@ -33,8 +34,8 @@ import json
 import os
 import threading
 import time
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
