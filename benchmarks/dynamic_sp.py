@@ -17,7 +17,11 @@ intermediate 896, 4 layers, 8 heads, vocab 8192, random weights), ZeRO-2, fp32, 
 * ``dynamic 2x2``: each row on the smallest degree its longest document needs (2x2 base: degree 2 is Ulysses 2,
   degree 1 one rank), short documents filling the rows' free room;
 * ``ALST full``: DeepSpeed's Ulysses (4) with TiledMLP, the tiled loss and checkpointing (:func:`alst_step`), one
-  document per micro batch.
+  document per micro batch;
+* ``degree 1 only``: this host's ceiling for any sequence parallelism on these kernels: the same engine and step
+  with every row on one rank (``degrees=[1]``, rows of up to ``--max-len`` tokens, so the longest document fits one
+  rank), no sequence-parallel communication at all; on 4 ranks sharing 2 cores the wall time is the total work, which
+  no SP scheme does less of.
 
 Reported: per step, the wall time (slowest rank; 4 ranks time-share 2 cores, so it is the group's total work), the
 tokens per second over the measured steps (the first step is a warm-up), the growth of the resident set over a step
@@ -45,7 +49,7 @@ from long_seq import alst_full, alst_tiled_loss, read_peak, reset_peak  # noqa: 
 TAG = "[dynamic_sp]"
 VOCAB = 8192
 SYSTEMS = {"static 2x2": (2, 2, "static"), "static 1x4": (1, 4, "static"), "dynamic 2x2": (2, 2, "dynamic"),
-           "ALST full": (4, 1, "alst")}
+           "ALST full": (4, 1, "alst"), "degree 1 only": (2, 2, "ceiling")}
 
 
 HISTOGRAM = Path(__file__).resolve().parent / "data" / "longalpaca_chinese_lengths.json"
@@ -103,22 +107,22 @@ def run(args: argparse.Namespace) -> dict:
         step_of = alst_step(model, config, args)
     else:
         config.update(sequence_parallel="usp", usp={"ulysses_degree": u, "ring_degree": r,
-                                                    "dynamic_sp": mode == "dynamic"})
+                                                    "dynamic_sp": mode != "static"})
         engine = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+        cap, degrees = {"static": (args.cap, [4]), "dynamic": (args.cap, None), "ceiling": (args.max_len, [1])}[mode]
 
         def step_of(docs: list[dict]) -> float:
-            return ds_usp.dynamic_sp_step(engine, docs, args.cap, degrees=[4] if mode == "static" else None)
+            return ds_usp.dynamic_sp_step(engine, docs, cap, degrees=degrees)
     rows = []
     for step in range(args.steps):
         docs = _documents(step, args)
+        base = reset_peak()  # before the barrier: it can take a rank tenths of a second
         dist.barrier()
-        base = reset_peak()
         start = time.perf_counter()
         loss = step_of(docs)
         seconds = time.perf_counter() - start
         lengths = [len(d["input_ids"]) for d in docs]
-        plan = ([4] * len(docs) if mode == "alst" else
-                [m.degree for m in ds_usp.plan_step(lengths, 4, args.cap, [4] if mode == "static" else None)])
+        plan = [4] * len(docs) if mode == "alst" else [m.degree for m in ds_usp.plan_step(lengths, 4, cap, degrees)]
         rows.append({"loss": loss, "seconds": seconds, "peak_mib": (read_peak() - base) / 2**20,
                      "documents": len(docs), "micro_batches": plan})
         if dist.get_rank() == 0:
@@ -222,6 +226,12 @@ def main() -> None:
         if dynamic and peer in results:
             print(f"{TAG} dynamic / {peer}: tokens/s {dynamic['tokens_per_s'] / results[peer]['tokens_per_s']:.3f}, "
                   f"peak {dynamic['peak_mib'] / results[peer]['peak_mib']:.3f}", flush=True)
+    ceiling = results.get("degree 1 only")
+    if ceiling:
+        for name, res in results.items():
+            res["share_of_ceiling"] = res["tokens_per_s"] / ceiling["tokens_per_s"]
+        print(f"{TAG} share of this host's ceiling (every row on one rank): " + ", ".join(
+            f"{name} {res['share_of_ceiling']:.3f}" for name, res in results.items()), flush=True)
     if args.json:
         path = write_result(args.json, {"benchmark": "dynamic_sp", "args": {k: v for k, v in vars(args).items()
                                                                            if k not in ("role", "out")},

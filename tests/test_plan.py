@@ -179,7 +179,7 @@ def test_cli_predicts_static_and_dynamic_sp_from_lengths(tmp_path):
     assert got[0] == got[1]
     found = got[0]
     assert found["static"]["micro_batches"] == [4] * len(found["static"]["micro_batches"])
-    assert found["dynamic"]["micro_batches"][0] == 4 and found["dynamic"]["micro_batches"][-1] == 1
+    assert found["dynamic"]["micro_batches"][0] == 4 and 1 in found["dynamic"]["micro_batches"]
     # 9000 tokens need all 4 ranks; the ring across the 2 nodes is what the short rows save
     assert found["speedup"] > 1.0, found
     assert abs(found["static"]["tokens_per_s"] * found["static"]["seconds"] - sum(lengths)) < 1e-3 * sum(lengths)

@@ -6,7 +6,8 @@ documents into rows and micro batches: a document longer than ``tokens_per_rank`
 longest first, into the open row of the smallest degree with room, so a short document rides along in a long
 document's row instead of paying a degree of its own), and the rows of one degree are cut into micro batches of
 ``sp / d`` rows, one per sub-group, rows of similar attention cost together (the slowest sub-group sets a micro batch's
-time). :func:`dynamic_sp_step` runs the plan on an engine built with ``usp.dynamic_sp``: every rank its sub-group's row
+time); a micro batch left with fewer rows than sub-groups (the last of its degree) runs them at the highest degree
+that still gives each its own sub-group, instead of leaving ranks idle. :func:`dynamic_sp_step` runs the plan on an engine built with ``usp.dynamic_sp``: every rank its sub-group's row
 (:func:`ds_usp.shard_batch` with ``engine.usp.topo.degrees[d]``), the loss of each micro batch the sum of its targets'
 losses over the whole SP group divided by the targets of the whole step, the gradients accumulated over the micro
 batches (DeepSpeed's accumulation boundary set on the last) and one optimizer step: the same update as one process
@@ -98,7 +99,10 @@ def plan_step(lengths: Sequence[int], sp_size: int, tokens_per_rank: int,
         per = sp_size // d
         for start in range(0, len(mine), per):
             group = [tuple(sorted(docs)) for docs in mine[start:start + per]]
-            plan.append(MicroBatch(degree=d, rows=tuple(group + [()] * (per - len(group)))))
+            # a micro batch with fewer rows than sub-groups (the last of its degree) spreads them over the ranks that
+            # would sit idle: the highest allowed degree that still gives every row a sub-group of its own
+            spread = max(e for e in degrees if e >= d and sp_size // e >= len(group))
+            plan.append(MicroBatch(degree=spread, rows=tuple(group + [()] * (sp_size // spread - len(group)))))
     return plan
 
 
