@@ -23,8 +23,8 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Read before the children's variable is cleared: on the H100 host (torch 2.11) the test modules' own import-time
 # torch.cuda.is_available() answered False once it was cleared, and every gpu test was skipped. The ``gpu`` tests
-# are skipped here when there is none (pytest_collection_modifyitems) and run
-# with the variable as it was (pytest_runtest_protocol).
+# are skipped here when there is none (pytest_collection_modifyitems) and run with the variable as it was
+# (pytest_runtest_protocol).
 CUDA = torch.cuda.is_available()
 CUDA_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
 if CUDA:

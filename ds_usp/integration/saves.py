@@ -307,8 +307,7 @@ def _state_only_save(engine: Any, save_dir: str, tag: str, client_state: dict, *
             or (engine._optimizer_has_ckpt_event_prologue()
                 and not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3))):
         return False
-    os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
-    engine._create_checkpoint_file(save_dir, tag, False)
+    engine._create_checkpoint_file(save_dir, tag, False)  # the tag's folder, through the checkpoint engine
     with _as_partitioned(engine):
         engine._save_checkpoint(save_dir, tag, client_state=client_state, **kwargs)
     if engine.save_zero_checkpoint:
