@@ -51,7 +51,7 @@ setup(
     # The floors of torch, deepspeed, transformers, accelerate and trl are the versions CI runs (the dev extra pins
     # them; tests/test_docs.py fails when a floor is not what CI runs). Older releases are not tested: the custom
     # ops need torch>=2.4 (torch.library.custom_op) and the ZeRO-3 correction calls a private method of DeepSpeed's
-    # stage-3 optimizer (ds_usp/integration/engine.py). pydantic, hjson, matplotlib and datasets: CI runs the release
+    # stage-3 optimizer (ds_usp/integration/engine.initialize.py). pydantic, hjson, matplotlib and datasets: CI runs the release
     # pip resolves; their floors are the major versions whose API is used, not tested as such.
     # The README's install command pins torch==2.13.0; on GPU machines install the torch for your CUDA first.
     install_requires=["torch>=2.13", "deepspeed>=0.19.8", "pydantic>=2", "hjson"],
@@ -59,7 +59,7 @@ setup(
         "hf": ["transformers>=5.23"],  # attn_implementation="usp"
         "demo": ["transformers>=5.23", "matplotlib>=3.7"],  # examples/train_llama.py with its loss.png
         # ds_usp.USPTrainer, USPSFTTrainer: later releases are accepted when they have every hook the integration uses
-        # (ds_usp.integration.hf_trainer.check_hooks checks transformers' and accelerate's, not the versions)
+        # (ds_usp.integration.trainers.trainer.check_hooks checks transformers' and accelerate's, not the versions)
         "trainer": ["transformers>=5.23", "accelerate>=1.15", "trl>=1.16", "datasets>=3"],
         # the versions CI runs: torch and deepspeed exactly (README: pip install torch==2.13.0 first), the HF stack
         # within its minor version

@@ -149,7 +149,7 @@ def alst_step(model: Any, config: dict, args: argparse.Namespace) -> Callable[[l
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from deepspeed.utils import groups
 
-    from ds_usp.integration.dynamic import step_targets
+    from ds_usp.integration.data.dynamic import step_targets
 
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sequence_parallel_size=4,

@@ -108,9 +108,9 @@ def forward_error(topo: Any, reference: tuple[Any, torch.Tensor, torch.Tensor]) 
     from transformers import AutoModelForCausalLM
 
     import ds_usp
-    from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.hybrid import is_wrapped_mixer, wrap_linear_layers
-    from ds_usp.integration.model_checks import check_model, default_positions
+    from ds_usp.integration.models.attention import USPContext, attach
+    from ds_usp.integration.models.hybrid import is_wrapped_mixer, wrap_linear_layers
+    from ds_usp.integration.models.checks import check_model, default_positions
 
     ds_usp.hf.register_usp_attention()
     ref, ids, want = reference

@@ -43,7 +43,7 @@ def _config(hidden: int, heads: int, dim: int):
 def _layer(config: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from ds_usp.integration.hybrid import is_gated_deltanet
+    from ds_usp.integration.models.hybrid import is_gated_deltanet
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -99,8 +99,8 @@ def main() -> None:
     device = init_distributed(args.timeout)
     import ds_usp
     from ds_usp.cost import linear_bytes
-    from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.hybrid import wrap_linear_layers
+    from ds_usp.integration.models.attention import USPContext, attach
+    from ds_usp.integration.models.hybrid import wrap_linear_layers
     from meters import CommCounter
 
     world, seq = dist.get_world_size(), args.seq

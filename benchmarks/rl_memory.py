@@ -95,7 +95,7 @@ def run_usp(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     import ds_usp
-    from ds_usp.integration.logprobs import FUSED_HEAD_ATTR, FusedHead
+    from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, FusedHead
     from trl.trainer.utils import add_fused_lm_head
 
     torch.set_num_threads(1)

@@ -10,11 +10,13 @@ TRL) on first use.
 """
 from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, usp_attention
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
-from ds_usp.integration import data, hf
-from ds_usp.integration.data import USPDataLoader, shard_batch
-from ds_usp.integration.dynamic import dynamic_sp_step, plan_step
-from ds_usp.integration.loss import sp_cross_entropy
-from ds_usp.integration.engine import USPState, initialize, install_deepspeed_hook
+from ds_usp.integration.data import batch as data
+from ds_usp.integration.data.batch import shard_batch
+from ds_usp.integration.data.dynamic import dynamic_sp_step, plan_step
+from ds_usp.integration.data.loader import USPDataLoader
+from ds_usp.integration.engine.initialize import USPState, initialize, install_deepspeed_hook
+from ds_usp.integration.models import attention as hf
+from ds_usp.integration.step.loss import sp_cross_entropy
 from ds_usp.native.build_locks import watch_build_locks
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks
@@ -33,7 +35,7 @@ def __getattr__(name: str):
     if name in ("USPTrainer", "USPSFTTrainer", "USPGRPOTrainer", "USPRLOOTrainer", "USPDPOTrainer"):
         import importlib
 
-        module = importlib.import_module("ds_usp.integration." + ("rl" if name in _RL_TRAINERS else "hf_trainer"))
+        module = importlib.import_module("ds_usp.integration.trainers." + ("rl" if name in _RL_TRAINERS else "trainer"))
         if not hasattr(module, name):  # a TRL trainer without TRL
             raise AttributeError(f"ds_usp.{name} needs TRL: pip install trl")
         return getattr(module, name)

@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from ds_usp.config import load_usp_config
-from ds_usp.integration.saves import read_step, resolve_tag, write_manifest
+from ds_usp.integration.engine.checkpoints import read_step, resolve_tag, write_manifest
 from ds_usp.log import log_warning
 
 
@@ -204,7 +204,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, **kwa
             ``"checkpoint": {"load_universal": true}``).
         **kwargs: passed on to ``engine.load_checkpoint`` (``load_optimizer_states`` ...); ``fallback=False`` refuses
             a damaged latest checkpoint instead of loading the newest complete one
-            (:func:`ds_usp.integration.saves.resolve_tag`).
+            (:func:`ds_usp.integration.engine.checkpoints.resolve_tag`).
 
     Returns:
         ``(load_path, client_state)`` as ``engine.load_checkpoint`` returns them.
@@ -238,7 +238,7 @@ def convert_to_universal(load_dir: str, tag: Optional[str] = None, workers: int 
     --output_folder DIR/TAG_universal --inject_missing_state`` (``--inject_missing_state`` adds the
     ``universal_checkpoint_info`` that Megatron-style trainers save and HuggingFace models lack).
     It writes ``DIR/latest_universal``, and the output's manifest last (a conversion cut short is refused on load,
-    :mod:`ds_usp.integration.saves`); a damaged source is refused before converting. Run it in one process, not on
+    :mod:`ds_usp.integration.engine.checkpoints`); a damaged source is refused before converting. Run it in one process, not on
     every rank.
 
     Args:

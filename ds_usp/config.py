@@ -13,10 +13,10 @@ DeepSpeed itself ignores ``"sequence_parallel"`` and ``"usp"`` but reads ``seque
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 import json
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
@@ -29,7 +29,7 @@ SP_MODES = ("usp", "ulysses", "ring")
 LAYOUTS = ("contiguous", "zigzag", "balanced")  # how a sequence is cut over the ranks (ds_usp.sharding)
 BACKEND_CHOICES = ("auto", "torch", "flash_attn", "triton")  # local attention kernels (ds_usp.kernels)
 COMM_DTYPES = ("input", "fp8")  # how activations travel (ds_usp.comm.fp8_encode)
-VISION_TOWER_MODES = ("replicated", "sharded")  # a VLM's vision tower (ds_usp.integration.vision)
+VISION_TOWER_MODES = ("replicated", "sharded")  # a VLM's vision tower (ds_usp.integration.models.vision)
 OLD_KEYS = {"ring_impl": "layout"}  # old name -> key: still accepted
 DEFAULT_TIMEOUT_SECONDS = 600  # a collective that waits longer than this means a peer died or stalled
 

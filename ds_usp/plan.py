@@ -31,8 +31,8 @@ from typing import Any, Optional, Sequence
 
 from ds_usp.config import degree_split
 from ds_usp.cost import GIB, Hardware, ModelShape, StepMemory, StepSettings, StepTime, step_memory, step_time
-from ds_usp.integration.dynamic import plan_step
-from ds_usp.integration.model_shape import model_shape, split_refusal
+from ds_usp.integration.data.dynamic import plan_step
+from ds_usp.integration.models.shape import model_shape, split_refusal
 
 # the memory-feature presets the planner tries: name -> (checkpointing, tiled feed-forward, chunked loss, offloaded
 # layer inputs); "full-offload" is ALST's recipe (with --offload, the optimizer state goes to the host too)

@@ -145,7 +145,7 @@ class USPTopology:
             handed to DeepSpeed through :attr:`mpu`.
         default_positions: how the model numbers the tokens of a full sequence ``(b, S)`` when it is given no
             ``position_ids`` (``ds_usp.initialize`` sets it from the model, see
-            :func:`ds_usp.integration.model_checks.default_positions`; ``None``: ``0..S-1``). :func:`ds_usp.shard_batch`
+            :func:`ds_usp.integration.models.checks.default_positions`; ``None``: ``0..S-1``). :func:`ds_usp.shard_batch`
             uses it, so a model numbering from ``padding_idx + 1`` (RoBERTa) gets its own positions.
         parent_sp_group: for a dynamic-SP degree (:meth:`with_degrees`), the SP group of the topology it was cut from:
             a micro batch's loss is averaged over that whole group's tokens, whichever sub-group holds which row

@@ -30,7 +30,7 @@ def _die() -> None:
 
 def arm(point: str, rank: int) -> None:
     """Make this rank die at ``point`` if it is that point's victim."""
-    from ds_usp.integration import saves
+    from ds_usp.integration.engine import checkpoints as saves
 
     if point in ("before_files", "during_files") and rank == 2:
         real_save = torch.save

@@ -359,7 +359,7 @@ def damaged_load(ckpt_dir: str, stage: int, damage: str) -> tuple[str, str, int]
     import torch.distributed as dist
 
     from ds_usp.checkpoint import load_checkpoint
-    from ds_usp.integration.saves import MANIFEST, CheckpointDamaged
+    from ds_usp.integration.engine.checkpoints import MANIFEST, CheckpointDamaged
 
     engine = _engine(stage, *SAVED)
     engine.load_checkpoint(ckpt_dir)
@@ -424,7 +424,7 @@ def test_a_save_killed_at_any_point_resumes_from_the_last_complete_checkpoint(wo
 
     from dist_harness import _free_port
 
-    from ds_usp.integration.saves import MANIFEST
+    from ds_usp.integration.engine.checkpoints import MANIFEST
 
     ckpt_dir, losses, params = saved(stage)
     ckpt = str(tmp_path / "checkpoints")

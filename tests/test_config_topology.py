@@ -344,7 +344,7 @@ _HF_AUTO = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 
 
 
 def _fill_hf_auto(cfg, replicas: int):
-    """``cfg`` with HF's ``"auto"`` values filled (train_batch_size counts replicas, as ds_usp.integration.hf_trainer does)."""
+    """``cfg`` with HF's ``"auto"`` values filled (train_batch_size counts replicas, as ds_usp.integration.trainers.trainer does)."""
     if isinstance(cfg, dict):
         out = {k: (_HF_AUTO[k] if v == "auto" and k in _HF_AUTO else _fill_hf_auto(v, replicas)) for k, v in cfg.items()}
         if out.get("train_batch_size") == "auto":

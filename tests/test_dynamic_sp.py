@@ -141,7 +141,7 @@ LENGTHS = [90, 7, 33, 12, 5, 48, 3, 20, 61, 9, 1, 26]
 
 
 def test_plan_puts_every_document_once_on_the_degree_it_needs():
-    from ds_usp.integration.dynamic import plan_step
+    from ds_usp.integration.data.dynamic import plan_step
 
     for lengths, sp, cap in ((LENGTHS, 4, 24), ([5] * 9, 4, 24), ([96, 95], 4, 24), (LENGTHS, 8, 16), ([3], 1, 8)):
         plan = plan_step(lengths, sp, cap)
@@ -210,7 +210,7 @@ def _reference_steps(family: str, tokens_per_rank: int) -> tuple[list[float], ob
     token mean over the whole step); a family with a router loss micro batch by micro batch, as dynamic SP runs it
     (the router loss is a mean over a micro batch's tokens, not a sum, so it is one per micro batch: each micro batch
     its documents as one padded batch, the cross-entropy over the whole step's targets, gradients accumulated)."""
-    from ds_usp.integration.dynamic import plan_step, step_targets
+    from ds_usp.integration.data.dynamic import plan_step, step_targets
 
     reference = _family_model(family, "sdpa")
     opt = torch.optim.AdamW(reference.parameters(), lr=LR) if family == "llama" else \

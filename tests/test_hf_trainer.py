@@ -161,7 +161,7 @@ def test_resume_skips_a_damaged_checkpoint_folder(world4, tmp_path_factory):
     before, bitwise as the uninterrupted run; the damaged folder named by path is refused naming the file."""
     import shutil
 
-    from ds_usp.integration.saves import MANIFEST, CheckpointDamaged
+    from ds_usp.integration.engine.checkpoints import MANIFEST, CheckpointDamaged
 
     out = str(tmp_path_factory.mktemp("damaged"))
     # saved with "usp.async_save": the engine writes in the background, the trainer waits before the folder's manifest
@@ -175,7 +175,7 @@ def test_resume_skips_a_damaged_checkpoint_folder(world4, tmp_path_factory):
     assert resumed["loss"] == full["loss"], (resumed["loss"], full["loss"])
     for name, value in resumed["params"].items():
         assert torch.equal(value, full["params"][name]), name
-    from ds_usp.integration.hf_trainer import complete_checkpoint_folder
+    from ds_usp.integration.trainers.trainer import complete_checkpoint_folder
 
     assert complete_checkpoint_folder(out, True) == os.path.join(out, "checkpoint-2")
     with pytest.raises(CheckpointDamaged, match=r"checkpoint-4/trainer_state\.json: \d+ bytes, expected"):
@@ -362,7 +362,7 @@ def test_hook_check_names_what_is_missing(monkeypatch):
     """Versions are not gated; a release without a hook the integration uses is refused naming the hook."""
     import transformers
 
-    import ds_usp.integration.hf_trainer as hf_trainer
+    import ds_usp.integration.trainers.trainer as hf_trainer
 
     hf_trainer.check_hooks()  # the installed versions have every hook
     monkeypatch.delattr(transformers.Trainer, "get_batch_samples")
@@ -382,7 +382,7 @@ def test_the_patched_hf_function_is_still_hfs():
 
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    import ds_usp.integration.hf_trainer  # noqa: F401 - applies the wrapper
+    import ds_usp.integration.trainers.trainer  # noqa: F401 - applies the wrapper
 
     wrapped = HfTrainerDeepSpeedConfig.trainer_config_process
     assert getattr(wrapped, "_ds_usp", False)

@@ -130,9 +130,9 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     """The rule is not vacuous: a config module importing the integration layer would be caught."""
     layers = _layers()
     fake = tmp_path / "config.py"
-    fake.write_text("from ds_usp.integration.engine import initialize\n")
-    assert _layer_of("ds_usp.integration.engine", layers) > _layer_of("ds_usp.config", layers)
-    assert _imports(fake) == {"ds_usp.integration.engine"}
+    fake.write_text("from ds_usp.integration.engine.initialize import initialize\n")
+    assert _layer_of("ds_usp.integration.engine.initialize", layers) > _layer_of("ds_usp.config", layers)
+    assert _imports(fake) == {"ds_usp.integration.engine.initialize"}
 
 
 def test_test_modules_do_not_decide_cuda_at_import():

@@ -422,8 +422,8 @@ def layer_case(family: str, u: int, r: int, layout: str, docs, detail: bool = Fa
     """On every rank: one GDN / KDA / Mamba-2 layer in fp64, wrapped vs its own forward on the whole sequence; max
     difference."""
     import ds_usp
-    from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.hybrid import is_linear_attention, wrap_linear_layers
+    from ds_usp.integration.models.attention import USPContext, attach
+    from ds_usp.integration.models.hybrid import is_linear_attention, wrap_linear_layers
 
     module = importlib.import_module(FAMILIES[family])
     saved = getattr(module, _rule_name(family))
@@ -599,8 +599,8 @@ def test_other_recurrent_families_are_refused_by_name(family, config):
     import transformers
 
     import ds_usp
-    from ds_usp.integration.hybrid import is_linear_attention
-    from ds_usp.integration.model_checks import check_model
+    from ds_usp.integration.models.hybrid import is_linear_attention
+    from ds_usp.integration.models.checks import check_model
 
     ds_usp.hf.register_usp_attention()
     base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""Per-token log-probs through lm_head in chunks on a sharded sequence (ds_usp.integration.logprobs), the piece the
+"""Per-token log-probs through lm_head in chunks on a sharded sequence (ds_usp.integration.step.logprobs), the piece the
 RL and preference trainers share, against one process over the whole sequence.
 
 Every (U, R) of 4 ranks and both layouts; two rows of 37 tokens (padding needed), ignored targets, a temperature, a
@@ -51,8 +51,8 @@ def sharded(u: int, r: int, layout: str, temperature: float, softcap: float) -> 
     import torch.distributed as dist
 
     import ds_usp
-    from ds_usp.integration.logprobs import sequence_sums, token_logprobs
-    from ds_usp.integration.loss import LogitsTail
+    from ds_usp.integration.step.logprobs import sequence_sums, token_logprobs
+    from ds_usp.integration.step.loss import LogitsTail
 
     topo = get_topo(u, r)
     want = _reference(temperature, softcap)
@@ -81,7 +81,7 @@ def test_sharded_logprobs_equal_one_process(world4, u, r, layout, temperature, s
 
 
 def test_bad_arguments_are_refused():
-    from ds_usp.integration.logprobs import token_logprobs
+    from ds_usp.integration.step.logprobs import token_logprobs
 
     hidden, head, labels, _ = _inputs()
     with pytest.raises(ValueError, match="disagree"):
@@ -115,7 +115,7 @@ def fused_head(u: int, r: int, layout: str) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import ds_usp
-    from ds_usp.integration.logprobs import FUSED_HEAD_ATTR, FusedHead
+    from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, FusedHead
 
     cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64)

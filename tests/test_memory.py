@@ -1,4 +1,4 @@
-"""The long-sequence memory features (ds_usp/integration/memory.py): exact, and each one saves what it should.
+"""The long-sequence memory features (ds_usp/integration/step.forward.py): exact, and each one saves what it should.
 
 Exactness, on a 4-rank gloo world: a tiny HF Llama trained 5 steps through the standard HF idiom
 ``engine(input_ids=..., position_ids=..., shift_labels=...).loss`` with the chunked loss, tiled MLP,
@@ -125,7 +125,7 @@ def _peak_growth(fn) -> int:
 def test_chunked_loss_peaks_below_half_of_whole_logits():
     import torch.nn.functional as F
 
-    from ds_usp.integration.loss import chunked_lm_loss
+    from ds_usp.integration.step.loss import chunked_lm_loss
 
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 32000, bias=False)
@@ -152,7 +152,7 @@ def test_chunked_loss_equals_cross_entropy(dtype):
     forward is refused, not silently scaled twice."""
     import torch.nn.functional as F
 
-    from ds_usp.integration.loss import chunked_lm_loss
+    from ds_usp.integration.step.loss import chunked_lm_loss
 
     torch.manual_seed(0)
     head = torch.nn.Linear(48, 500, bias=True).to(dtype)
@@ -179,7 +179,7 @@ def test_tiled_mlp_peaks_below_half_of_untiled():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from ds_usp.integration.tiling import TiledMLP
+    from ds_usp.integration.step.tiling import TiledMLP
 
     torch.manual_seed(0)
     mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=8192))
@@ -201,8 +201,8 @@ def checkpointing_peaks() -> tuple[int, int]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import ds_usp
-    from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.memory import MemorySettings, apply
+    from ds_usp.integration.models.attention import USPContext, attach
+    from ds_usp.integration.step.forward import MemorySettings, apply
 
     ds_usp.hf.register_usp_attention()
     topo = ds_usp.USPTopology.build(2, 2)
@@ -239,8 +239,8 @@ def mlp_passes(family: str) -> tuple[int, int, float]:
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
     import ds_usp
-    from ds_usp.integration.hf import USPContext, attach
-    from ds_usp.integration.memory import MemorySettings, apply
+    from ds_usp.integration.models.attention import USPContext, attach
+    from ds_usp.integration.step.forward import MemorySettings, apply
 
     ds_usp.hf.register_usp_attention()
     topo = ds_usp.USPTopology.build(2, 2)
@@ -285,7 +285,7 @@ def test_only_dense_mlp_blocks_become_zero3_leaves():
     from transformers.models.llama.modeling_llama import LlamaMLP
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from ds_usp.integration.memory import _has_experts
+    from ds_usp.integration.step.forward import _has_experts
 
     base = dict(hidden_size=32, intermediate_size=64)
     assert not _has_experts(LlamaMLP(LlamaConfig(**base)))
@@ -295,7 +295,7 @@ def test_only_dense_mlp_blocks_become_zero3_leaves():
 def test_auto_plan_follows_the_tokens_per_rank():
     """``"auto"``: nothing for short sequences; chunked loss, selective checkpointing and (free under it) tiled MLP
     for long ones; ``false`` keeps everything off. The issue's model: vocab 32000, hidden 256, intermediate 896."""
-    from ds_usp.integration.step_choices import MemoryContext, MemorySettings
+    from ds_usp.integration.step.choices import MemoryContext, MemorySettings
 
     def plan(tokens: int, **settings):
         ctx = MemoryContext(settings=MemorySettings(**settings), topo=None, layout="zigzag", hidden=256,

@@ -183,7 +183,7 @@ def _sp_token_losses(engine, shard: dict) -> torch.Tensor:
 
 
 def _shard_docs(shard: dict):
-    from ds_usp.integration.data import docs_from_cu_seq_lens
+    from ds_usp.integration.data.batch import docs_from_cu_seq_lens
 
     _, docs = docs_from_cu_seq_lens(shard["cu_seq_lens_q"], 1)
     return None if len(docs[0]) == 1 else docs
@@ -284,8 +284,8 @@ def test_logits_tail_is_found_in_every_training_dtype(dtype):
     not refused for a tail it does not have, and the tails that exist are found."""
     from transformers import AutoModelForCausalLM
 
-    from ds_usp.integration.memory import decoder_of
-    from ds_usp.integration.model_tail import find_logits_tail
+    from ds_usp.integration.step.forward import decoder_of
+    from ds_usp.integration.step.tail import find_logits_tail
 
     for family in FAMILIES:
         torch.manual_seed(0)
@@ -306,7 +306,7 @@ def test_non_interface_families_are_refused_by_name():
         transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="usp")
     built_with_sdpa = transformers.AutoModelForCausalLM.from_config(_config("llama", "usual"),
                                                                     attn_implementation="sdpa")
-    from ds_usp.integration.model_checks import check_model
+    from ds_usp.integration.models.checks import check_model
 
     with pytest.raises(ValueError, match="LlamaForCausalLM was built with attn_implementation='sdpa'"):
         check_model(built_with_sdpa)
@@ -323,7 +323,7 @@ def test_every_interface_keyword_is_classified():
     run time when not None; this makes the decision explicit)."""
     import transformers
 
-    from ds_usp.integration.hf import HONOURED, NEUTRAL, REFUSED
+    from ds_usp.integration.models.attention import HONOURED, NEUTRAL, REFUSED
 
     known = set(HONOURED) | set(NEUTRAL) | set(REFUSED) | {"query", "key", "value", "attention_mask"}
     seen: dict[str, set] = {}
@@ -344,7 +344,7 @@ def test_every_interface_keyword_is_classified():
 def test_unknown_keywords_are_refused():
     from torch import nn
 
-    from ds_usp.integration.hf import USPContext, check_keywords
+    from ds_usp.integration.models.attention import USPContext, check_keywords
 
     ctx = USPContext(topo=None, layout="zigzag", model_name="SomeForCausalLM")
     check_keywords(nn.Linear(1, 1), ctx, {"position_ids": torch.zeros(1), "use_cache": True, "new_thing": None})
@@ -372,8 +372,8 @@ def test_masks_are_read_from_transformers_mask_functions():
     from transformers import masking_utils as mu
 
     import ds_usp
-    from ds_usp.integration.hf import USPContext, _mask_of
-    from ds_usp.integration.hf_masks import HFMask
+    from ds_usp.integration.models.attention import USPContext, _mask_of
+    from ds_usp.integration.models.masks import HFMask
 
     ds_usp.hf.register_usp_attention()
     cfg = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, sliding_window=16,
@@ -464,7 +464,7 @@ def test_default_positions_follow_the_model():
     hands that rule to shard_batch (topo.default_positions); a rotary model keeps 0..S-1 (no rule)."""
     from transformers import LlamaConfig, LlamaForCausalLM, RobertaConfig, RobertaForCausalLM
 
-    from ds_usp.integration.model_checks import default_positions
+    from ds_usp.integration.models.checks import default_positions
 
     tiny = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     roberta = RobertaForCausalLM(RobertaConfig(**tiny, is_decoder=True, pad_token_id=1))

@@ -418,7 +418,7 @@ def mistral_window(layout: str) -> float:
     import transformers
 
     import ds_usp
-    from ds_usp.integration.hf import USPContext, attach
+    from ds_usp.integration.models.attention import USPContext, attach
     from test_training import TOL, VOCAB, _batch
 
     ds_usp.hf.register_usp_attention()

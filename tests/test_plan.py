@@ -105,7 +105,7 @@ def test_model_shapes_from_hf_configs(tmp_path):
     """MoE (total vs active), MLA head dims and hybrid linear layers from the config; an unshardable family refused."""
     import transformers
 
-    from ds_usp.integration.model_shape import model_shape
+    from ds_usp.integration.models.shape import model_shape
 
     moe = model_shape(transformers.DeepseekV3Config(num_hidden_layers=3, hidden_size=256, intermediate_size=512,
                                                     moe_intermediate_size=64, n_routed_experts=16,
@@ -148,8 +148,8 @@ def test_auto_degrees_are_priced_at_the_models_length(monkeypatch):
     import transformers
 
     from ds_usp.config import load_usp_config
-    from ds_usp.integration.degrees import choose_degrees
-    from ds_usp.integration.model_shape import model_shape
+    from ds_usp.integration.engine.degrees import choose_degrees
+    from ds_usp.integration.models.shape import model_shape
 
     monkeypatch.setenv("LOCAL_SIZE", "2")
     cfg = load_usp_config({"sequence_parallel": "usp", "sequence_parallel_size": 4}, 4, num_heads=4, num_kv_heads=2)

@@ -224,7 +224,7 @@ def hf_family_matches(family: str) -> float:
     import transformers
 
     import ds_usp
-    from ds_usp.integration.hf import USPContext, attach
+    from ds_usp.integration.models.attention import USPContext, attach
 
     ds_usp.hf.register_usp_attention()
     cfg_cls, kw = {"qwen2": (transformers.Qwen2Config, {}), "mistral": (transformers.MistralConfig,

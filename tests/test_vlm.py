@@ -498,7 +498,7 @@ def test_packed_mrope_positions_restart_per_document(family):
     """The body numbers a packed row as one sequence; after ds-usp's restart every document's 3-D positions are those
     the family computes for it alone. (RoPE only sees differences inside a document, so the training test above
     cannot tell; absolute uses of the positions can.)"""
-    from ds_usp.integration.multimodal import restart_per_document
+    from ds_usp.integration.models.multimodal import restart_per_document
     from ds_usp.sharding import normalize_docs
 
     build, batch = {"qwen2.5-vl": (_qwen25_vl, _qwen_padded_batch), "qwen3-vl": (_qwen3_vl, _qwen3_batch)}[family]
@@ -524,7 +524,7 @@ def test_sharded_vision_tower_refused_by_name_where_it_cannot_run():
     """usp.vision_tower="sharded" on a tower that does not pack its patches with cu_seqlens (LLaVA's CLIP), or on a
     text model, is refused by name before any group exists."""
     import ds_usp
-    from ds_usp.integration.vision import prepare_vision_towers
+    from ds_usp.integration.models.vision import prepare_vision_towers
 
     ds_usp.hf.register_usp_attention()
     with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration's vision tower does not run its patches as "

@@ -23,7 +23,7 @@ One call is three ``torch.library`` custom ops, each with a registered derivativ
 ``torch.compile`` therefore sees opaque operators with known derivatives: it neither traces into the
 collectives (an autograd function that fills ``empty_like`` buffers through collectives gets a
 silently zero gradient under compile, as DeepSpeed documents in ``deepspeed/sequence/layer.py``) nor
-breaks the graph; and selective activation checkpointing (:mod:`ds_usp.integration.recompute`) can keep
+breaks the graph; and selective activation checkpointing (:mod:`ds_usp.integration.step.recompute`) can keep
 the ring's result instead of recomputing it. Process groups cannot appear in an operator schema,
 so the ops take the groups' names and look them up in torch.distributed's own registry
 (:func:`ds_usp.comm.resolve_group`).
@@ -38,8 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds_usp.attention.checks import (check_device, check_qkv, check_same_across_ranks, check_scale, check_sinks,
-                                    check_spans,
-                                    check_softcap)
+                                     check_softcap, check_spans)
 from ds_usp.attention.masks import MaskSpec, chunk_docs
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
 from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, seq_to_head

@@ -10,7 +10,7 @@ the sequence. The model itself is unchanged; the topology is attached to its mod
 
 **Nothing transformers passes is dropped.** Every keyword an attention module hands to the attention interface
 is either honoured (:data:`HONOURED`: the softmax scale, causality, the layer's own sliding window (checked against
-the mask transformers asked for, :mod:`ds_usp.integration.hf_masks`, which also brings Llama 4's chunks), the logit
+the mask transformers asked for, :mod:`ds_usp.integration.models.masks`, which also brings Llama 4's chunks), the logit
 soft-cap of Gemma 2, the attention sinks of GPT-OSS, packed documents), or known to change nothing here
 (:data:`NEUTRAL`: positions are already in q/k through RoPE, cache and logging flags), or refused with a
 ``ValueError`` naming the keyword, the layer and what to do, when its value would change the result
@@ -27,10 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from ds_usp.attention import usp_attention
-from ds_usp.integration.data import docs_from_cu_seq_lens, documents_of_shard
-from ds_usp.integration.hf_masks import HFMask, usp_mask
-from ds_usp.integration.multimodal import BODY_SPANS_KEY
-from ds_usp.integration.patches import wrap_attn_implementation_check
+from ds_usp.integration.data.batch import docs_from_cu_seq_lens, documents_of_shard
+from ds_usp.integration.models.masks import HFMask, usp_mask
+from ds_usp.integration.models.multimodal import BODY_SPANS_KEY
+from ds_usp.integration.upstream.transformers import wrap_attn_implementation_check
 from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.topology import USPTopology
 
@@ -131,7 +131,7 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         query: ``(b, hq, s_local, d)`` as transformers passes it.
         key: ``(b, hkv, s_local, d)``.
         value: ``(b, hkv, s_local, dv)`` (``dv`` may differ from ``d``: MLA).
-        attention_mask: the :class:`~ds_usp.integration.hf_masks.HFMask` the ``"usp"`` mask interface made for
+        attention_mask: the :class:`~ds_usp.integration.models.masks.HFMask` the ``"usp"`` mask interface made for
             this layer type (causal or not, window, chunks, bidirectional spans), or None; a mask tensor is refused (documents and
             padding come as ``cu_seq_lens_q``).
         dropout: must be 0.
@@ -142,7 +142,7 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         softcap: the attention logit soft-cap (Gemma 2's ``attn_logit_softcapping``), None for none.
         s_aux: GPT-OSS's learned attention sinks, ``(hq,)`` logits (gradients flow into them).
         cu_seq_lens_q: cumulative document lengths over the *global* rows (from
-            :func:`ds_usp.integration.data.shard_batch`): packed documents and the real length.
+            :func:`ds_usp.integration.data.batch.shard_batch`): packed documents and the real length.
         cu_seq_lens_k: must equal ``cu_seq_lens_q`` (self-attention).
         **kwargs: other transformers arguments: neutral ones (:data:`NEUTRAL`) pass, others are refused.
 
@@ -255,7 +255,7 @@ def _window(sliding_window: Optional[int], causal: bool) -> Optional[tuple[int, 
     return sliding_window - 1, 0 if causal else sliding_window - 1
 
 
-# The sharded vision towers' attention (ds_usp.integration.vision): the same function under a name transformers treats
+# The sharded vision towers' attention (ds_usp.integration.models.vision): the same function under a name transformers treats
 # as flash-like, because the Qwen-VL vision attention passes cu_seqlens (the images, frames or windows of the packed
 # patches) only to those, and otherwise splits the sequence per image itself, which a shard cannot do.
 VISION_ATTN_NAME = "usp_vision_flash_varlen"
@@ -264,7 +264,7 @@ VISION_ATTN_NAME = "usp_vision_flash_varlen"
 def register_usp_attention() -> str:
     """Register :func:`usp_hf_attention` with transformers as ``attn_implementation="usp"`` (idempotent).
 
-    Also registers the ``"usp"`` mask interface (:func:`ds_usp.integration.hf_masks.usp_mask`), which builds no
+    Also registers the ``"usp"`` mask interface (:func:`ds_usp.integration.models.masks.usp_mask`), which builds no
     ``(s x s)`` mask but says what each layer type's mask means; and makes building a model whose family does
     not route its attention through transformers' attention interface (Falcon, GPT-J, Bloom...) with
     ``attn_implementation="usp"`` fail with an error that names the family, instead of a ``KeyError: 'usp'`` deep
@@ -322,7 +322,7 @@ def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     """Before each call of the model: the batch's documents, passed on to every layer.
 
     A call with ``cu_seq_lens_q`` (``engine(**shard)``) keeps them; a call with ``position_ids`` only (the README's
-    loop) gets them from the positions (:func:`~ds_usp.integration.data.documents_of_shard`), so that packed rows
+    loop) gets them from the positions (:func:`~ds_usp.integration.data.batch.documents_of_shard`), so that packed rows
     never attend across documents, however the model is called. Either way the context keeps them for decoder layers
     that do not pass their keyword arguments on to the attention (StableLM, Nemotron) and the hybrid layers.
     """

@@ -132,7 +132,7 @@ def documents_of_batch(batch: Mapping[str, Any]) -> list[dict[str, Tensor]]:
     Raises:
         ValueError: padding on the left or between real tokens.
     """
-    from ds_usp.integration.data import packed_doc_lens, right_padded_docs
+    from ds_usp.integration.data.batch import packed_doc_lens, right_padded_docs
 
     ids = batch["input_ids"]
     rows, seq = ids.shape
@@ -160,7 +160,7 @@ def micro_batch_shards(engine: Any, documents: Sequence[Mapping[str, Tensor]], t
     Raises:
         ValueError: the engine has no dynamic-SP degrees, or a document does not fit (:func:`plan_step`).
     """
-    from ds_usp.integration.data import shard_batch
+    from ds_usp.integration.data.batch import shard_batch
 
     topo = engine.usp.topo
     if len(topo.degrees) <= 1 and topo.sp_size > 1 and list(degrees or ()) != [topo.sp_size]:

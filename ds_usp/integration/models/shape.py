@@ -9,10 +9,9 @@ from torch import Tensor, nn
 
 from ds_usp.config import kv_heads_compatible
 from ds_usp.cost import ModelShape
-from ds_usp.integration.hf import refuse_non_interface_family
-from ds_usp.integration.hybrid import is_linear_attention, is_wrapped_mixer, linear_dims
-from ds_usp.integration.model_checks import sequence_mixers
-
+from ds_usp.integration.models.attention import refuse_non_interface_family
+from ds_usp.integration.models.checks import sequence_mixers
+from ds_usp.integration.models.hybrid import is_linear_attention, is_wrapped_mixer, linear_dims
 
 # ---------------------------------------------------------------------------------- the model's shape
 

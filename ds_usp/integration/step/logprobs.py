@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ds_usp.comm import sum_over_group
-from ds_usp.integration.data import IGNORE_INDEX, shard_batch
-from ds_usp.integration.loss import NO_TAIL, LogitsTail, gathered
+from ds_usp.integration.data.batch import IGNORE_INDEX, shard_batch
+from ds_usp.integration.step.loss import NO_TAIL, LogitsTail, gathered
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import USPTopology
 
@@ -118,7 +118,7 @@ FUSED_HEAD_ATTR = "_ds_usp_fused_head"
 
 class FusedHead(NamedTuple):
     """What TRL's ``add_fused_lm_head`` baked into the model, which ds-usp's forward needs to reproduce it (set by the
-    RL trainers, :mod:`ds_usp.integration.rl`, as the model's :data:`FUSED_HEAD_ATTR`)."""
+    RL trainers, :mod:`ds_usp.integration.trainers.rl`, as the model's :data:`FUSED_HEAD_ATTR`)."""
 
     temperature: float = 1.0
     fp32: bool = False

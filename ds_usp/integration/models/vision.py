@@ -18,10 +18,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from ds_usp.comm import sum_grads_over_group
-from ds_usp.integration.hf import VISION_ATTN_NAME, context_of
-from ds_usp.integration.multimodal import body_and_language_model
+from ds_usp.integration.models.attention import VISION_ATTN_NAME, context_of
+from ds_usp.integration.models.multimodal import body_and_language_model
 from ds_usp.log import log_rank0
 from ds_usp.sharding import gather_sequence, shard_sequence
+
 
 def prepare_vision_towers(model: nn.Module, mode: str = "replicated") -> list[str]:
     """Set up a VLM's vision towers for ``usp.vision_tower``; a text model is left alone.

@@ -8,7 +8,7 @@ batch size and the data sampler count replicas only.
 
 Gradient scaling: DeepSpeed sums gradients over the sequence x data-parallel group and divides by
 the data-parallel size (``seq_dp_world_size / sequence_parallel_size``). The SP loss
-(:func:`ds_usp.integration.loss.sp_cross_entropy`, or ``engine(..., shift_labels=...).loss``) is the
+(:func:`ds_usp.integration.step.loss.sp_cross_entropy`, or ``engine(..., shift_labels=...).loss``) is the
 whole sequence's token-weighted mean on every rank, and its gradient on each rank is that rank's
 tokens' share, so that sum is exactly the gradient of the mean over replicas of each replica's loss:
 the same gradient as single-device training on the same global batch. A per-rank *mean* loss (what a
@@ -29,19 +29,20 @@ import torch.distributed as dist
 from ds_usp.comm import group_device
 from ds_usp.config import (USPConfig, USPConfigError, degree_split, load_usp_config, process_group_timeout,
                            ranks_per_node, read_ds_config)
-from ds_usp.integration.degrees import choose_degrees, shape_of
-from ds_usp.integration.hf import USPContext, attach
-from ds_usp.integration.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
-from ds_usp.integration.memory import apply as apply_memory_features
-from ds_usp.integration.model_checks import check_model, default_positions
-from ds_usp.integration.multimodal import refuse_cross_attention
-from ds_usp.integration import patches, saves
-from ds_usp.integration.patches import (deepspeed_initialize, fix_zero3_sequence_parallel_scaling,
-                                        quiet_deepspeed_deprecations, unlink_shm_buffer)
-from ds_usp.integration.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
-                                          model_heads, versions)
-from ds_usp.integration.step_choices import MemoryContext, MemorySettings
-from ds_usp.integration.vision import prepare_vision_towers
+from ds_usp.integration.engine import checkpoints as saves
+from ds_usp.integration.engine.degrees import choose_degrees, shape_of
+from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
+                                                 model_heads, versions)
+from ds_usp.integration.models.attention import USPContext, attach
+from ds_usp.integration.models.checks import check_model, default_positions
+from ds_usp.integration.models.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
+from ds_usp.integration.models.multimodal import refuse_cross_attention
+from ds_usp.integration.models.vision import prepare_vision_towers
+from ds_usp.integration.step.choices import MemoryContext, MemorySettings
+from ds_usp.integration.step.forward import apply as apply_memory_features
+from ds_usp.integration.upstream import deepspeed as ds_patches
+from ds_usp.integration.upstream.deepspeed import (deepspeed_initialize, fix_zero3_sequence_parallel_scaling,
+                                                   quiet_deepspeed_deprecations, unlink_shm_buffer)
 from ds_usp.log import log_info
 from ds_usp.native import resolve_native_op
 from ds_usp.topology import USPTopology
@@ -55,7 +56,7 @@ class USPState:
         config: the validated sequence-parallel config.
         topo: the topology (``None`` when sequence parallelism is off).
         memory: the memory features applied to the model (``None`` when none is); ``memory.choices`` is what
-            the last forward call did (see :class:`ds_usp.integration.step_choices.StepChoices`).
+            the last forward call did (see :class:`ds_usp.integration.step.choices.StepChoices`).
     """
 
     config: USPConfig
@@ -234,11 +235,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     unlink_shm_buffer()
     engine.usp = USPState(config=usp_cfg, topo=topo, memory=memory)
     _name_step_on_failure(engine)
-    saves.install(engine)  # checkpoints complete or absent, loads verified first (integration/saves.py)
+    saves.install(engine)  # checkpoints complete or absent, loads verified first (integration/engine.checkpoints.py)
     return engine, opt, loader, sched
 
 
 def install_deepspeed_hook() -> None:
     """Make ``deepspeed.initialize`` given a ``"sequence_parallel"`` config be :func:`initialize` (``import ds_usp``
-    calls it; see :func:`ds_usp.integration.patches.install_deepspeed_hook`)."""
-    patches.install_deepspeed_hook(initialize)
+    calls it; see :func:`ds_usp.integration.upstream.deepspeed.install_deepspeed_hook`)."""
+    ds_patches.install_deepspeed_hook(initialize)

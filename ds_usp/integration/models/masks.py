@@ -6,7 +6,7 @@ transformers builds each layer type's mask (``create_causal_mask``, ``create_sli
 packed-sequence functions, a model's own overlays) and handing the composition to the attention implementation's
 mask interface. The ``"usp"`` interface builds no ``(s x s)`` tensor: :func:`usp_mask` walks the composition and
 returns an :class:`HFMask` that says what it means (causal or not, a window, chunks), which the model then passes
-to every layer of that type as its ``attention_mask``. The attention honours it (:mod:`ds_usp.integration.hf`).
+to every layer of that type as its ``attention_mask``. The attention honours it (:mod:`ds_usp.integration.models.attention`).
 
 Bidirectional blocks (``blockwise_overlay(block_sequence_ids)`` or-ed onto the causal mask: Gemma 3's images,
 PaliGemma's prefix, Gemma 4...) are read as spans of global positions (:attr:`HFMask.spans`), which the attention

@@ -41,7 +41,7 @@ rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is re
   ``rg_lru`` whose own forward computes the gates; its ``_rnn_scan`` runs each segment from zero and the state is
   passed over the SP group (:func:`ds_usp.linear.sharded_linear_recurrence`).
 
-Other linear-attention and state-space layers are refused by ``ds_usp.integration.model_checks.check_model``.
+Other linear-attention and state-space layers are refused by ``ds_usp.integration.models.checks.check_model``.
 """
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_usp.integration.data import docs_from_cu_seq_lens
-from ds_usp.integration.hf import USPContext, context_of
-from ds_usp.integration.patches import replace_family_functions
+from ds_usp.integration.data.batch import docs_from_cu_seq_lens
+from ds_usp.integration.models.attention import USPContext, context_of
+from ds_usp.integration.upstream.transformers import replace_family_functions
 from ds_usp.linear import (check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_linear_recurrence,
                            sharded_selective_scan)
 

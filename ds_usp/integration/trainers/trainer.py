@@ -17,7 +17,7 @@ naming it, see :func:`check_hooks`):
 
 * the engine: accelerate creates it with ``deepspeed.initialize`` and offers no way to pass an
   ``mpu``; ``import ds_usp`` makes ``deepspeed.initialize`` with a ``"sequence_parallel"`` config
-  :func:`ds_usp.initialize` (:func:`ds_usp.integration.patches.install_deepspeed_hook`), which builds the groups
+  :func:`ds_usp.initialize` (:func:`ds_usp.integration.upstream.deepspeed.install_deepspeed_hook`), which builds the groups
   and hands DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks; while the
   trainer's ``accelerator.prepare`` runs it marks the call as a USP trainer's (a plain Trainer is refused);
 * data: the loaders split batches over replicas only (every rank of an SP group gets the same
@@ -46,12 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens, shard_batch
-from ds_usp.integration.saves import MANIFEST, first_complete, verify, write_manifest
-from ds_usp.integration.multimodal import VISUAL_KEYS
-from ds_usp.integration.patches import (TRAINER_ROUTE, check_accelerate_reads_deepspeed_initialize,
-                                       fix_trainer_batch_size)
-from ds_usp.integration.hf import register_usp_attention
+from ds_usp.integration.data.batch import IGNORE_INDEX, VISUAL_KEYS, docs_from_cu_seq_lens, shard_batch
+from ds_usp.integration.engine.checkpoints import MANIFEST, first_complete, verify, write_manifest
+from ds_usp.integration.models.attention import register_usp_attention
+from ds_usp.integration.upstream.accelerate import check_accelerate_reads_deepspeed_initialize
+from ds_usp.integration.upstream.deepspeed import TRAINER_ROUTE
+from ds_usp.integration.upstream.transformers import fix_trainer_batch_size
 
 # The Trainer / accelerate / HF-DeepSpeed pieces this module overrides or calls: (module, class, method, parameters
 # the override takes). A release that renames one is refused at import, naming it, instead of silently training
@@ -164,7 +164,7 @@ def _replicas_batch(config: Any, args: Any) -> Optional[int]:
     ``HfTrainerDeepSpeedConfig.trainer_config_process`` runs when ``TrainingArguments`` is created and computes
     ``world x micro x accumulation``; DeepSpeed's own config divides the world by ``sequence_parallel_size``
     (``deepspeed/runtime/config.py``) and refuses the mismatch, already in ``zero.Init`` when ZeRO-3 builds the model
-    (:func:`ds_usp.integration.patches.fix_trainer_batch_size` applies this)."""
+    (:func:`ds_usp.integration.upstream.transformers.fix_trainer_batch_size` applies this)."""
     sp = _sp_size(config)
     if sp <= 1:
         return None
@@ -240,7 +240,7 @@ class USPTrainerBase:
     # ---- checkpoint-N folders: complete or absent -----------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """HF's save of a ``checkpoint-N`` folder, then (once every rank's files are written) its manifest
-        (:func:`ds_usp.integration.saves.write_manifest`), and only then the rotation of older folders
+        (:func:`ds_usp.integration.engine.checkpoints.write_manifest`), and only then the rotation of older folders
         (``save_total_limit``), so a crash at any point leaves the previous folder complete and a folder without a
         manifest is never resumed from (:meth:`train`)."""
         if self._usp is None:
@@ -267,7 +267,7 @@ class USPTrainerBase:
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """HF's ``train``; ``resume_from_checkpoint=True`` takes the newest *complete* ``checkpoint-N`` (a damaged or
         half-written one is skipped with a warning naming what is wrong), and a folder given by path is verified first
-        (:class:`~ds_usp.integration.saves.CheckpointDamaged` naming its files otherwise). Folders saved without
+        (:class:`~ds_usp.integration.engine.checkpoints.CheckpointDamaged` naming its files otherwise). Folders saved without
         manifests (by a plain Trainer) are taken as HF takes them."""
         if self._usp_sp > 1 and resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = complete_checkpoint_folder(self.args.output_dir, resume_from_checkpoint)
@@ -320,7 +320,7 @@ class USPTrainerMixin(USPTrainerBase):
         :func:`ds_usp.plan_step` with ``tokens_per_rank`` = the longest document over the SP size (it runs on the
         whole group, each shorter one on the smallest degree that holds it): one :class:`DynamicStep` holding every
         micro batch's shard, and the step's targets over the replicas."""
-        from ds_usp.integration.dynamic import documents_of_batch, micro_batch_shards, step_targets
+        from ds_usp.integration.data.dynamic import documents_of_batch, micro_batch_shards, step_targets
 
         visual = sorted(k for b in batches for k in VISUAL_KEYS if b.get(k) is not None)
         if visual:

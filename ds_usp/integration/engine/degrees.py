@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from ds_usp.config import USPConfig
 from ds_usp.cost import Hardware, ModelShape, StepSettings, step_time
-from ds_usp.integration.model_shape import model_shape, split_refusal
+from ds_usp.integration.models.shape import model_shape, split_refusal
 from ds_usp.log import log_rank0
 
 

@@ -1,7 +1,7 @@
 """What one forward call of a long-sequence step does: the ``usp`` memory keys and the choices made from them.
 
 :class:`MemoryContext` is shared by a wrapped model's top-level forward and its layers
-(:mod:`ds_usp.integration.memory`); :meth:`MemoryContext.make_choices` turns the settings and the tokens a rank
+(:mod:`ds_usp.integration.step.forward`); :meth:`MemoryContext.make_choices` turns the settings and the tokens a rank
 holds into a :class:`StepChoices`: "auto" features turn on when sequence parallelism is on and the sequence is long
 enough to need them.
 """

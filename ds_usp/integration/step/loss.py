@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds_usp.comm import all_reduce_sum_, sum_over_group
-from ds_usp.integration.data import IGNORE_INDEX
+from ds_usp.integration.data.batch import IGNORE_INDEX
 from ds_usp.topology import USPTopology
-
 
 # -------------------------------------------------------------------------------- the SP loss
 
@@ -252,7 +251,7 @@ def chunked_lm_loss(hidden: Tensor, lm_head: nn.Module, shift_labels: Tensor, to
         num_items: divide by this count instead of the SP group's valid targets (HF's
             ``num_items_in_batch``, for gradient accumulation).
         tail: what the model applies to ``lm_head``'s output before its loss
-            (:func:`ds_usp.integration.model_tail.find_logits_tail`).
+            (:func:`ds_usp.integration.step.tail.find_logits_tail`).
 
     Returns:
         A scalar fp32 loss: the same value on every rank of the SP group; each rank's backward gives

@@ -14,11 +14,11 @@ changes, in one place for the three trainers (:class:`USPRLMixin`); each TRL tra
   batch (prompts, completions, rewards, advantages) and refuses otherwise, naming what differs;
 * **log-probs at length**: TRL's fused LM head call ``model(..., labels=..., fused_lm_head=True)`` (policy, old policy,
   reference model) runs each rank on its shard of the sequence, through ``lm_head`` chunk by chunk with TRL's
-  temperature, and gathers the per-token results over the group (:func:`ds_usp.integration.logprobs.fused_forward`),
+  temperature, and gathers the per-token results over the group (:func:`ds_usp.integration.step.logprobs.fused_forward`),
   left-padded prompts and right-padded completions exact;
 * **losses and metrics**: TRL's own code on those whole per-token tensors, identical on the ranks of a group, with
   accelerate's processes seen as the data-parallel replicas while it runs
-  (:func:`ds_usp.integration.patches.replicas_view`), so rewards, advantages, every ``loss_type`` normalisation and every
+  (:func:`ds_usp.integration.upstream.accelerate.replicas_view`), so rewards, advantages, every ``loss_type`` normalisation and every
   logged metric count each sample once; DeepSpeed sums the group's gradient shares.
 
 Refused by name before any step: vLLM generation, paged generation, Liger kernels, ``compute_loss_func``, DPO's
@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.comm import all_gather_objects
-from ds_usp.integration.hf import unsharded
-from ds_usp.integration.hf_trainer import USPTrainerBase, _installed, _sp_size
-from ds_usp.integration.hybrid import is_wrapped_mixer
-from ds_usp.integration.logprobs import FUSED_HEAD_ATTR, FusedHead
-from ds_usp.integration.patches import replicas_view
+from ds_usp.integration.models.attention import unsharded
+from ds_usp.integration.models.hybrid import is_wrapped_mixer
+from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, FusedHead
+from ds_usp.integration.trainers.trainer import USPTrainerBase, _installed, _sp_size
+from ds_usp.integration.upstream.accelerate import replicas_view
 
 
 def _refusals(trainer_name: str, args: Any, kwargs: dict) -> list[str]:
@@ -179,7 +179,7 @@ def check_group_holds_same(batch: dict, group: Any) -> None:
 def _trainer(base: type, mixin: type, name: str, modules: tuple) -> type:
     cls = type(name, (mixin, base), {"_trl_modules": modules, "__module__": __name__,
                                      "__doc__": f"``trl.{base.__name__}`` with USP when the DeepSpeed JSON sets "
-                                                f"``\"sequence_parallel\"`` (see :mod:`ds_usp.integration.rl`)."})
+                                                f"``\"sequence_parallel\"`` (see :mod:`ds_usp.integration.trainers.rl`)."})
     return cls
 
 

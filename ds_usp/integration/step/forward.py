@@ -10,7 +10,7 @@ attention layers know nothing about it. Each concern lives in its own module:
 * :mod:`.tiling`: every decoder layer's MLP over sequence tiles, recomputed per tile (``usp.tiled_mlp``).
 * :mod:`.checkpointing`: per-layer activation checkpointing, selective or full, and the offload of the kept
   layer inputs (``usp.activation_checkpointing``, ``usp.offload_activations``).
-* :mod:`.step_choices`: the settings and the per-call :class:`~ds_usp.integration.step_choices.StepChoices` ("auto"
+* :mod:`.step_choices`: the settings and the per-call :class:`~ds_usp.integration.step.choices.StepChoices` ("auto"
   features turn on when the tokens a rank holds need them).
 
 This module only patches the model: its forward (the loss), its layers (checkpointing) and their MLPs (tiling).
@@ -25,16 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_usp.integration.recompute import checkpointed_layer_forward
-from ds_usp.integration.data import IGNORE_INDEX, docs_from_cu_seq_lens
-from ds_usp.integration.data import shift_labels as shift_sequence_labels
-from ds_usp.integration.logprobs import FUSED_HEAD_ATTR, fused_forward
-from ds_usp.integration.multimodal import (MULTIMODAL_KEY, VISUAL_KEYS, body_and_language_model,
-                                           sharded_language_model)
-from ds_usp.integration.loss import LogitsTail, chunked_lm_loss, load_balancing_loss, sp_loss
-from ds_usp.integration.model_tail import RouterAux, find_logits_tail, find_router_aux
-from ds_usp.integration.step_choices import MemoryContext, MemorySettings
-from ds_usp.integration.tiling import tile_bounds, tiled_mlp
+from ds_usp.integration.data.batch import IGNORE_INDEX, MULTIMODAL_KEY, VISUAL_KEYS, docs_from_cu_seq_lens
+from ds_usp.integration.data.batch import shift_labels as shift_sequence_labels
+from ds_usp.integration.models.multimodal import body_and_language_model, sharded_language_model
+from ds_usp.integration.step.choices import MemoryContext, MemorySettings
+from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, fused_forward
+from ds_usp.integration.step.loss import LogitsTail, chunked_lm_loss, load_balancing_loss, sp_loss
+from ds_usp.integration.step.recompute import checkpointed_layer_forward
+from ds_usp.integration.step.tail import RouterAux, find_logits_tail, find_router_aux
+from ds_usp.integration.step.tiling import tile_bounds, tiled_mlp
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 
@@ -186,7 +185,7 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
               output_router_logits: Optional[bool], kwargs: dict) -> Any:
         from trl.trainer.utils import FusedCausalLMOutput
 
-        from ds_usp.integration.hf import context_of
+        from ds_usp.integration.models.attention import context_of
 
         settings = getattr(model, FUSED_HEAD_ATTR, None)
         if settings is None:
@@ -243,7 +242,7 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
                 shift_labels: Optional[Tensor] = None, return_logits: bool = False,
                 num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
                 **kwargs: Any) -> Any:
-        from ds_usp.integration.hf import context_of
+        from ds_usp.integration.models.attention import context_of
 
         usp = context_of(model)
         if usp is not None:  # dynamic SP: the degree this call runs at (set from the batch by the model's pre-hook)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from ds_usp.integration.hf import ATTN_NAME, refuse_non_interface_family
+from ds_usp.integration.models.attention import ATTN_NAME, refuse_non_interface_family
 
 # class names of recurrent / state-space / linear-attention layers (those without a sequence convolution, which
 # nn.Conv1d catches: Mamba, Gated DeltaNet, short convolutions, RG-LRU blocks)

@@ -12,7 +12,7 @@ passed as ``cu_seq_lens_q``. The decoder layers then run USP on the shard; the l
 ``shift_labels`` (:func:`ds_usp.shard_batch` shifts them over the whole sequence). The gradient reaching the vision
 tower and the embeddings from each rank is its own positions' share; DeepSpeed's sum over the group is the whole.
 
-The vision towers: :mod:`ds_usp.integration.vision`.
+The vision towers: :mod:`ds_usp.integration.models.vision`.
 """
 from __future__ import annotations
 
@@ -22,20 +22,11 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from ds_usp.integration.hf_masks import HFMask
+from ds_usp.integration.models.masks import HFMask
 from ds_usp.sharding import normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
 
-# Batch keys that make a batch multimodal: the inputs a VLM's body takes besides input_ids (passed to it unchanged).
-VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-               "image_sizes", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-MULTIMODAL_KEY = "multimodal"  # the shard's key holding the whole-sequence inputs of the body
 BODY_SPANS_KEY = "ds_usp_body_spans"  # the body's bidirectional spans, passed on to the attention calls
-
-
-def is_multimodal(batch: Any) -> bool:
-    """Whether a batch carries visual inputs (:data:`VISUAL_KEYS`)."""
-    return any(batch.get(k) is not None for k in VISUAL_KEYS)
 
 
 def body_and_language_model(model: nn.Module) -> tuple[Optional[nn.Module], Optional[nn.Module]]:

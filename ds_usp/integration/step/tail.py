@@ -3,7 +3,7 @@
 * :func:`find_logits_tail`: what the model applies to ``lm_head``'s output before its loss (Granite divides by
   ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2/3 soft-cap with ``final_logit_softcapping``),
   *measured* on the model's own forward with a stand-in decoder: the first candidate from the config that
-  reproduces it is the :class:`~ds_usp.integration.loss.LogitsTail` the SP loss applies; when none does, the SP
+  reproduces it is the :class:`~ds_usp.integration.step.loss.LogitsTail` the SP loss applies; when none does, the SP
   loss refuses the model by name instead of computing another loss.
 * :func:`find_router_aux`: the router's load-balancing loss of an MoE family (``output_router_logits=True``),
   accepted when the family's own ``load_balancing_loss_func`` is the Switch-Transformer formula ds-usp computes
@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ds_usp.integration.loss import LogitsTail, gathered, load_balancing_loss
-
+from ds_usp.integration.step.loss import LogitsTail, gathered, load_balancing_loss
 
 # ----------------------------------------------------------------------------------- the logits tail
 
@@ -51,7 +50,7 @@ def find_logits_tail(model: nn.Module, forward: Callable, decoder: nn.Module, he
         model: the causal LM.
         forward: its original ``forward`` (before ds-usp wraps it).
         decoder: the module holding the decoder layers, which ``forward`` calls
-            (:func:`ds_usp.integration.memory.decoder_of`).
+            (:func:`ds_usp.integration.step.forward.decoder_of`).
         head: ``model.get_output_embeddings()``.
 
     Returns:

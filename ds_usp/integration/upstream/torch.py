@@ -1,0 +1,45 @@
+"""ds-usp's changes to torch internals: selective checkpointing's recomputation mode."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from ds_usp.integration.upstream.registry import refuse
+
+_CACHED = getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None)  # torch's (private) recomputation mode
+
+
+class _TolerantRecompute(_CACHED or object):  # type: ignore[misc]
+    """torch's recomputation mode of selective checkpointing, running the ops the forward did not run.
+
+    torch refuses any op its recomputation did not see in the forward. ZeRO-3's hooks run inside the checkpointed
+    layer and need not repeat themselves: a parameter the forward found prefetched (its trace from an earlier step,
+    or an earlier forward under ``no_grad`` such as an evaluation) is fetched in the recomputation, allocating and
+    gathering, and torch would raise "encountered during backward but not found in storage". Such ops are run; every
+    op the forward ran is replayed as torch does (the ring attention's kept outputs included).
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except RuntimeError as e:
+            if "not found in storage" not in str(e):
+                raise
+            return func(*args, **(kwargs or {}))
+
+
+def tolerant_recompute(recompute: Any) -> Any:
+    """``recompute`` (the second context of ``create_selective_checkpoint_contexts``) with the tolerant dispatch.
+
+    Raises:
+        UpstreamChanged: the context is not torch's ``_CachedTorchDispatchMode``, or that class has no
+            ``__torch_dispatch__``.
+    """
+    if _CACHED is None or not callable(getattr(_CACHED, "__torch_dispatch__", None)):
+        refuse("tolerant_recompute", "torch.utils.checkpoint has no _CachedTorchDispatchMode with __torch_dispatch__")
+    if type(recompute) is not _CACHED:
+        refuse("tolerant_recompute", f"the recomputation context is a {type(recompute).__name__}")
+    recompute.__class__ = _TolerantRecompute  # the same state, the tolerant dispatch
+    return recompute

@@ -1,0 +1,89 @@
+"""ds-usp's changes to transformers: the attention-implementation check, HF's DeepSpeed batch size, family module
+functions."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping, Optional
+
+from ds_usp.integration.upstream.registry import require_parameters
+
+
+def wrap_attn_implementation_check(refuse: Callable[[type], None], name: str) -> None:
+    """Make building a model with ``attn_implementation=name`` call ``refuse(model_class)`` first (idempotent).
+
+    Args:
+        refuse: raises for a class ds-usp cannot shard.
+        name: the attention implementation's name (``"usp"``).
+
+    Raises:
+        UpstreamChanged: transformers has no such method, or it takes no ``attn_implementation``.
+    """
+    from transformers import PreTrainedModel
+
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if getattr(check, "_ds_usp", False):
+        return
+    require_parameters("attn_implementation_check", check, ("attn_implementation",))
+
+    @functools.wraps(check)
+    def check_usp_is_possible(self: Any, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        if attn_implementation == name:
+            refuse(type(self))
+        return check(self, attn_implementation, *args, **kwargs)
+
+    check_usp_is_possible._ds_usp = True
+    PreTrainedModel._check_and_adjust_attn_implementation = check_usp_is_possible
+
+
+def fix_trainer_batch_size(replicas_batch: Callable[[Mapping[str, Any], Any], Optional[int]]) -> None:
+    """Make HF fill an ``"auto"`` ``train_batch_size`` with ``replicas_batch(config, args)`` when that is not None
+    (idempotent). ``trainer_config_process`` runs when ``TrainingArguments`` is created, before any trainer exists.
+
+    Args:
+        replicas_batch: the batch size over replicas (None: keep HF's).
+
+    Raises:
+        UpstreamChanged: the method is gone or takes other parameters.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    cls = hf_deepspeed.HfTrainerDeepSpeedConfig
+    original = getattr(cls, "trainer_config_process", None)
+    if getattr(original, "_ds_usp", False):
+        return
+    require_parameters("trainer_batch_size", original, ("args", "auto_find_batch_size"))
+
+    @functools.wraps(original)
+    def trainer_config_process(self: Any, args: Any, auto_find_batch_size: bool = False) -> None:
+        was_auto = self.config.get("train_batch_size") == "auto"
+        original(self, args, auto_find_batch_size)
+        fixed = replicas_batch(self.config, args) if was_auto else None
+        if fixed is not None:
+            self.config["train_batch_size"] = fixed
+
+    trainer_config_process._ds_usp = True
+    cls.trainer_config_process = trainer_config_process
+
+
+def replace_family_functions(family: Any, replacements: Mapping[str, Callable[[Callable], Callable]],
+                             params: Mapping[str, tuple[str, ...]], optional: tuple[str, ...] = ()) -> None:
+    """Swap functions of a transformers family module for ``replacements[name](original)`` (idempotent per module).
+
+    Args:
+        family: the module that defines the family's classes.
+        replacements: ``name -> factory`` of the replacement from the family's own function.
+        params: ``name -> parameters`` the replacement passes on, checked on the family's function.
+        optional: names the family may lack (left alone then).
+
+    Raises:
+        UpstreamChanged: a function is missing or takes other parameters.
+    """
+    if getattr(family, "_ds_usp_sharded", False):
+        return
+    for name, make in replacements.items():
+        original = getattr(family, name, None)
+        if original is None and name in optional:
+            continue
+        require_parameters("family_functions", original, params.get(name, ()))
+        setattr(family, name, functools.wraps(original)(make(original)))
+    family._ds_usp_sharded = True
