@@ -9,7 +9,19 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from ds_usp.integration.upstream.registry import refuse, require_parameters
+from ds_usp.integration.upstream.registry import Patch, refuse, register, require_parameters
+
+register("replicas_view", Patch(
+    "accelerate's Accelerator (num_processes, process_index, gather, gather_for_metrics, reduce, "
+    "pad_across_processes) and the gather / gather_object names TRL's GRPO and RLOO trainer modules import, while "
+    "a ds-usp RL trainer's rollout, loss and logging code runs",
+    "those attributes existing with accelerate's parameters, and the trainer modules importing gather and "
+    "gather_object from accelerate.utils",
+    "accelerate counts every rank as a process, but the ranks of a sequence-parallel group hold the same samples: "
+    "TRL's reward gathers, advantage groups, per-process slices and metrics would count each sample "
+    "sequence_parallel_size times (and the unbiased reward std would change)",
+    "accelerate taking a data-parallel process group (its ParallelismConfig knows sp_size but TRL refuses it in "
+    "GRPO and RLOO)"))
 
 
 def check_accelerate_reads_deepspeed_initialize() -> None:

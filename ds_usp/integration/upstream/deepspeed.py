@@ -14,8 +14,34 @@ from typing import Any, Callable, Mapping, Optional
 import torch.distributed as dist
 
 from ds_usp.config import USPConfigError, read_ds_config
-from ds_usp.integration.upstream.registry import innermost, require_parameters
+from ds_usp.integration.upstream.registry import Patch, innermost, register, require_parameters
 from ds_usp.topology import USPMpu
+
+register("deepspeed_initialize", Patch(
+    "deepspeed.initialize",
+    "its keyword parameters (args, model, ..., mpu, config, config_params) and accelerate's "
+    "Accelerator._prepare_deepspeed reading deepspeed.initialize when it runs",
+    "DeepSpeed ignores the \"sequence_parallel\" key: a plain deepspeed.initialize (or the HF Trainer through "
+    "accelerate) given a USP config would silently train plain data parallelism",
+    "a DeepSpeed extension point for config keys it does not know (or DeepSpeed refusing unknown top-level keys)"))
+
+
+register("zero3_sp_scaling", Patch(
+    "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads",
+    "the name-mangled method with parameters (params_to_reduce, communication_data_type), returning the "
+    "averaged gradient partitions, and not already dividing by sequence_parallel_size",
+    "under ZeRO-3 with sequence parallelism its reduce-scatter divides the gradients by sp x dp instead of dp: "
+    "the gradients are sp times too small",
+    "divide by _gradient_averaging_world_size(...) / self.sequence_parallel_size there, as "
+    "__avg_scatter_contiguous_grads already does (docs/upstream/zero3_sequence_parallel_scaling.patch)"))
+
+
+register("shm_buffer_name", Patch(
+    "DeepSpeed's CPU shared-memory all-reduce buffer (deepspeed/ops/csrc/cpu/comm/shm.cpp)",
+    "its POSIX name deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (SHM_BUFFER_NAME)",
+    "DeepSpeed never unlinks the 66 MB buffer per rank: every CPU run leaves them in /dev/shm, which is memory",
+    "shm.cpp unlinking the name once every rank has opened it"))
+
 
 TRAINER_ROUTE: contextvars.ContextVar[bool] = contextvars.ContextVar("ds_usp_trainer_route", default=False)
 

@@ -34,66 +34,19 @@ class Patch:
     upstream_fix: str
 
 
-PATCHES: dict[str, Patch] = {
-    "deepspeed_initialize": Patch(
-        "deepspeed.initialize",
-        "its keyword parameters (args, model, ..., mpu, config, config_params) and accelerate's "
-        "Accelerator._prepare_deepspeed reading deepspeed.initialize when it runs",
-        "DeepSpeed ignores the \"sequence_parallel\" key: a plain deepspeed.initialize (or the HF Trainer through "
-        "accelerate) given a USP config would silently train plain data parallelism",
-        "a DeepSpeed extension point for config keys it does not know (or DeepSpeed refusing unknown top-level keys)"),
-    "zero3_sp_scaling": Patch(
-        "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads",
-        "the name-mangled method with parameters (params_to_reduce, communication_data_type), returning the "
-        "averaged gradient partitions, and not already dividing by sequence_parallel_size",
-        "under ZeRO-3 with sequence parallelism its reduce-scatter divides the gradients by sp x dp instead of dp: "
-        "the gradients are sp times too small",
-        "divide by _gradient_averaging_world_size(...) / self.sequence_parallel_size there, as "
-        "__avg_scatter_contiguous_grads already does (docs/upstream/zero3_sequence_parallel_scaling.patch)"),
-    "shm_buffer_name": Patch(
-        "DeepSpeed's CPU shared-memory all-reduce buffer (deepspeed/ops/csrc/cpu/comm/shm.cpp)",
-        "its POSIX name deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (SHM_BUFFER_NAME)",
-        "DeepSpeed never unlinks the 66 MB buffer per rank: every CPU run leaves them in /dev/shm, which is memory",
-        "shm.cpp unlinking the name once every rank has opened it"),
-    "attn_implementation_check": Patch(
-        "transformers.PreTrainedModel._check_and_adjust_attn_implementation",
-        "the method taking (self, attn_implementation, ...) when a model is built",
-        "a family that computes attention in its own code would fail with KeyError: 'usp' deep inside it, or for "
-        "some families silently run its own attention on each shard",
-        "transformers refusing a registered attention implementation for a class whose _can_set_attn_implementation() "
-        "is false, naming the class"),
-    "trainer_batch_size": Patch(
-        "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig.trainer_config_process",
-        "the method taking (self, args, auto_find_batch_size) and filling an \"auto\" train_batch_size as "
-        "world x micro x accumulation",
-        "with sequence parallelism DeepSpeed counts world / sequence_parallel_size replicas and refuses HF's value",
-        "HF dividing the world size by sequence_parallel_size, as DeepSpeed's own config does"),
-    "tolerant_recompute": Patch(
-        "torch.utils.checkpoint._CachedTorchDispatchMode (selective checkpointing's recomputation)",
-        "the private class existing with a __torch_dispatch__ that raises 'not found in storage' for an op the "
-        "forward did not run",
-        "ZeRO-3's parameter fetches inside a checkpointed layer may differ between its forward and its "
-        "recomputation (a prefetch from an earlier step or an evaluation forward): torch refuses the recomputation",
-        "a public option of create_selective_checkpoint_contexts to run ops the forward did not see"),
-    "family_functions": Patch(
-        "a transformers family module's functions (Mamba-1 families: causal_conv1d_fn, mamba_selective_scan, "
-        "mamba_inner_fn)",
-        "each function existing in the family's module with the parameters the replacement passes on",
-        "the family's forward calls its module's functions directly: the only way to run them on the sharded "
-        "sequence without copying the family's forward",
-        "the family's kernels as a module attribute of the mixer (as its Mamba-2 kin take them), or a kernel hook"),
-    "replicas_view": Patch(
-        "accelerate's Accelerator (num_processes, process_index, gather, gather_for_metrics, reduce, "
-        "pad_across_processes) and the gather / gather_object names TRL's GRPO and RLOO trainer modules import, while "
-        "a ds-usp RL trainer's rollout, loss and logging code runs",
-        "those attributes existing with accelerate's parameters, and the trainer modules importing gather and "
-        "gather_object from accelerate.utils",
-        "accelerate counts every rank as a process, but the ranks of a sequence-parallel group hold the same samples: "
-        "TRL's reward gathers, advantage groups, per-process slices and metrics would count each sample "
-        "sequence_parallel_size times (and the unbiased reward std would change)",
-        "accelerate taking a data-parallel process group (its ParallelismConfig knows sp_size but TRL refuses it in "
-        "GRPO and RLOO)"),
-}
+PATCHES: dict[str, Patch] = {}  # every patch, registered by its upstream project's module (register)
+
+
+def register(key: str, patch: Patch) -> str:
+    """Add ``patch`` to :data:`PATCHES` under ``key`` (each module of this package registers its own at import).
+
+    Returns:
+        ``key``, for the module to name its patch by.
+    """
+    if PATCHES.get(key, patch) != patch:
+        raise ValueError(f"two upstream patches are registered as {key!r}")
+    PATCHES[key] = patch
+    return key
 
 
 def refuse(key: str, found: str) -> None:

@@ -6,7 +6,16 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from ds_usp.integration.upstream.registry import refuse
+from ds_usp.integration.upstream.registry import Patch, refuse, register
+
+register("tolerant_recompute", Patch(
+    "torch.utils.checkpoint._CachedTorchDispatchMode (selective checkpointing's recomputation)",
+    "the private class existing with a __torch_dispatch__ that raises 'not found in storage' for an op the "
+    "forward did not run",
+    "ZeRO-3's parameter fetches inside a checkpointed layer may differ between its forward and its "
+    "recomputation (a prefetch from an earlier step or an evaluation forward): torch refuses the recomputation",
+    "a public option of create_selective_checkpoint_contexts to run ops the forward did not see"))
+
 
 _CACHED = getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None)  # torch's (private) recomputation mode
 

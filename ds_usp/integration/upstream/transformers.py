@@ -5,7 +5,32 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Optional
 
-from ds_usp.integration.upstream.registry import require_parameters
+from ds_usp.integration.upstream.registry import Patch, register, require_parameters
+
+register("attn_implementation_check", Patch(
+    "transformers.PreTrainedModel._check_and_adjust_attn_implementation",
+    "the method taking (self, attn_implementation, ...) when a model is built",
+    "a family that computes attention in its own code would fail with KeyError: 'usp' deep inside it, or for "
+    "some families silently run its own attention on each shard",
+    "transformers refusing a registered attention implementation for a class whose _can_set_attn_implementation() "
+    "is false, naming the class"))
+
+
+register("trainer_batch_size", Patch(
+    "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig.trainer_config_process",
+    "the method taking (self, args, auto_find_batch_size) and filling an \"auto\" train_batch_size as "
+    "world x micro x accumulation",
+    "with sequence parallelism DeepSpeed counts world / sequence_parallel_size replicas and refuses HF's value",
+    "HF dividing the world size by sequence_parallel_size, as DeepSpeed's own config does"))
+
+
+register("family_functions", Patch(
+    "a transformers family module's functions (Mamba-1 families: causal_conv1d_fn, mamba_selective_scan, "
+    "mamba_inner_fn)",
+    "each function existing in the family's module with the parameters the replacement passes on",
+    "the family's forward calls its module's functions directly: the only way to run them on the sharded "
+    "sequence without copying the family's forward",
+    "the family's kernels as a module attribute of the mixer (as its Mamba-2 kin take them), or a kernel hook"))
 
 
 def wrap_attn_implementation_check(refuse: Callable[[type], None], name: str) -> None:
