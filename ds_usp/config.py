@@ -258,7 +258,8 @@ def _renamed(block: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (the sizes a group of ``n`` ranks splits into)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -331,7 +332,7 @@ def choose_degrees(
         ``(ulysses_degree, ring_degree)`` with product ``sequence_parallel_size``.
     """
     best = 1
-    for u in _divisors(sequence_parallel_size):
+    for u in divisors(sequence_parallel_size):
         if local_world_size % u != 0:
             continue
         if num_heads is not None and num_heads % u != 0:
@@ -409,7 +410,7 @@ def load_usp_config(
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
         raise USPConfigError(f"sequence_parallel_size ({sp!r}) must be a positive integer")
     if world_size % sp != 0:
-        valid = ", ".join(str(d) for d in _divisors(world_size))
+        valid = ", ".join(str(d) for d in divisors(world_size))
         raise USPConfigError(f"sequence_parallel_size ({sp}) must divide the world size ({world_size}); "
                              f"valid values here: {valid}")
 
@@ -439,7 +440,7 @@ def load_usp_config(
                              f"sequence_parallel_size ({sp})")
     for key, val in (("ulysses_degree", u), ("ring_degree", r)):
         if val is not None and sp % val != 0:
-            valid = ", ".join(str(d) for d in _divisors(sp))
+            valid = ", ".join(str(d) for d in divisors(sp))
             raise USPConfigError(f"usp.{key} ({val}) must divide sequence_parallel_size ({sp}); "
                                  f"valid values: {valid}")
 
@@ -464,7 +465,7 @@ def load_usp_config(
                              f'divides {num_heads}')
     if num_heads is not None and num_heads % u != 0:
         raise USPConfigError(f"usp.ulysses_degree ({u}) must divide the number of attention heads ({num_heads}); "
-                             f"valid values: {', '.join(str(d) for d in _divisors(sp) if num_heads % d == 0)}")
+                             f"valid values: {', '.join(str(d) for d in divisors(sp) if num_heads % d == 0)}")
     if num_kv_heads is not None and not kv_heads_compatible(num_kv_heads, u):
         raise USPConfigError(f"usp.ulysses_degree ({u}) is incompatible with {num_kv_heads} kv heads: kv heads "
                              f"must be a multiple or a divisor of ulysses_degree")

@@ -29,7 +29,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
-from ds_usp.config import degree_split
+from ds_usp.config import degree_split, divisors
 from ds_usp.cost import GIB, Hardware, ModelShape, StepMemory, StepSettings, StepTime, step_memory, step_time
 from ds_usp.integration.data.dynamic import plan_step
 from ds_usp.integration.models.shape import model_shape, split_refusal
@@ -102,10 +102,6 @@ def shape_by_hand(args: argparse.Namespace) -> ModelShape:
 # ---------------------------------------------------------------------------------------------- planning
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_bytes: int = 2,
           zero: Optional[int] = None, offload: bool = False, presets: Sequence[str] = tuple(PRESETS),
           ulysses: Optional[int] = None, ring: Optional[int] = None) -> list[Candidate]:
@@ -127,8 +123,8 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
         The candidates.
     """
     out = []
-    for sp in _divisors(hw.world):
-        for u in _divisors(sp):
+    for sp in divisors(hw.world):
+        for u in divisors(sp):
             r = sp // u
             if (ulysses and u != ulysses) or (ring and r != ring):
                 continue

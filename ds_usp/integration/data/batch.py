@@ -179,6 +179,15 @@ def docs_from_cu_seq_lens(cu: Tensor, rows: int) -> tuple[int, list[list[int]]]:
     return seq, docs
 
 
+def packed_documents(cu: Optional[Tensor], rows: int) -> tuple[Optional[int], Optional[list[list[int]]]]:
+    """``(real length, document lengths per row)`` from ``cu_seq_lens`` (:func:`docs_from_cu_seq_lens`), the documents
+    None when every row is one document (nothing packed); ``(None, None)`` when ``cu`` is None."""
+    if cu is None:
+        return None, None
+    seq, docs = docs_from_cu_seq_lens(cu, rows)
+    return seq, None if all(len(row) == 1 for row in docs) else docs
+
+
 def cu_seq_lens(doc_lens: Optional[Sequence[Sequence[int]]], rows: int, seq: int, device: Any) -> Tensor:
     """Cumulative document lengths over the flattened rows (int32), HF's ``cu_seq_lens_q/k`` convention.
 

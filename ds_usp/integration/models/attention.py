@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ds_usp.attention import usp_attention
-from ds_usp.integration.data.batch import docs_from_cu_seq_lens, documents_of_shard
+from ds_usp.integration.data.batch import documents_of_shard, packed_documents
 from ds_usp.integration.models.masks import HFMask, usp_mask
 from ds_usp.integration.models.multimodal import BODY_SPANS_KEY
 from ds_usp.integration.upstream.transformers import wrap_attn_implementation_check
@@ -179,10 +179,7 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
             _refuse(module, ctx, "attention_mask", attention_mask, "the VLM's body made a mask with bidirectional "
                     "blocks for one layer type, and this layer has another (a window or chunks)")
         spans = body_spans
-    seq_len, docs = None, None
-    if cu_seq_lens_q is not None:
-        seq_len, docs = docs_from_cu_seq_lens(cu_seq_lens_q, query.shape[0])
-        docs = None if all(len(row) == 1 for row in docs) else docs
+    seq_len, docs = packed_documents(cu_seq_lens_q, query.shape[0])
     query = _global_query_temperature(module, ctx, query, seq_len, docs)
     # (b, h, s, d) -> (b, s, h, d): ds-usp's layout
     out = usp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,

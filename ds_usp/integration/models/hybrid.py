@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_usp.integration.data.batch import docs_from_cu_seq_lens
+from ds_usp.integration.data.batch import packed_documents
 from ds_usp.integration.models.attention import USPContext, context_of
 from ds_usp.integration.upstream.transformers import replace_family_functions
 from ds_usp.linear import (check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_linear_recurrence,
@@ -391,8 +391,7 @@ def _documents(hidden_states: Tensor, ctx: USPContext, kwargs: dict) -> tuple[Op
     """``(real global length, packed documents or None)`` from the call's ``cu_seq_lens_q`` or the context's."""
     cu = kwargs.get("cu_seq_lens_q")
     cu = ctx.cu_seq_lens if cu is None else cu
-    seq_len, docs = docs_from_cu_seq_lens(cu, hidden_states.shape[0]) if cu is not None else (None, None)
-    return seq_len, None if docs is None or all(len(row) == 1 for row in docs) else docs
+    return packed_documents(cu, hidden_states.shape[0])
 
 
 def _masked(hidden_states: Tensor, attention_mask: Optional[Tensor]) -> Tensor:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds_usp.integration.data.batch import IGNORE_INDEX, VISUAL_KEYS, docs_from_cu_seq_lens, shard_batch
+from ds_usp.integration.data.batch import IGNORE_INDEX, VISUAL_KEYS, packed_documents, shard_batch
 from ds_usp.integration.engine.checkpoints import MANIFEST, first_complete, verify, write_manifest
 from ds_usp.integration.models.attention import register_usp_attention
 from ds_usp.integration.upstream.accelerate import check_accelerate_reads_deepspeed_initialize
@@ -427,8 +427,7 @@ _BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "seq_len
 
 
 def _doc_lens(shard: dict) -> Optional[list[list[int]]]:
-    _, docs = docs_from_cu_seq_lens(shard["cu_seq_lens_q"], shard["input_ids"].shape[0])
-    return None if all(len(row) == 1 for row in docs) else docs
+    return packed_documents(shard["cu_seq_lens_q"], shard["input_ids"].shape[0])[1]
 
 
 check_hooks()
