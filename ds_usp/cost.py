@@ -496,6 +496,14 @@ def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int =
                       loss=loss, fixed=cal.fixed)
 
 
+def attention_forward_flops(shape: ModelShape, seq: int, micro_batch: int = 1, causal: bool = True,
+                            doc_lens: Optional[Sequence[int]] = None) -> float:
+    """FLOPs of one softmax layer's attention forward: ``2 b pairs H (d + d_v)``, the (query, key) pairs ``S^2`` (or
+    ``sum n_i^2`` over packed documents), halved under a causal mask."""
+    pairs = seq * seq if doc_lens is None else sum(n * n for n in doc_lens)
+    return 2 * micro_batch * pairs * shape.heads * (shape.head_dim + shape.v_head_dim) * (0.5 if causal else 1.0)
+
+
 def step_flops(shape: ModelShape, seq: int, micro_batch: int = 1, causal: bool = True,
                checkpointing: str = "", doc_lens: Optional[Sequence[int]] = None) -> float:
     """FLOPs of one training step over one micro-batch (all ranks together).
@@ -518,9 +526,7 @@ def step_flops(shape: ModelShape, seq: int, micro_batch: int = 1, causal: bool =
     """
     tokens = micro_batch * seq
     dense = 6 * shape.active_params * tokens
-    pairs = seq * seq if doc_lens is None else sum(n * n for n in doc_lens)
-    attn_fwd = 2 * micro_batch * pairs * shape.heads * (shape.head_dim + shape.v_head_dim) * shape.attention_layers
-    attn_fwd *= 0.5 if causal else 1.0
+    attn_fwd = attention_forward_flops(shape, seq, micro_batch, causal, doc_lens) * shape.attention_layers
     recompute = 2 * shape.active_params * tokens if checkpointing else 0
     if checkpointing == "full":
         recompute += attn_fwd
@@ -620,8 +626,7 @@ def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_
                               shape.linear_v_dim, shape.conv_kernel, s.ulysses, s.ring, elem_bytes, 2)
         a2a += shape.linear_layers * (lf.all_to_all + lb.all_to_all) / bw(s.ulysses)
         ring += shape.linear_layers * (lf.other + lb.other) / bw(s.ulysses * s.ring if s.ring > 1 else 1)
-    pairs = padded * padded if doc_lens is None else sum(n * n for n in doc_lens)
-    attn_flops = 3 * 2 * micro_batch * pairs * shape.heads * (shape.head_dim + shape.v_head_dim) * 0.5
+    attn_flops = 3 * attention_forward_flops(shape, padded, micro_batch, True, doc_lens)
     hidden = shape.attention_layers * attn_flops / s.sp / rate * (s.ring - 1) / s.ring if s.ring > 1 else 0.0
     per_param = elem_bytes * (3 if s.zero == 3 else 1) * (s.world - 1) / s.world
     zero = shape.params * per_param / bw(s.world) if s.world > 1 else 0.0

@@ -71,54 +71,78 @@ def _is_zero(x: Any) -> bool:
 
 
 def _read(fn: Callable, found: dict[str, Any]) -> None:
-    """Add what mask function ``fn`` (an intersection of constraints, for the ``and`` at the top) requires."""
+    """Add what mask function ``fn`` (an intersection of constraints, for the ``and`` at the top) requires: the reader
+    of :data:`_READERS` for the transformers primitive it comes from; anything else is kept as unsupported."""
     name = getattr(fn, "__qualname__", type(fn).__name__)
     if getattr(fn, "__module__", None) != _HF_MASKS or not hasattr(fn, "__code__"):
         found["unsupported"].append(f"{getattr(fn, '__module__', '?')}.{name}")
         return
-    cells = _cells(fn)
-    head = name.split(".")[0]
-    if head == "and_masks":
-        for part in cells["mask_functions"]:
-            _read(part, found)
-    elif head == "causal_mask_function":
-        found["causal"] = True
-    elif head == "bidirectional_mask_function":
-        found["bidirectional"] = True
-    elif head == "sliding_window_overlay":
-        found["window"] = cells["sliding_window"]
-    elif head == "sliding_window_bidirectional_overlay":
-        found["both_sides"] = cells["sliding_window"]
-    elif head == "chunked_overlay":
-        found["chunk"] = cells["chunk_size"]
-        if not _is_zero(cells["left_padding"]):
-            found["unsupported"].append("chunked_overlay with left padding")
-    elif head in ("padding_mask_function", "packed_sequence_mask_function"):
-        pass  # the end padding and the documents reach the attention as cu_seq_lens_q (ds_usp.shard_batch)
-    elif head == "remap_positions_for_packed_sequence":
-        _read(cells["mask_function"], found)  # positions counted from each document's start: as ds-usp does
-    elif head == "add_offsets_to_mask_function":
-        if not (_is_zero(cells["q_offset"]) and _is_zero(cells["kv_offset"])):
-            found["unsupported"].append("a mask with cache offsets (generation with a cache)")
-        _read(cells["mask_function"], found)
-    elif head == "or_masks":  # a model's overlay widening the mask (bidirectional image blocks...)
-        parts = cells["mask_functions"]
-        blocks = [f for f in parts if _is_primitive(f, "blockwise_overlay")]
-        others = [f for f in parts if not _is_primitive(f, "blockwise_overlay")]
-        if len(blocks) != 1 or len(others) != 1 or found["spans"] is not None:
-            names = ", ".join(getattr(f, "__qualname__", "?").split(".")[0] for f in parts)
-            found["unsupported"].append(f"or_masks({names})")
-            return
-        window = found["window"]
-        _read(others[0], found)
-        _read_blocks(_cells(blocks[0])["block_sequence_ids"], found)
-        if found["window"] != window and found["spans"]:  # or(window, blocks): no window bounds the blocks, which
-            longest = max(b - a for row in found["spans"] for a, b in row)  # is the same while none is longer
-            if longest > found["window"]:
-                found["unsupported"].append(f"bidirectional blocks or-ed onto a sliding window of {found['window']} "
-                                            f"tokens, one of them {longest} tokens long")
-    else:  # blockwise_overlay, and whatever comes next
+    reader = _READERS.get(name.split(".")[0])
+    if reader is None:  # blockwise_overlay alone, and whatever transformers adds next
         found["unsupported"].append(name.replace(".<locals>", ""))
+    else:
+        reader(_cells(fn), found)
+
+
+def _set(key: str, cell: Optional[str] = None) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    """A reader that records ``found[key]``: the closure variable ``cell``, or True."""
+    def read(cells: dict[str, Any], found: dict[str, Any]) -> None:
+        found[key] = True if cell is None else cells[cell]
+    return read
+
+
+def _read_all(cells: dict[str, Any], found: dict[str, Any]) -> None:
+    for part in cells["mask_functions"]:
+        _read(part, found)
+
+
+def _read_chunks(cells: dict[str, Any], found: dict[str, Any]) -> None:
+    found["chunk"] = cells["chunk_size"]
+    if not _is_zero(cells["left_padding"]):
+        found["unsupported"].append("chunked_overlay with left padding")
+
+
+def _read_offsets(cells: dict[str, Any], found: dict[str, Any]) -> None:
+    if not (_is_zero(cells["q_offset"]) and _is_zero(cells["kv_offset"])):
+        found["unsupported"].append("a mask with cache offsets (generation with a cache)")
+    _read(cells["mask_function"], found)
+
+
+def _read_or(cells: dict[str, Any], found: dict[str, Any]) -> None:
+    """A model's overlay widening the mask: one mask or-ed with bidirectional blocks (Gemma 3's images...)."""
+    parts = cells["mask_functions"]
+    blocks = [f for f in parts if _is_primitive(f, "blockwise_overlay")]
+    others = [f for f in parts if not _is_primitive(f, "blockwise_overlay")]
+    if len(blocks) != 1 or len(others) != 1 or found["spans"] is not None:
+        names = ", ".join(getattr(f, "__qualname__", "?").split(".")[0] for f in parts)
+        found["unsupported"].append(f"or_masks({names})")
+        return
+    window = found["window"]
+    _read(others[0], found)
+    _read_blocks(_cells(blocks[0])["block_sequence_ids"], found)
+    if found["window"] != window and found["spans"]:  # or(window, blocks): no window bounds the blocks, which
+        longest = max(b - a for row in found["spans"] for a, b in row)  # is the same while none is longer
+        if longest > found["window"]:
+            found["unsupported"].append(f"bidirectional blocks or-ed onto a sliding window of {found['window']} "
+                                        f"tokens, one of them {longest} tokens long")
+
+
+# transformers' mask primitive (the function's name, or the factory whose closure it is) -> what it requires
+_READERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
+    "and_masks": _read_all,
+    "causal_mask_function": _set("causal"),
+    "bidirectional_mask_function": _set("bidirectional"),
+    "sliding_window_overlay": _set("window", "sliding_window"),
+    "sliding_window_bidirectional_overlay": _set("both_sides", "sliding_window"),
+    "chunked_overlay": _read_chunks,
+    # the end padding and the documents reach the attention as cu_seq_lens_q (ds_usp.shard_batch)
+    "padding_mask_function": lambda cells, found: None,
+    "packed_sequence_mask_function": lambda cells, found: None,
+    # positions counted from each document's start: as ds-usp does
+    "remap_positions_for_packed_sequence": lambda cells, found: _read(cells["mask_function"], found),
+    "add_offsets_to_mask_function": _read_offsets,
+    "or_masks": _read_or,
+}
 
 
 def _is_primitive(fn: Callable, name: str) -> bool:

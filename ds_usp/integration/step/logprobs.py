@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_usp.comm import sum_over_group
 from ds_usp.integration.data.batch import IGNORE_INDEX, shard_batch
+from ds_usp.integration.data.batch import shift_labels as shift_labels_of
 from ds_usp.integration.step.loss import NO_TAIL, LogitsTail, gathered
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import USPTopology
@@ -187,7 +188,7 @@ def fused_forward(run_decoder: Callable[..., Tensor], head: nn.Module, tail: Log
     if position_ids is None:
         position_ids = torch.arange(seq, device=input_ids.device).expand(rows, seq)
     if shift_labels is None:
-        targets = torch.cat([labels[:, 1:], labels.new_full((rows, 1), IGNORE_INDEX)], 1)
+        targets = shift_labels_of(labels)  # (b, S): next-token targets, the last one ignored
         out_len = seq - 1
     else:
         targets, out_len = shift_labels, seq
