@@ -17,14 +17,12 @@ from ds_usp.integration.data.loader import USPDataLoader
 from ds_usp.integration.engine.initialize import USPState, initialize, install_deepspeed_hook
 from ds_usp.integration.models import attention as hf
 from ds_usp.integration.step.loss import sp_cross_entropy
-from ds_usp.native.build_locks import watch_build_locks
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks
 
 __version__ = "0.1.0"
 
 install_deepspeed_hook()
-watch_build_locks()
 
 
 _RL_TRAINERS = ("USPGRPOTrainer", "USPRLOOTrainer", "USPDPOTrainer")

@@ -2,8 +2,8 @@
 
 Single process. A fake extensions folder with a ``lock`` no process works on is reported (path and the command that
 removes it); the same lock while a process works in the build folder (as ninja does) is not. End to end: a fresh
-interpreter that imports ds_usp and then JIT-builds an extension whose folder holds a stale lock, the wait torch
-would keep silent forever, prints the report within the test's 60 s.
+interpreter that builds ds-usp's native op (as ``ds_usp.initialize`` does) while its folder holds a stale lock, the
+wait torch would keep silent forever, prints the report within the test's 60 s.
 """
 from __future__ import annotations
 
@@ -31,14 +31,15 @@ def test_a_lock_no_build_holds_is_found_and_a_live_builds_is_not(tmp_path):
 
 
 def test_a_silent_wait_on_a_stale_lock_is_named_within_a_minute(tmp_path):
-    folder = tmp_path / "stale_ext"
+    """The native op's build, started the way ds_usp.initialize starts it, over a lock a killed build left."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    ask = "from ds_usp.native import _builder; print(_builder('cpu').build_name())"
+    name = subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    folder = tmp_path / name
     folder.mkdir()
     (folder / "lock").touch()  # what a build killed by a signal leaves
-    source = tmp_path / "stale_ext.cpp"
-    source.write_text("int f() { return 1; }\n")
-    script = (f"import ds_usp, torch.utils.cpp_extension as c; "
-              f"c.load(name='stale_ext', sources=[{str(source)!r}], build_directory={str(folder)!r})")
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    script = "import ds_usp; ds_usp.native.resolve_native_op(True, 'cpu')"
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     named = threading.Event()

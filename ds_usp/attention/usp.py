@@ -31,6 +31,7 @@ so the ops take the groups' names and look them up in torch.distributed's own re
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -268,6 +269,44 @@ torch.library.register_autograd("ds_usp::ring_attention", _ring_backward, setup_
 # ------------------------------------------------------------------------------------- public API
 
 
+@dataclass(frozen=True)
+class AttentionMask:
+    """Which (query, key) pairs meet, over the global sequence (see :func:`usp_attention` for each field).
+
+    Attributes:
+        causal: causal attention over global positions.
+        seq_len: the real global length (None: no padding).
+        doc_lens: packed documents, one list for every row or one per row.
+        window: sliding window ``(left, right)``.
+        chunk: chunked attention's chunk length.
+        spans: bidirectional spans, one list for every row or one per row.
+    """
+
+    causal: bool = True
+    seq_len: Optional[int] = None
+    doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None
+    window: Optional[tuple[int, int]] = None
+    chunk: Optional[int] = None
+    spans: Union[Sequence[Sequence[int]], Sequence[Sequence[Sequence[int]]], Tensor, None] = None
+
+
+@dataclass(frozen=True)
+class AttentionRun:
+    """How the attention runs over the group, not what it computes (the ``usp`` keys of the same names).
+
+    Attributes:
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``, as the inputs were sharded.
+        attn_backend: the local kernel.
+        native_op: ``"auto"``, True or False.
+        comm_dtype: ``"input"`` or ``"fp8"``.
+    """
+
+    layout: str = "zigzag"
+    attn_backend: str = "auto"
+    native_op: Union[bool, str] = "auto"
+    comm_dtype: str = "input"
+
+
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bool = True,
                   layout: str = "zigzag", softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
                   attn_backend: str = "auto", native_op: Union[bool, str] = "auto",
@@ -325,6 +364,20 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
             ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
         ds_usp.native.NativeOpUnavailable: ``native_op=True`` and the op cannot be built or loaded.
     """
+    return attention(q, k, v, topo, AttentionMask(causal, seq_len, doc_lens, window, chunk, spans),
+                     AttentionRun(layout, attn_backend, native_op, comm_dtype), softmax_scale, softcap, sinks)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: AttentionMask, run: AttentionRun,
+              softmax_scale: Optional[float] = None, softcap: Optional[float] = None,
+              sinks: Optional[Tensor] = None) -> Tensor:
+    """:func:`usp_attention` with its mask and its way of running as records (the model integrations hold them).
+
+    Args, Returns and Raises: as for :func:`usp_attention`.
+    """
+    causal, seq_len, doc_lens, window, chunk, spans = (mask.causal, mask.seq_len, mask.doc_lens, mask.window,
+                                                       mask.chunk, mask.spans)
+    layout, attn_backend, native_op, comm_dtype = run.layout, run.attn_backend, run.native_op, run.comm_dtype
     u = topo.ulysses_degree
     check_qkv(q, k, v, u)
     check_device(q.device, topo.sp_group)
@@ -481,8 +534,8 @@ class USPAttention(nn.Module):
         super().__init__()
         check_layout(layout)
         check_native_op(native_op)
-        self.topo, self.causal, self.layout = topo, causal, layout
-        self.softmax_scale, self.attn_backend, self.native_op = softmax_scale, attn_backend, native_op
+        self.topo, self.causal, self.softmax_scale = topo, causal, softmax_scale
+        self.run = AttentionRun(layout, attn_backend, native_op)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, seq_len: Optional[int] = None) -> Tensor:
         """Attention of this rank's shards; see :func:`usp_attention`.
@@ -496,6 +549,4 @@ class USPAttention(nn.Module):
         Returns:
             ``(b, s_local, hq, d)``.
         """
-        return usp_attention(q, k, v, self.topo, causal=self.causal, layout=self.layout,
-                             softmax_scale=self.softmax_scale, seq_len=seq_len, attn_backend=self.attn_backend,
-                             native_op=self.native_op)
+        return attention(q, k, v, self.topo, AttentionMask(self.causal, seq_len), self.run, self.softmax_scale)

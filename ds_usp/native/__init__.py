@@ -32,6 +32,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ds_usp.native.build_locks import watch_build_locks
 from ds_usp.log import log_rank0
 from ds_usp.native.twins import TorchOps
 
@@ -220,6 +221,7 @@ def _progress(builder: Any, every: float = 15.0) -> Iterator[None]:
     if _jit_cached(builder):
         yield
         return
+    watch_build_locks()  # a lock left by a build killed earlier would make this one wait forever in silence
     log_rank0(f"building the ds-usp native op ({builder.NAME}) with ninja: about a minute, once per machine and "
               f"environment, cached in {_build_dir(builder)} (usp.native_op=false skips it)")
     start, done = time.monotonic(), threading.Event()

@@ -2,10 +2,10 @@
 
 torch's JIT extension builds (ds-usp's op, DeepSpeed's shm op) serialise on a ``lock`` file in the build folder
 (``torch.utils.file_baton.FileBaton``); a process killed during its build leaves the file, and every later build of that
-extension waits for it forever, printing nothing. :func:`watch_build_locks` (started by ``import ds_usp``) looks at the
-extensions folder every few seconds in a daemon thread; a lock that no live process holds (no process works in its
-build folder or names it on its command line) on two looks in a row is reported on stderr with the command that
-removes it. It watches for :data:`WATCH_SECONDS` and never touches a lock itself.
+extension waits for it forever, printing nothing. :func:`watch_build_locks`, started when ds-usp starts a build
+(``ds_usp.initialize`` before DeepSpeed's, and before the native op's), looks at the extensions folder every few
+seconds in a daemon thread; a lock that no live process holds (no process works in its build folder or names it on its
+command line) on two looks in a row is reported on stderr with the command that removes it. It watches for :data:`WATCH_SECONDS` and never touches a lock itself.
 """
 from __future__ import annotations
 

@@ -20,17 +20,19 @@ the query/key one) needs nothing special: the output has the value head dim, as 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from ds_usp.attention import usp_attention
+from ds_usp.attention import AttentionMask, AttentionRun, attention
 from ds_usp.integration.data.batch import documents_of_shard, packed_documents
 from ds_usp.integration.models.masks import HFMask, usp_mask
 from ds_usp.integration.models.multimodal import BODY_SPANS_KEY
-from ds_usp.integration.upstream.transformers import wrap_attn_implementation_check
+from ds_usp.integration.upstream.torch import set_module_attribute
+from ds_usp.integration.upstream.transformers import (attention_implementation, set_attention_implementation,
+                                                      wrap_attn_implementation_check)
 from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.topology import USPTopology
 
@@ -75,6 +77,10 @@ class USPContext:
         unsharded: the model runs whole sequences on each rank, without USP (:func:`unsharded`: generation).
         full_topo: the topology ``ds_usp.initialize`` built; :attr:`topo` is it or, under dynamic SP, the degree the
             model was last called at (set from the call's ``sp_degree`` before anything runs).
+
+    ``topo``, ``cu_seq_lens`` and ``unsharded`` describe the model's current call: set by :meth:`begin_call` when a
+    top-level call starts (and by :meth:`whole_sequences`), they hold until the next one, through the call's backward
+    and its recomputations. Nothing else changes them.
     """
 
     topo: USPTopology
@@ -90,6 +96,33 @@ class USPContext:
     def __post_init__(self) -> None:
         if self.full_topo is None:
             self.full_topo = self.topo
+
+    @property
+    def run(self) -> AttentionRun:
+        """How the attention runs (layout, kernel, native op, wire dtype)."""
+        return AttentionRun(self.layout, self.attn_backend, self.native_op, self.comm_dtype)
+
+    def begin_call(self, degree: Optional[int], cu_seq_lens: Optional[Tensor]) -> None:
+        """A top-level call of the model starts: its dynamic-SP degree (None: the full one) and its documents."""
+        self.topo = degree_topology(self.full_topo, degree)
+        self.cu_seq_lens = cu_seq_lens
+
+    def set_documents(self, cu_seq_lens: Optional[Tensor]) -> None:
+        """The documents of the current call, for layers that do not pass them on (a fused-head call's shard)."""
+        self.cu_seq_lens = cu_seq_lens
+
+    @contextlib.contextmanager
+    def whole_sequences(self) -> Iterator[None]:
+        """While it lasts, the model runs whole sequences on each rank, without USP (:func:`unsharded`)."""
+        self.unsharded = True
+        try:
+            yield
+        finally:
+            self.unsharded = False
+
+    def with_name(self, name: str) -> "USPContext":
+        """This context naming ``name`` in errors (unless it was given a name)."""
+        return self if self.model_name != "the model" else replace(self, model_name=name)
 
 
 def _refuse(module: nn.Module, ctx: USPContext, key: str, value: Any, why: str) -> None:
@@ -182,10 +215,8 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     seq_len, docs = packed_documents(cu_seq_lens_q, query.shape[0])
     query = _global_query_temperature(module, ctx, query, seq_len, docs)
     # (b, h, s, d) -> (b, s, h, d): ds-usp's layout
-    out = usp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
-                        causal=causal, layout=ctx.layout, softmax_scale=scaling, seq_len=seq_len,
-                        attn_backend=ctx.attn_backend, native_op=ctx.native_op, doc_lens=docs, window=window,
-                        softcap=softcap, sinks=s_aux, comm_dtype=ctx.comm_dtype, chunk=chunk, spans=spans)
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
+                    AttentionMask(causal, seq_len, docs, window, chunk, spans), ctx.run, scaling, softcap, s_aux)
     return out, None
 
 
@@ -307,12 +338,12 @@ def attach(model: nn.Module, context: USPContext) -> None:
         model: the (HuggingFace) model.
         context: the topology and layout.
     """
-    if context.model_name == "the model":
-        context.model_name = type(model).__name__
+    attached = context_of(model) is not None
+    context = context.with_name(type(model).__name__)
     for m in model.modules():
-        setattr(m, _CONTEXT_ATTR, context)
-    if not hasattr(model, "_ds_usp_documents_hook"):
-        model._ds_usp_documents_hook = model.register_forward_pre_hook(_documents_of_call, with_kwargs=True)
+        set_module_attribute(m, _CONTEXT_ATTR, context)
+    if not attached:
+        model.register_forward_pre_hook(_documents_of_call, with_kwargs=True)
 
 
 def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -326,18 +357,16 @@ def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     ctx = context_of(model)
     if ctx.unsharded:
         return args, kwargs
-    if "sp_degree" in kwargs or ctx.topo is not ctx.full_topo:  # dynamic SP: the batch says its degree
-        kwargs = dict(kwargs)
-        ctx.topo = degree_topology(ctx.full_topo, kwargs.pop("sp_degree", None))
-    cu = kwargs.get("cu_seq_lens_q")
+    kwargs = dict(kwargs)
+    degree = kwargs.pop("sp_degree", None)  # dynamic SP: the batch says its degree
+    ctx.begin_call(degree, kwargs.get("cu_seq_lens_q"))
     positions = kwargs.get("position_ids")
-    if cu is None and isinstance(positions, Tensor) and positions.dim() == 2:
+    if ctx.cu_seq_lens is None and isinstance(positions, Tensor) and positions.dim() == 2:
         cu = documents_of_shard(positions, ctx.topo, ctx.layout)
         if cu is not None:
             longest = int((cu[1:] - cu[:-1]).max())
-            kwargs = {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
-                      "max_length_k": longest}
-    ctx.cu_seq_lens = cu
+            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+            ctx.set_documents(cu)
     return args, kwargs
 
 
@@ -381,17 +410,16 @@ def unsharded(model: nn.Module, implementation: str = "sdpa") -> Iterator[None]:
         implementation: the attention implementation to use instead of ``"usp"``.
     """
     ctx = context_of(model)
-    configs = {id(c): (c, c._attn_implementation) for c in (getattr(m, "config", None) for m in model.modules())
-               if c is not None and getattr(c, "_attn_implementation", None) in (ATTN_NAME, VISION_ATTN_NAME)}
+    configs = {id(c): (c, attention_implementation(c)) for c in (getattr(m, "config", None) for m in model.modules())
+               if attention_implementation(c) in (ATTN_NAME, VISION_ATTN_NAME)}
     if ctx is None or not configs:
         yield
         return
-    ctx.unsharded = True
-    for config, _ in configs.values():
-        config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        ctx.unsharded = False
-        for config, name in configs.values():
-            config._attn_implementation = name
+    with ctx.whole_sequences():
+        for config, _ in configs.values():
+            set_attention_implementation(config, implementation)
+        try:
+            yield
+        finally:
+            for config, name in configs.values():
+                set_attention_implementation(config, name)

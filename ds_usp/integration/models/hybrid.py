@@ -56,7 +56,8 @@ from torch import Tensor, nn
 
 from ds_usp.integration.data.batch import packed_documents
 from ds_usp.integration.models.attention import USPContext, context_of
-from ds_usp.integration.upstream.transformers import replace_family_functions
+from ds_usp.integration.upstream.torch import replace_forward, set_module_attribute
+from ds_usp.integration.upstream.transformers import replace_family_functions, replace_private_method
 from ds_usp.linear import (check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_linear_recurrence,
                            sharded_selective_scan)
 
@@ -293,18 +294,19 @@ def _rglru_block_forward(module: nn.Module, ctx: USPContext) -> Callable:
     per token, with the recurrence's state passed over the SP group (:func:`ds_usp.linear.sharded_linear_recurrence`;
     the resets at position 0 are zero decays)."""
     conv, lru = module.conv_1d, module.rg_lru
-    scan = lru._rnn_scan  # the family's, bound: run on each segment from zero
 
-    def sharded_scan(hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor, recurrent_states: Any = None,
-                     **kwargs: Any) -> tuple[Tensor, None]:
-        _, seq_len, docs = _RUNNING.get()
-        none = torch.zeros_like(reset)
-        out = sharded_linear_recurrence(lambda u, a: scan(u, a, none[:, :u.shape[1]], None, **kwargs)[0],
-                                        hidden_states, recurrent_gate * ~reset, ctx.topo, layout=ctx.layout,
-                                        seq_len=seq_len, doc_lens=docs)
-        return out, None
+    def sharded(scan: Callable) -> Callable:  # the family's scan, bound: run on each segment from zero
+        def sharded_scan(hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor, recurrent_states: Any = None,
+                         **kwargs: Any) -> tuple[Tensor, None]:
+            _, seq_len, docs = _RUNNING.get()
+            none = torch.zeros_like(reset)
+            out = sharded_linear_recurrence(lambda u, a: scan(u, a, none[:, :u.shape[1]], None, **kwargs)[0],
+                                            hidden_states, recurrent_gate * ~reset, ctx.topo, layout=ctx.layout,
+                                            seq_len=seq_len, doc_lens=docs)
+            return out, None
+        return sharded_scan
 
-    lru._rnn_scan = sharded_scan
+    replace_private_method(lru, "_rnn_scan", sharded, ("hidden_states", "recurrent_gate", "reset", "recurrent_states"))
 
     @functools.wraps(module.forward)
     def forward(input_states: Tensor, position_ids: Tensor, attention_mask: Any = None, use_cache: Any = None,
@@ -315,7 +317,7 @@ def _rglru_block_forward(module: nn.Module, ctx: USPContext) -> Callable:
             y = module.act_fn(module.linear_y(input_states))
             x = sharded_causal_conv(module.linear_x(input_states), conv.weight.squeeze(1), conv.bias, ctx.topo,
                                     layout=ctx.layout, seq_len=seq_len, doc_lens=docs, documents_reset=False)
-            lru.recurrent_states = None  # training: no cached state (decoding is not supported under USP)
+            set_module_attribute(lru, "recurrent_states", None)  # training: no cached state (no decoding under USP)
             return module.linear_out(lru(x, position_ids) * y), None
         finally:
             _RUNNING.reset(token)
@@ -428,6 +430,9 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
     return forward
 
 
+_WRAPPED = "_usp_wrapped"  # on a mixer whose forward wrap_linear_layers replaced
+
+
 def _wrapper(module: nn.Module) -> Optional[Callable[[nn.Module, USPContext], Callable]]:
     """What makes ``module``'s forward run under the USP topology, by the kind of mixer it is (None: not one)."""
     for kind, wrap in ((is_short_conv, _short_conv_forward), (is_selective_ssm, _selective_forward),
@@ -452,9 +457,9 @@ def wrap_linear_layers(model: nn.Module) -> int:
     ctx = context_of(model)
     wrapped = 0
     for module in model.modules():
-        if is_wrapped_mixer(module) and not getattr(module, "_usp_wrapped", False):
-            module.forward = _wrapper(module)(module, ctx)
-            module._usp_wrapped = True
+        if is_wrapped_mixer(module) and not getattr(module, _WRAPPED, False):
+            replace_forward(module, _wrapper(module)(module, ctx))
+            set_module_attribute(module, _WRAPPED, True)
             wrapped += 1
     return wrapped
 

@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from ds_usp.comm import sum_grads_over_group
 from ds_usp.integration.models.attention import VISION_ATTN_NAME, context_of
 from ds_usp.integration.models.multimodal import body_and_language_model
+from ds_usp.integration.upstream.torch import set_module_attribute
+from ds_usp.integration.upstream.transformers import attention_implementation, set_attention_implementation
 from ds_usp.log import log_rank0
 from ds_usp.sharding import gather_sequence, shard_sequence
 
@@ -51,7 +53,7 @@ def prepare_vision_towers(model: nn.Module, mode: str = "replicated") -> list[st
                          f'patches as one packed sequence with cu_seqlens (Qwen2-VL, Qwen2.5-VL, Qwen3-VL do), so '
                          f'ds-usp cannot shard it; use "replicated" (the default)')
     for tower in towers:
-        tower.config._attn_implementation = VISION_ATTN_NAME
+        set_attention_implementation(tower.config, VISION_ATTN_NAME)
         for block in tower.blocks:
             block.register_forward_pre_hook(_shard_block_call, with_kwargs=True)
             block.register_forward_hook(_gather_block_output)
@@ -61,8 +63,8 @@ def prepare_vision_towers(model: nn.Module, mode: str = "replicated") -> list[st
     switched = []
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and id(config) not in keep and getattr(config, "_attn_implementation", None) == "usp":
-            config._attn_implementation = "sdpa"
+        if config is not None and id(config) not in keep and attention_implementation(config) == "usp":
+            set_attention_implementation(config, "sdpa")
             switched.append(type(config).__name__)
     switched = sorted(set(switched))
     if switched:
@@ -86,7 +88,7 @@ def _shard_block_call(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     """Before a vision block: its input and its per-patch tensors (position embeddings) cut to this rank's shard."""
     ctx = context_of(block)
     if ctx is None or ctx.unsharded:
-        setattr(block, _TOWER_CALL, None)
+        set_module_attribute(block, _TOWER_CALL, None)
         return args, kwargs
     hidden = args[0] if args else kwargs["hidden_states"]
     cu = kwargs.get("cu_seqlens")
@@ -103,7 +105,7 @@ def _shard_block_call(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
             return tuple(cut(y) for y in x)
         return x
 
-    setattr(block, _TOWER_CALL, (n, docs))
+    set_module_attribute(block, _TOWER_CALL, (n, docs))
     rest = {k: v if k in ("cu_seqlens", "max_seqlen") else cut(v) for k, v in kwargs.items()}
     return tuple(cut(a) for a in args), rest
 

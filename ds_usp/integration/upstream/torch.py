@@ -52,3 +52,46 @@ def tolerant_recompute(recompute: Any) -> Any:
         refuse("tolerant_recompute", f"the recomputation context is a {type(recompute).__name__}")
     recompute.__class__ = _TolerantRecompute  # the same state, the tolerant dispatch
     return recompute
+
+
+register("module_forward", Patch(
+    "an nn.Module instance's forward (a causal LM's, its decoder layers', their feed-forward blocks', the sequence "
+    "mixers ds-usp shards)",
+    "nn.Module.__call__ running the instance's forward attribute, so that one set on the instance replaces the "
+    "class's method for that module only",
+    "the SP loss, the memory stack and the sharded sequence mixers are applied to the model from outside (as "
+    "torchtitan applies parallelisms): without it ds-usp would have to copy each family's forward",
+    "module hooks that can replace a module's computation (a forward pre-hook can only change its inputs)"))
+register("module_attributes", Patch(
+    "attributes ds-usp sets on a model's module instances: its USP context on every module, the marks of what it "
+    "wrapped, a sharded vision block's call record, the fused LM head's settings, a Griffin RG-LRU's "
+    "recurrent_states (None while training)",
+    "nn.Module.__setattr__ storing a plain (non-tensor, non-module) value as an instance attribute, which the "
+    "module's own code does not read under ds-usp's names (the RG-LRU reads its recurrent_states, None meaning no "
+    "cache)",
+    "the model's layers reach the topology through their module, and a module's call records what its hooks need",
+    "none needed: this is nn.Module's documented behaviour; listed so that every change to a model's objects is "
+    "in one place"))
+
+
+def replace_forward(module: torch.nn.Module, forward: Any) -> None:
+    """Make ``forward`` the forward of this one module (``nn.Module.__call__`` calls it).
+
+    Raises:
+        UpstreamChanged: ``module`` is called otherwise than through ``nn.Module.__call__``, or has no forward.
+    """
+    if not callable(getattr(module, "forward", None)):
+        refuse("module_forward", f"{type(module).__name__} has no callable forward")
+    if type(module).__call__ is not torch.nn.Module.__call__:
+        refuse("module_forward", f"{type(module).__name__} overrides __call__")
+    set_module_attribute(module, "forward", forward)
+
+
+def set_module_attribute(module: torch.nn.Module, name: str, value: Any) -> None:
+    """``module.name = value`` on the instance (the ``module_attributes`` record says which ds-usp sets)."""
+    setattr(module, name, value)
+
+
+def restore_forward(module: torch.nn.Module) -> None:
+    """Undo :func:`replace_forward`: the class's forward again."""
+    module.__dict__.pop("forward", None)

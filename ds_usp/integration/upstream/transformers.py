@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Optional
 
-from ds_usp.integration.upstream.registry import Patch, register, require_parameters
+from ds_usp.integration.upstream.registry import Patch, refuse, register, require_parameters
 
 register("attn_implementation_check", Patch(
     "transformers.PreTrainedModel._check_and_adjust_attn_implementation",
@@ -112,3 +112,49 @@ def replace_family_functions(family: Any, replacements: Mapping[str, Callable[[C
         require_parameters("family_functions", original, params.get(name, ()))
         setattr(family, name, functools.wraps(original)(make(original)))
     family._ds_usp_sharded = True
+
+
+register("attn_implementation_switch", Patch(
+    "a transformers config's _attn_implementation (the vision tower's, and every config of a model while it "
+    "generates without USP)",
+    "the config property _attn_implementation with a setter, read by the model's layers on every call to pick the "
+    "attention function",
+    "a VLM's vision tower runs replicated (sdpa) or sharded (ds-usp's flash-like name) while its language model runs "
+    "'usp'; generation runs whole sequences without USP",
+    "a public per-config setter (PreTrainedModel.set_attn_implementation exists but checks and re-dispatches the "
+    "whole model tree)"))
+register("private_scan", Patch(
+    "a transformers module's private scan method (RecurrentGemma's RG-LRU _rnn_scan)",
+    "the bound method existing with the parameters the replacement passes on",
+    "the RG-LRU's gates are per token but its recurrence runs over the sequence: the scan is the one place to pass "
+    "its state over the SP group without copying the family's forward",
+    "the scan as a replaceable kernel of the module (as the Mamba-2 families take theirs)"))
+
+
+def attention_implementation(config: Any) -> Optional[str]:
+    """The attention implementation a transformers config asks for (None: not a model config)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attention_implementation(config: Any, name: str) -> None:
+    """Make the layers that read ``config`` use attention implementation ``name`` from their next call.
+
+    Raises:
+        UpstreamChanged: the config has no ``_attn_implementation`` property with a setter.
+    """
+    prop = getattr(type(config), "_attn_implementation", None)
+    if not isinstance(prop, property) or prop.fset is None:
+        refuse("attn_implementation_switch", f"{type(config).__name__}._attn_implementation is not a property "
+                                             f"with a setter")
+    config._attn_implementation = name
+
+
+def replace_private_method(obj: Any, name: str, make: Callable[[Callable], Callable], params: tuple[str, ...]) -> None:
+    """``obj.name = make(obj.name)`` on the instance, after checking the method takes ``params``.
+
+    Raises:
+        UpstreamChanged: the method is gone or takes other parameters.
+    """
+    original = getattr(obj, name, None)
+    require_parameters("private_scan", original, params)
+    setattr(obj, name, make(original))
