@@ -11,7 +11,10 @@
   that fills an ``empty_like`` buffer through a collective gets a silently zero gradient under
   ``torch.compile``; an op with a registered backward does not.
 * :func:`sum_over_group`: the SP loss's sum over the group, gradient passed through (a custom op).
-* :func:`all_reduce_sum_` and :func:`all_gather_rows`: small collectives (token counts, cross-rank checks).
+* :func:`all_reduce_sum_`, :func:`all_reduce_max_` (:func:`all_reduce_max_int`), :func:`all_gather_rows`,
+  :func:`all_gather_objects` and :func:`barrier`: small collectives (token counts, agreed sizes, gathers over
+  replicas, checkpoint commits); :func:`disagreements`: which ranks hold which value of facts that must agree
+  (configs, batches, rollouts), by :func:`checksum` for tensors.
 
 These functions are not autograd-aware themselves: the attention's forward and backward are each one
 custom op that calls them (:mod:`ds_usp.attention.usp`).
@@ -21,12 +24,15 @@ A collective that fails (a peer rank died, or stalled past the group's timeout) 
 """
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ds_usp.integration.upstream.c10d import process_group_named
 
 
 class USPCommError(RuntimeError):
@@ -43,15 +49,16 @@ def _named(what: str, group: Any) -> Iterator[None]:
     except RuntimeError as e:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         raise USPCommError(f"the {what} over ranks {ranks} failed on rank {dist.get_rank()}: {e}\n"
-                           f"A rank of this group died, stalled longer than the group timeout "
-                           f"(usp.timeout_seconds), or called a different collective; see the other ranks' logs.") from e
+                           f"A rank of this group died, stalled longer than the group timeout (usp.timeout_seconds), "
+                           f"or called a different collective; see the other ranks' logs.") from e
 
 
 def resolve_group(name: str) -> Any:
     """The process group called ``name`` (``group.group_name``), from torch.distributed's own registry.
 
     Custom operators cannot take a process group as an argument (their schema has no such type), so the
-    USP operators take group names and look the groups up here; nothing is kept by ds-usp itself.
+    USP operators take group names and look the groups up here; nothing is kept by ds-usp itself (the lookup is
+    torch's private one, a registered patch: :mod:`ds_usp.integration.upstream.c10d`).
 
     Args:
         name: the group's ``group_name``.
@@ -59,7 +66,7 @@ def resolve_group(name: str) -> Any:
     Returns:
         The process group.
     """
-    return dist.distributed_c10d._resolve_process_group(name)
+    return process_group_named(name)
 
 
 FP8 = torch.float8_e4m3fn
@@ -268,7 +275,7 @@ def all_reduce_sum_(x: Tensor, group: Any, what: str) -> Tensor:
 
     Args:
         x: the tensor (same shape on every rank).
-        group: the process group.
+        group: the process group (None: every rank).
         what: a name for error messages (e.g. ``"SP loss all-reduce"``).
 
     Returns:
@@ -277,9 +284,47 @@ def all_reduce_sum_(x: Tensor, group: Any, what: str) -> Tensor:
     Raises:
         USPCommError: the collective failed.
     """
+    return _all_reduce_(x, group, what, dist.ReduceOp.SUM)
+
+
+def all_reduce_max_(x: Tensor, group: Any, what: str) -> Tensor:
+    """:func:`all_reduce_sum_` taking the element-wise maximum instead of the sum."""
+    return _all_reduce_(x, group, what, dist.ReduceOp.MAX)
+
+
+def _all_reduce_(x: Tensor, group: Any, what: str, op: Any) -> Tensor:
     with _named(what, group):
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def all_reduce_max_int(value: int, group: Any, what: str, device: Optional[torch.device] = None) -> int:
+    """The largest of every rank's ``value`` over ``group`` (e.g. a count the ranks must agree on).
+
+    Args:
+        value: this rank's integer.
+        group: the process group (None: every rank).
+        what: a name for error messages.
+        device: where the one-element tensor travels (default: :func:`group_device`).
+
+    Returns:
+        The maximum, the same on every rank.
+
+    Raises:
+        USPCommError: the collective failed.
+    """
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device if device is not None else group_device(group))
+    return int(all_reduce_max_(t, group, what))
+
+
+def barrier(group: Any, what: str) -> None:
+    """Wait until every rank of ``group`` (None: every rank) has reached this call.
+
+    Raises:
+        USPCommError: the collective failed.
+    """
+    with _named(what, group):
+        dist.barrier(group=group)
 
 
 _BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}  # the tensors each backend moves (for ours)
@@ -306,7 +351,9 @@ def group_device(group: Any) -> torch.device:
     Returns:
         The device.
     """
-    return torch.device("cuda", torch.cuda.current_device()) if backend_device_type(group) == "cuda" else torch.device("cpu")
+    if backend_device_type(group) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_gather_rows(x: Tensor, group: Any, what: str) -> list[Tensor]:
@@ -336,3 +383,53 @@ def all_gather_objects(obj: Any, group: Any, what: str) -> list[Any]:
     with _named(what, group):
         dist.all_gather_object(parts, obj, group=group)
     return parts
+
+
+def checksum(t: Tensor) -> tuple[tuple[int, ...], float, float]:
+    """An order-sensitive fingerprint of ``t``: its shape, the sum of its elements and their sum weighted by position
+    (integers and booleans exactly in int64 on ``t``'s device, floating values in float64 on the CPU).
+
+    Args:
+        t: any tensor.
+
+    Returns:
+        ``(shape, sum, weighted sum)``.
+    """
+    flat = t.detach().reshape(-1)
+    flat = flat.double().cpu() if flat.is_floating_point() else flat.long()
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=flat.dtype)
+    return tuple(t.shape), flat.sum().item(), (flat * weights).sum().item()
+
+
+def disagreements(facts: Mapping[str, Any], group: Any, what: str) -> dict[str, dict[str, list[int]]]:
+    """Which ranks of ``group`` hold which value of each fact the ranks disagree on (one all-gather of objects).
+
+    Tensors are compared by their :func:`checksum`, other values by their JSON text (``str`` for what JSON cannot
+    write).
+
+    Args:
+        facts: this rank's values by name (the same names on every rank).
+        group: the process group (None: every rank).
+        what: a name for error messages.
+
+    Returns:
+        ``{name: {value's text: global ranks holding it}}`` for each fact that differs (the group's first rank's value
+        first); empty when every rank holds the same facts.
+
+    Raises:
+        USPCommError: the collective failed.
+    """
+    mine = {key: json.dumps(checksum(value) if isinstance(value, Tensor) else value, sort_keys=True, default=str)
+            for key, value in facts.items()}
+    if dist.get_world_size(group) == 1:
+        return {}
+    everyone = all_gather_objects(mine, group, what)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
+    found = {}
+    for key in mine:
+        holders: dict[str, list[int]] = {}
+        for rank, theirs in zip(ranks, everyone):
+            holders.setdefault(theirs.get(key, "<missing>"), []).append(rank)
+        if len(holders) > 1:
+            found[key] = holders
+    return found

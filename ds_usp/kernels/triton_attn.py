@@ -31,6 +31,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ds_usp.integration.upstream.triton import interpreted
+
 __all__ = ["unavailable_reason", "attention_forward", "attention_backward", "band_forward", "band_forward_merge_",
            "band_backward"]
 
@@ -215,13 +217,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, lo: Optional[int], hi: Optional[in
 def _kernels(interpret: bool) -> Any:
     """The @triton.jit kernels, defined on first use (triton is imported here, not with ds_usp): Triton decides
     between interpreter and compiler when a function is decorated, so each mode gets its own copy of the module."""
-    import importlib.util
-
-    from triton import knobs
-
     spec = importlib.util.find_spec("ds_usp.kernels._triton_kernels")
     module = importlib.util.module_from_spec(spec)
-    with knobs.runtime.scope():  # restores TRITON_INTERPRET as it was
-        knobs.runtime.interpret = interpret
+    with interpreted(interpret):
         spec.loader.exec_module(module)
     return module

@@ -50,6 +50,11 @@ def register(key: str, patch: Patch) -> str:
 
 
 def refuse(key: str, found: str) -> None:
+    """Raise :class:`UpstreamChanged` for the patch registered as ``key``, saying what was ``found`` instead.
+
+    Raises:
+        UpstreamChanged: always.
+    """
     patch = PATCHES[key]
     raise UpstreamChanged(f"ds-usp patches {patch.target}, relying on {patch.relies_on}; but {found}. It would "
                           f"otherwise go wrong as follows: {patch.why}. Use the versions setup.py's dev extra pins, or "
@@ -70,10 +75,15 @@ def innermost(fn: Any) -> Any:
         fn = inner
 
 
+def lacking_parameters(fn: Any, params: tuple[str, ...]) -> list[str]:
+    """Those of ``params`` that ``fn`` (callable, under its decorators) does not take."""
+    return [p for p in params if p not in inspect.signature(innermost(fn)).parameters]
+
+
 def require_parameters(key: str, fn: Any, params: tuple[str, ...]) -> None:
     """Refuse (:func:`refuse`) unless ``fn`` is callable and takes every one of ``params`` (under its decorators)."""
     if not callable(fn):
         refuse(key, "it does not exist in the installed version")
-    lacking = [p for p in params if p not in inspect.signature(innermost(fn)).parameters]
+    lacking = lacking_parameters(fn, params)
     if lacking:
         refuse(key, f"it takes no {', '.join(lacking)} in the installed version")
