@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ds_usp.comm import all_gather_rows, group_device
+from ds_usp.comm import disagreements
 from ds_usp.sharding import check_layout, gather_sequence, normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
 
@@ -204,14 +204,14 @@ def cu_seq_lens(doc_lens: Optional[Sequence[Sequence[int]]], rows: int, seq: int
     return torch.tensor([0] + lens, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
 
 
-def check_same_batch(tensors: list[Tensor], topo: USPTopology) -> None:
+def check_same_batch(tensors: Mapping[str, Tensor], topo: USPTopology) -> None:
     """Check that every rank of the SP group holds the same full batch (one small all-gather of checksums).
 
     A data loader that gives the ranks of one sequence different samples would make them train on a
     patchwork of sequences without any error; this makes it loud.
 
     Args:
-        tensors: the batch's tensors (same shapes on every rank).
+        tensors: the batch's tensors by name (same shapes on every rank).
         topo: the topology.
 
     Raises:
@@ -219,14 +219,9 @@ def check_same_batch(tensors: list[Tensor], topo: USPTopology) -> None:
     """
     if topo.sp_size == 1:
         return
-    sums = []
-    for t in tensors:
-        flat = t.reshape(-1).long()
-        weights = torch.arange(1, flat.numel() + 1, device=flat.device)
-        sums += [t.numel(), *t.shape, int(flat.sum()), int((flat * weights).sum())]  # order-sensitive checksum
-    rows = all_gather_rows(torch.tensor(sums, device=group_device(topo.sp_group)), topo.sp_group, "batch check")
+    differ = disagreements(tensors, topo.sp_group, "batch check")
     ranks = list(topo.sp_ranks)
-    odd = [ranks[i] for i, row in enumerate(rows) if not torch.equal(row, rows[0])]
+    odd = sorted({r for holders in differ.values() for others in list(holders.values())[1:] for r in others})
     if odd:
         raise ValueError(f"the ranks of one sequence-parallel group {ranks} got different batches (ranks {odd} differ "
                          f"from rank {ranks[0]}): every rank of a sequence-parallel group must get the same batch "
@@ -260,8 +255,8 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         (``engine.usp.topo.degrees[d]``) and the rows of this rank's sub-group, the shard also says ``sp_degree``.
 
     Raises:
-        ValueError: missing or malformed keys, an attention mask padded elsewhere than on the right, documents that do not
-            cover the rows, a bad layout, or ranks of the SP group holding different batches (see
+        ValueError: missing or malformed keys, an attention mask padded elsewhere than on the right, documents that do
+            not cover the rows, a bad layout, or ranks of the SP group holding different batches (see
             :func:`check_same_batch`).
     """
     check_layout(layout)
@@ -297,7 +292,7 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         rule = topo.default_positions
         positions = torch.arange(s, device=ids.device).expand(b, s) if rule is None else rule(ids)
     cu = cu_seq_lens(docs, b, s, ids.device)
-    check_same_batch([ids, labels, positions, cu], topo)
+    check_same_batch({"input_ids": ids, "labels": labels, "position_ids": positions, "cu_seq_lens": cu}, topo)
 
     def shard(x: Tensor, pad: float = 0) -> Tensor:
         return shard_sequence(x, topo, dim=1, layout=layout, pad_value=pad, doc_lens=docs)

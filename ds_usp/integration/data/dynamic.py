@@ -7,12 +7,12 @@ longest first, into the open row of the smallest degree with room, so a short do
 document's row instead of paying a degree of its own), and the rows of one degree are cut into micro batches of
 ``sp / d`` rows, one per sub-group, rows of similar attention cost together (the slowest sub-group sets a micro batch's
 time); a micro batch left with fewer rows than sub-groups (the last of its degree) runs them at the highest degree
-that still gives each its own sub-group, instead of leaving ranks idle. :func:`dynamic_sp_step` runs the plan on an engine built with ``usp.dynamic_sp``: every rank its sub-group's row
-(:func:`ds_usp.shard_batch` with ``engine.usp.topo.degrees[d]``), the loss of each micro batch the sum of its targets'
-losses over the whole SP group divided by the targets of the whole step, the gradients accumulated over the micro
-batches (DeepSpeed's accumulation boundary set on the last) and one optimizer step: the same update as one process
-on all the documents. Everything here is decided from the lengths alone, so every rank of the group makes the same plan
-without communicating.
+that still gives each its own sub-group, instead of leaving ranks idle. :func:`dynamic_sp_step` runs the plan on an
+engine built with ``usp.dynamic_sp``: every rank its sub-group's row (:func:`ds_usp.shard_batch` with
+``engine.usp.topo.degrees[d]``), the loss of each micro batch the sum of its targets' losses over the whole SP group
+divided by the targets of the whole step, the gradients accumulated over the micro batches (DeepSpeed's accumulation
+boundary set on the last) and one optimizer step: the same update as one process on all the documents. Everything
+here is decided from the lengths alone, so every rank of the group makes the same plan without communicating.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from ds_usp.config import divisors
+from ds_usp.integration.data.batch import IGNORE_INDEX, packed_doc_lens, right_padded_docs, shard_batch
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def plan_step(lengths: Sequence[int], sp_size: int, tokens_per_rank: int,
     """
     if sp_size < 1 or tokens_per_rank < 1:
         raise ValueError(f"sp_size ({sp_size}) and tokens_per_rank ({tokens_per_rank}) must be positive")
-    allowed = [d for d in range(1, sp_size + 1) if sp_size % d == 0]
+    allowed = divisors(sp_size)
     if degrees is not None:
         wrong = [d for d in degrees if d not in allowed]
         if wrong or not degrees:
@@ -132,8 +133,6 @@ def documents_of_batch(batch: Mapping[str, Any]) -> list[dict[str, Tensor]]:
     Raises:
         ValueError: padding on the left or between real tokens.
     """
-    from ds_usp.integration.data.batch import packed_doc_lens, right_padded_docs
-
     ids = batch["input_ids"]
     rows, seq = ids.shape
     labels = batch.get("labels")
@@ -160,8 +159,6 @@ def micro_batch_shards(engine: Any, documents: Sequence[Mapping[str, Tensor]], t
     Raises:
         ValueError: the engine has no dynamic-SP degrees, or a document does not fit (:func:`plan_step`).
     """
-    from ds_usp.integration.data.batch import shard_batch
-
     topo = engine.usp.topo
     if len(topo.degrees) <= 1 and topo.sp_size > 1 and list(degrees or ()) != [topo.sp_size]:
         raise ValueError("dynamic SP needs an engine built with \"usp\": {\"dynamic_sp\": true}")

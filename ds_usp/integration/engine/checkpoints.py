@@ -16,12 +16,12 @@ Asynchronous saves (``save_checkpoint(..., async_save=True)``, or ``"usp": {"asy
 only while each rank builds its state dicts with DeepSpeed's own per-rank builders against a checkpoint engine that
 copies them (:class:`_Snapshots`), after one small all-reduce (the tag the same on every rank, no earlier background
 write failed): DeepSpeed's barriers, tag check and ZeRO-3's re-gather of its persistent parameters stay off the
-training thread (:func:`_state_only_save`). A background thread on every rank then writes and syncs its copies and
-drops a marker file (:data:`WRITTEN`), and rank 0's thread, once every rank's marker is there, writes the manifest
-and moves ``latest``: the same order as a blocking save, with no collective off the main thread. A save, a load or
-the end of the process waits for the pending one (``engine.wait_for_checkpoint()`` does so explicitly and raises what
-the background write raised). A crash before the manifest leaves the previous checkpoint as ``latest``, as for a
-blocking save.
+training thread (:func:`ds_usp.integration.upstream.deepspeed.state_only_save`). A background thread on every rank
+then writes and syncs its copies and drops a marker file (:data:`WRITTEN`), and rank 0's thread, once every rank's
+marker is there, writes the manifest and moves ``latest``: the same order as a blocking save, with no collective off
+the main thread. A save, a load or the end of the process waits for the pending one (``engine.wait_for_checkpoint()``
+does so explicitly and raises what the background write raised). A crash before the manifest leaves the previous
+checkpoint as ``latest``, as for a blocking save. :class:`AtomicCheckpoints` holds the three methods.
 
 The files of a tag must be visible to rank 0 (one node, or a shared filesystem: what DeepSpeed's own ``latest``
 assumes).
@@ -34,13 +34,14 @@ import json
 import os
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ds_usp.comm import all_gather_objects, all_reduce_max_, barrier
+from ds_usp.integration.upstream.deepspeed import checkpoint_engine_as, state_only_save
 from ds_usp.log import log_warning
 
 MANIFEST = "ds_usp_manifest.json"
@@ -139,15 +140,36 @@ def resolve_tag(load_dir: str, tag: Optional[str], fallback: bool = True) -> Opt
     root = Path(load_dir)
     with_manifest = sorted((p for p in root.iterdir() if (p / MANIFEST).is_file()), key=read_step, reverse=True) \
         if root.is_dir() else []
-    if not with_manifest:
-        return tag
-    if tag is not None:
-        verify(root / tag)
-        return tag
     latest = root / LATEST
-    first = latest.read_text().strip() if latest.is_file() else None
+    first = latest.read_text().strip() if with_manifest and latest.is_file() else None
     order = ([first] if first else []) + [p.name for p in with_manifest if p.name != first]
-    return first_complete(root, order, fallback)
+    found = complete_or_newest(root, order, None if tag is None else root / tag, fallback)
+    return tag if tag is not None or found is None else found.name
+
+
+def complete_or_newest(root: Path, newest_first: list[str], wanted: Optional[Path],
+                       fallback: bool = True) -> Optional[Path]:
+    """The checkpoint folder to resume from: ``wanted`` verified, else the first complete one of ``newest_first``.
+
+    Args:
+        root: the folder holding the checkpoints.
+        newest_first: the candidates' folder names under ``root``, the one to try first first.
+        wanted: an explicit folder (never replaced by another), or None.
+        fallback: skip a damaged candidate with a warning (False: raise).
+
+    Returns:
+        The folder; ``wanted`` itself (None included) when no candidate has a manifest (saved without ds-usp: taken
+        unverified).
+
+    Raises:
+        CheckpointDamaged: ``wanted``, or (``fallback=False``) the first candidate, is damaged; or none is complete.
+    """
+    if not any((root / name / MANIFEST).is_file() for name in newest_first):
+        return wanted
+    if wanted is not None:
+        verify(wanted)
+        return wanted
+    return root / first_complete(root, newest_first, fallback)
 
 
 def verify(folder: Path) -> None:
@@ -282,136 +304,111 @@ def _write_later(inner: Any, files: list[tuple[str, Any]], save_dir: str, tag: s
     commit(save_dir, tag, step, save_latest)
 
 
-_BUILDERS = ("_create_checkpoint_file", "_save_checkpoint", "_create_zero_checkpoint_files", "_save_zero_checkpoint",
-             "_optimizer_has_ckpt_event_prologue", "module_state_dict")
+class _VerifyingLoad:
+    """``engine.load_checkpoint``: the checkpoint's files verified against its manifest (:func:`resolve_tag`) before
+    DeepSpeed's own load runs; ``unverified`` is DeepSpeed's load, for a caller that verified the tag itself
+    (:func:`ds_usp.checkpoint.load_checkpoint`)."""
+
+    def __init__(self, unverified: Callable[..., Any], settle: Callable[[], None]) -> None:
+        self.unverified, self.settle = unverified, settle
+
+    def __call__(self, load_dir: str, tag: Optional[str] = None, *args: Any, fallback: bool = True,
+                 **kwargs: Any) -> Any:
+        self.settle()
+        return self.unverified(load_dir, resolve_tag(load_dir, tag, fallback), *args, **kwargs)
 
 
-def _state_only_save(engine: Any, save_dir: str, tag: str, client_state: dict, **kwargs: Any) -> bool:
-    """DeepSpeed's ``save_checkpoint`` without its collectives: the same files from the same per-rank builders
-    (``_save_checkpoint``, ``_save_zero_checkpoint``), for a caller that has checked the tag across ranks itself.
+class AtomicCheckpoints:
+    """An engine's checkpoints complete or absent (module docstring): :meth:`save_checkpoint` (blocking or
+    asynchronous), ``load_checkpoint`` (a :class:`_VerifyingLoad`) and :meth:`wait_for_checkpoint`, in front of
+    DeepSpeed's own save and load (:func:`ds_usp.integration.upstream.deepspeed.replace_checkpointing` makes them the
+    engine's).
 
-    What DeepSpeed's save adds around them is collective: two barriers, the tag check (two all-reduces) and, under
-    ZeRO-3, a prologue that partitions every parameter and an epilogue that all-gathers the persistent ones again.
-    The prologue only shapes the model-states file (a partitioned parameter is saved as an empty tensor), so the
-    module's state dict is given that form directly (:func:`_as_partitioned`) and the live parameters are left alone.
-
-    Returns False (nothing done) where the engine is one this does not cover (MoE layers, NVMe-offloaded optimizer
-    state, pipeline modules, an optimizer with a checkpoint prologue other than ZeRO-3's, a DeepSpeed without these
-    builders): the caller runs DeepSpeed's whole save instead.
+    Args:
+        engine: the DeepSpeed engine, its methods still DeepSpeed's.
+        async_save: whether a save without ``async_save=`` is asynchronous (``usp.async_save``).
+        timeout: seconds rank 0's background commit waits for the other ranks' files (``usp.timeout_seconds``).
     """
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    if (not all(hasattr(engine, name) for name in _BUILDERS) or set(kwargs) - {"exclude_frozen_parameters"}
-            or getattr(engine, "has_moe_layers", True) or engine.zero_nvme_offload_optimizer()
-            or type(engine.module).__name__ == "PipelineModule"
-            or (engine._optimizer_has_ckpt_event_prologue()
-                and not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3))):
-        return False
-    engine._create_checkpoint_file(save_dir, tag, False)  # the tag's folder, through the checkpoint engine
-    with _as_partitioned(engine):
-        engine._save_checkpoint(save_dir, tag, client_state=client_state, **kwargs)
-    if engine.save_zero_checkpoint:
-        engine._create_zero_checkpoint_files(save_dir, tag)
-        engine._save_zero_checkpoint(save_dir, tag)
-    return True
+    def __init__(self, engine: Any, async_save: bool = False, timeout: float = 1800.0) -> None:
+        self.engine, self.async_save, self.timeout = engine, async_save, timeout
+        self.deepspeed_save: Callable[..., Any] = engine.save_checkpoint
+        self.load_checkpoint = _VerifyingLoad(engine.load_checkpoint, self.settle)
+        self.pending = _Pending()
 
+    def wait_for_checkpoint(self) -> None:
+        """Wait for this rank's asynchronous save (if one is pending).
 
-@contextmanager
-def _as_partitioned(engine: Any) -> Iterator[None]:
-    """While it lasts, ``engine.module_state_dict`` gives every ZeRO-3 parameter as DeepSpeed's save would after its
-    prologue has partitioned it: an empty tensor of the parameter's dtype (``free_param``'s form). Other engines'
-    state dicts are unchanged."""
-    whole = engine.module_state_dict
+        Raises:
+            RuntimeError: what its background write raised.
+        """
+        self.pending.wait()
 
-    def module_state_dict(*args: Any, **kwargs: Any) -> Any:
-        kwargs["keep_vars"] = True
-        state = whole(*args, **kwargs)
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = (torch.empty(0, dtype=value.dtype, device=value.device) if hasattr(value, "ds_id")
-                              else value.detach())
-        return state
-
-    engine.module_state_dict = module_state_dict
-    try:
-        yield
-    finally:
-        del engine.module_state_dict  # the class's method again
-
-
-def install(engine: Any) -> None:
-    """Give ``engine`` the atomic ``save_checkpoint`` (blocking or asynchronous), the verifying ``load_checkpoint`` and
-    ``wait_for_checkpoint`` (module docstring)."""
-    save: Callable[..., Any] = engine.save_checkpoint
-    load: Callable[..., Any] = engine.load_checkpoint
-    usp_config = getattr(getattr(engine, "usp", None), "config", None)
-    default_async = bool(getattr(usp_config, "async_save", False))
-    timeout = float(getattr(usp_config, "timeout_seconds", 1800.0))
-    pending = _Pending()
-
-    def settle(tag: Optional[str] = None, before: Callable[[], Any] = lambda: None) -> None:
+    def settle(self, tag: Optional[str] = None, before: Callable[[], Any] = lambda: None) -> None:
         """Wait for this rank's pending save; once the engine has saved asynchronously (or a ``tag`` is to be
         checked), one all-reduce tells every rank whether any rank's background write failed (then every rank raises,
         so none goes on into a collective the failed one never reaches) and whether ``tag`` is the same on every rank
-        (else every rank raises, naming it). ``before`` runs on each rank before that all-reduce."""
+        (else every rank raises, naming it). ``before`` runs on each rank before that all-reduce.
+
+        Raises:
+            RuntimeError: a rank's background write failed (every rank's error named).
+            ValueError: ``tag`` differs across ranks.
+        """
         try:
-            pending.wait()
+            self.pending.wait()
             mine = ""
         except RuntimeError as err:
             mine = str(err)
         before()
-        if not dist.is_initialized() or not (pending.started or tag is not None):
+        if not dist.is_initialized() or not (self.pending.started or tag is not None):
             if mine:
                 raise RuntimeError(mine)
             return
         digest = int.from_bytes(hashlib.sha1(str(tag).encode()).digest()[:7], "big")
-        flags = torch.tensor([int(bool(mine)), digest, -digest], dtype=torch.int64, device=engine.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags = torch.tensor([int(bool(mine)), digest, -digest], dtype=torch.int64, device=self.engine.device)
+        all_reduce_max_(flags, None, "checkpoint save check")
         if flags[0]:
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
+            everyone = all_gather_objects(mine, None, "checkpoint save errors")
             raise RuntimeError("; ".join(f"rank {r}: {e}" for r, e in enumerate(everyone) if e))
         if tag is not None and flags[1] != -flags[2]:
             raise ValueError(f"ds-usp: the checkpoint tag differs across ranks (this rank: {tag!r}); every rank must "
                              f"save under the same tag")
 
-    def save_checkpoint(save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, async_save: Optional[bool] = None, **kwargs: Any) -> Any:
+        """DeepSpeed's save, then the manifest and ``latest`` (module docstring); asynchronous when ``async_save``
+        (default: ``usp.async_save``).
+
+        Returns:
+            What DeepSpeed's save returns.
+        """
+        engine = self.engine
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         step = int(engine.global_steps)
         distributed = dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        if async_save if async_save is not None else default_async:
-            # one save at a time, in order (an older one never moves latest after a newer one); a marker left by an
-            # earlier save of this tag that crashed must not count: each rank drops its own before settle's
-            # all-reduce, which comes before any rank's thread starts
-            settle(tag, lambda: (Path(save_dir) / tag / f"{WRITTEN}{rank}").unlink(missing_ok=True))
-            inner = engine.checkpoint_engine
-            engine.checkpoint_engine = snapshots = _Snapshots(inner)
-            try:
-                out = _state_only_save(engine, save_dir, tag, client_state or {}, **kwargs) or save(
-                    save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
-            finally:
-                engine.checkpoint_engine = inner
-            pending.start(f"{Path(save_dir) / tag}", lambda: _write_later(
-                inner, snapshots.files, save_dir, tag, step, save_latest, rank, world, timeout))
-            return out
-        settle()
-        out = save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
+        if self.async_save if async_save is None else async_save:
+            return self._save_later(save_dir, tag, client_state or {}, save_latest, step, rank, world, **kwargs)
+        self.settle()
+        out = self.deepspeed_save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
         if distributed:
-            dist.barrier()  # every rank's files are written
+            barrier(None, "checkpoint files written")  # every rank's files are written
         if rank == 0:
             commit(save_dir, tag, step, save_latest)
         if distributed:
-            dist.barrier()  # nobody returns before the checkpoint is complete
+            barrier(None, "checkpoint committed")  # nobody returns before the checkpoint is complete
         return out
 
-    def load_checkpoint(load_dir: str, tag: Optional[str] = None, *args: Any, fallback: bool = True,
-                        **kwargs: Any) -> Any:
-        settle()
-        return load(load_dir, resolve_tag(load_dir, tag, fallback), *args, **kwargs)
-
-    load_checkpoint.unverified = load  # for a caller that resolved (verified) the tag itself
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
-    engine.wait_for_checkpoint = pending.wait
+    def _save_later(self, save_dir: str, tag: str, client_state: dict, save_latest: bool, step: int, rank: int,
+                    world: int, **kwargs: Any) -> Any:
+        """The asynchronous save: this rank's state copied now, written (and committed by rank 0) in the background."""
+        # one save at a time, in order (an older one never moves latest after a newer one); a marker left by an
+        # earlier save of this tag that crashed must not count: each rank drops its own before settle's
+        # all-reduce, which comes before any rank's thread starts
+        self.settle(tag, lambda: (Path(save_dir) / tag / f"{WRITTEN}{rank}").unlink(missing_ok=True))
+        with checkpoint_engine_as(self.engine, _Snapshots) as snapshots:
+            out = state_only_save(self.engine, save_dir, tag, client_state, **kwargs) or self.deepspeed_save(
+                save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
+        self.pending.start(f"{Path(save_dir) / tag}", lambda: _write_later(
+            snapshots.inner, snapshots.files, save_dir, tag, step, save_latest, rank, world, self.timeout))
+        return out

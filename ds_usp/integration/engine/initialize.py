@@ -19,17 +19,16 @@ scaling users report with Ulysses, and the reason the SP loss exists.
 from __future__ import annotations
 
 import datetime
-import functools
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from ds_usp.comm import group_device
-from ds_usp.config import (USPConfig, USPConfigError, degree_split, load_usp_config, process_group_timeout,
+from ds_usp.comm import barrier, group_device
+from ds_usp.config import (USPConfig, USPConfigError, degree_split, divisors, load_usp_config, process_group_timeout,
                            ranks_per_node, read_ds_config)
-from ds_usp.integration.engine import checkpoints as saves
+from ds_usp.integration.engine.checkpoints import AtomicCheckpoints
 from ds_usp.integration.engine.degrees import choose_degrees, shape_of
 from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
                                                  model_heads, versions)
@@ -41,8 +40,10 @@ from ds_usp.integration.models.vision import prepare_vision_towers
 from ds_usp.integration.step.choices import MemoryContext, MemorySettings
 from ds_usp.integration.step.forward import apply as apply_memory_features
 from ds_usp.integration.upstream import deepspeed as ds_patches
-from ds_usp.integration.upstream.deepspeed import (deepspeed_initialize, fix_zero3_sequence_parallel_scaling,
-                                                   quiet_deepspeed_deprecations, unlink_shm_buffer)
+from ds_usp.integration.upstream.deepspeed import (attach_state, deepspeed_initialize,
+                                                   fix_zero3_sequence_parallel_scaling, note_failures,
+                                                   quiet_deepspeed_deprecations, replace_checkpointing,
+                                                   unlink_shm_buffer)
 from ds_usp.log import log_info
 from ds_usp.native import resolve_native_op
 from ds_usp.topology import USPTopology
@@ -79,8 +80,7 @@ def dynamic_degrees(cfg: USPConfig, kv_heads: Optional[int]) -> dict[int, tuple[
     Returns:
         The degrees and their splits.
     """
-    sp = cfg.sequence_parallel_size
-    return {d: degree_split(cfg.ulysses_degree, d, kv_heads) for d in range(1, sp) if sp % d == 0}
+    return {d: degree_split(cfg.ulysses_degree, d, kv_heads) for d in divisors(cfg.sequence_parallel_size)[:-1]}
 
 
 def _partition_for_zero3(model: Any, ds_config: Mapping[str, Any], topo: USPTopology) -> None:
@@ -97,23 +97,6 @@ def _partition_for_zero3(model: Any, ds_config: Mapping[str, Any], topo: USPTopo
         return
     deepspeed.zero.Init(module=model, data_parallel_group=topo.sp_dp_group, config_dict_or_path=dict(ds_config),
                         mpu=topo.mpu)
-
-
-def _name_step_on_failure(engine: Any) -> None:
-    """Add the rank, the engine method and the training step to any error raised by forward/backward/step."""
-    for name in ("forward", "backward", "step"):
-        method = getattr(engine, name)
-
-        @functools.wraps(method)
-        def wrapped(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
-            try:
-                return _method(*args, **kwargs)
-            except Exception as e:
-                e.add_note(f"ds_usp: raised on rank {dist.get_rank()} in engine.{_name}() during training step "
-                           f"{engine.global_steps + 1}")
-                raise
-
-        setattr(engine, name, wrapped)
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -231,11 +214,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                       **kwargs)
     if zero3_sp and engine.optimizer is not None and type(engine.optimizer).__name__ != "DeepSpeedZeRoOffload":
         fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)  # not for an inference engine (no grads)
-    dist.barrier()  # deepspeed.initialize set DeepSpeed's communication up if distributed was not ours: past it
+    barrier(None, "deepspeed.initialize")  # it set DeepSpeed's communication up if distributed was not ours: past it
     unlink_shm_buffer()
-    engine.usp = USPState(config=usp_cfg, topo=topo, memory=memory)
-    _name_step_on_failure(engine)
-    saves.install(engine)  # checkpoints complete or absent, loads verified first (integration/engine.checkpoints.py)
+    attach_state(engine, USPState(config=usp_cfg, topo=topo, memory=memory))
+    note_failures(engine, dist.get_rank())
+    # checkpoints complete or absent, loads verified first (ds_usp.integration.engine.checkpoints)
+    replace_checkpointing(engine, AtomicCheckpoints(engine, usp_cfg.async_save, usp_cfg.timeout_seconds))
     return engine, opt, loader, sched
 
 

@@ -2,7 +2,6 @@
 read the same config, model and library versions (one small collective, the same error on every rank)."""
 from __future__ import annotations
 
-import json
 import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping, Optional
@@ -10,19 +9,22 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ds_usp.comm import all_gather_objects
+from ds_usp.comm import disagreements
 from ds_usp.config import USPConfigError
+
+
+def installed_version(package: str) -> Optional[str]:
+    """The installed version of ``package`` (its distribution name), None when it is not installed as a package."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def versions() -> dict[str, str]:
     """The installed versions of ds-usp, DeepSpeed and torch, compared across ranks."""
-    found = {}
-    for pkg in ("ds_usp", "deepspeed", "torch"):
-        try:
-            found[pkg] = version(pkg.replace("_", "-"))
-        except PackageNotFoundError:
-            found[pkg] = "not installed as a package"
-    return found
+    return {pkg: installed_version(pkg.replace("_", "-")) or "not installed as a package"
+            for pkg in ("ds_usp", "deepspeed", "torch")}
 
 
 def check_same_everywhere(facts: Mapping[str, Any]) -> None:
@@ -41,19 +43,13 @@ def check_same_everywhere(facts: Mapping[str, Any]) -> None:
         return
     if dist.get_backend() == "nccl":  # all_gather_object sends through this rank's GPU
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    mine = {key: json.dumps(val, sort_keys=True, default=str) for key, val in facts.items()}
-    everyone = all_gather_objects(mine, None, "check that every rank read the same config")
-    diffs = []
-    for key in mine:
-        holders: dict[str, list[int]] = {}
-        for rank, theirs in enumerate(everyone):
-            holders.setdefault(theirs.get(key, "<missing>"), []).append(rank)
-        if len(holders) > 1:
-            diffs.append(f"{key}: " + "; ".join(f"ranks {ranks} have {val}" for val, ranks in holders.items()))
-    if diffs:
+    differ = disagreements(facts, None, "check that every rank read the same config")
+    if differ:
         raise USPConfigError("the ranks disagree, so they would deadlock or compute different things: "
-                             + " | ".join(diffs) + ". Launch every rank with the same DeepSpeed config file, "
-                             "model and library versions.")
+                             + " | ".join(f"{key}: " + "; ".join(f"ranks {ranks} have {val}"
+                                                                 for val, ranks in holders.items())
+                                          for key, holders in differ.items())
+                             + ". Launch every rank with the same DeepSpeed config file, model and library versions.")
 
 
 def degrees_left_out(raw: Mapping[str, Any]) -> bool:

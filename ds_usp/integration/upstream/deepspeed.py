@@ -1,5 +1,7 @@
 """ds-usp's changes to DeepSpeed: ``deepspeed.initialize`` honouring ``"sequence_parallel"``, ZeRO-3's gradient
-scaling under sequence parallelism, its CPU shared-memory buffer's name, its deprecation warnings."""
+scaling under sequence parallelism, its CPU shared-memory buffer's name, its deprecation warnings, and the engine
+``ds_usp.initialize`` returns (``engine.usp``, errors noting the rank and step, checkpoints complete or absent, the
+asynchronous save's per-rank state without DeepSpeed's collectives)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,12 +11,14 @@ import inspect
 import os
 import sys
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 
 from ds_usp.config import USPConfigError, read_ds_config
-from ds_usp.integration.upstream.registry import Patch, innermost, register, require_parameters
+from ds_usp.integration.upstream.registry import (Patch, innermost, lacking_parameters, refuse, register,
+                                                  require_parameters)
 from ds_usp.topology import USPMpu
 
 register("deepspeed_initialize", Patch(
@@ -41,6 +45,46 @@ register("shm_buffer_name", Patch(
     "its POSIX name deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (SHM_BUFFER_NAME)",
     "DeepSpeed never unlinks the 66 MB buffer per rank: every CPU run leaves them in /dev/shm, which is memory",
     "shm.cpp unlinking the name once every rank has opened it"))
+
+
+register("engine_state", Patch(
+    "DeepSpeedEngine.usp (an attribute of the engine ds_usp.initialize returns)",
+    "the engine having no attribute of its own named usp",
+    "ds_usp.initialize returns DeepSpeed's own engine, so what it built (the config, the topology, the memory "
+    "features) travels on it: the trainers, the dynamic-SP step and users read engine.usp",
+    "DeepSpeed keeping an extension's state on the engine (a mapping of extensions), or initialize returning it"))
+
+
+register("engine_failure_notes", Patch(
+    "DeepSpeedEngine.forward / backward / step (the instance's, wrapped)",
+    "the three being methods of the engine, and global_steps counting the finished steps",
+    "an error raised inside one rank's step (a collective that timed out, an out-of-memory) names neither the rank "
+    "nor the step, and every rank logs its own",
+    "DeepSpeed adding the rank and the training step to errors raised in its engine (an exception note)"))
+
+
+register("atomic_checkpoints", Patch(
+    "DeepSpeedEngine.save_checkpoint / load_checkpoint (the instance's, replaced) and a new wait_for_checkpoint",
+    "save_checkpoint taking (save_dir, tag, client_state, save_latest) and moving latest only when save_latest, "
+    "load_checkpoint taking (load_dir, tag), and no wait_for_checkpoint of DeepSpeed's own",
+    "DeepSpeed moves latest as soon as its own files are written, with no record of what a complete checkpoint "
+    "holds: a crash during a save, or a damaged file, is found only when a load fails (or loads garbage)",
+    "DeepSpeed writing a manifest last and moving latest after it, and verifying the files before it loads"))
+
+
+register("async_save_state", Patch(
+    "DeepSpeedEngine's private per-rank checkpoint builders (_create_checkpoint_file, _save_checkpoint, "
+    "_create_zero_checkpoint_files, _save_zero_checkpoint, _optimizer_has_ckpt_event_prologue, called), its "
+    "checkpoint_engine (swapped while a save builds its state) and module_state_dict (the instance's, while they run)",
+    "the builders taking (save_dir, tag, zero_checkpoint), (save_dir, tag, client_state, exclude_frozen_parameters), "
+    "(save_dir, tag), (save_path, tag) and () and writing through checkpoint_engine.save(state_dict, path), "
+    "module_state_dict taking keep_vars; where a builder is missing or takes other parameters, DeepSpeed's whole "
+    "save_checkpoint runs instead (the same files, a longer pause)",
+    "an asynchronous save must pause the step only while each rank copies its state: DeepSpeed's save_checkpoint "
+    "adds two barriers, a tag check (two all-reduces) and, under ZeRO-3, a re-partitioning and re-gathering of "
+    "every persistent parameter around its builders",
+    "a DeepSpeed save that snapshots each rank's state on the training thread and leaves the collectives and the "
+    "writes to its decoupled checkpoint engine"))
 
 
 TRAINER_ROUTE: contextvars.ContextVar[bool] = contextvars.ContextVar("ds_usp_trainer_route", default=False)
@@ -118,7 +162,8 @@ def quiet_deepspeed_deprecations() -> None:
     these two messages are filtered (a filter, not a patch: nothing is changed if they stop being raised).
     """
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated",
+                                category=FutureWarning)
 
 
 
@@ -185,3 +230,142 @@ def unlink_shm_buffer() -> None:
         os.unlink(os.path.join("/dev/shm", name))
     except OSError:  # none (a GPU run, another platform, or already gone)
         pass
+
+
+def attach_state(engine: Any, state: Any) -> None:
+    """``engine.usp = state``: what ``ds_usp.initialize`` built, on the engine it returns.
+
+    Raises:
+        UpstreamChanged: the engine has a ``usp`` of DeepSpeed's own.
+    """
+    if hasattr(type(engine), "usp"):
+        refuse("engine_state", f"{type(engine).__name__} has an attribute usp of its own")
+    engine.usp = state
+
+
+def note_failures(engine: Any, rank: int) -> None:
+    """Add the rank, the engine method and the training step to any error raised by ``engine.forward``,
+    ``engine.backward`` or ``engine.step``.
+
+    Args:
+        engine: the engine.
+        rank: this process's global rank.
+
+    Raises:
+        UpstreamChanged: one of them is not a method of the engine, or it keeps no ``global_steps``.
+    """
+    if not isinstance(getattr(engine, "global_steps", None), int):
+        refuse("engine_failure_notes", f"{type(engine).__name__} keeps no global_steps")
+    for name in ("forward", "backward", "step"):
+        method = getattr(engine, name, None)
+        if not callable(method):
+            refuse("engine_failure_notes", f"{type(engine).__name__} has no method {name}")
+
+        @functools.wraps(method)
+        def noted(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+            try:
+                return _method(*args, **kwargs)
+            except Exception as e:
+                e.add_note(f"ds_usp: raised on rank {rank} in engine.{_name}() during training step "
+                           f"{engine.global_steps + 1}")
+                raise
+
+        setattr(engine, name, noted)
+
+
+def replace_checkpointing(engine: Any, checkpoints: Any) -> None:
+    """Make ``engine.save_checkpoint``, ``engine.load_checkpoint`` and ``engine.wait_for_checkpoint`` those of
+    ``checkpoints`` (:class:`ds_usp.integration.engine.checkpoints.AtomicCheckpoints`, which holds DeepSpeed's own).
+
+    Raises:
+        UpstreamChanged: DeepSpeed's methods take other parameters, or the engine has a ``wait_for_checkpoint``.
+    """
+    require_parameters("atomic_checkpoints", getattr(engine, "save_checkpoint", None),
+                       ("save_dir", "tag", "client_state", "save_latest"))
+    require_parameters("atomic_checkpoints", getattr(engine, "load_checkpoint", None), ("load_dir", "tag"))
+    if hasattr(type(engine), "wait_for_checkpoint"):
+        refuse("atomic_checkpoints", f"{type(engine).__name__} has a wait_for_checkpoint of its own")
+    engine.save_checkpoint = checkpoints.save_checkpoint
+    engine.load_checkpoint = checkpoints.load_checkpoint
+    engine.wait_for_checkpoint = checkpoints.wait_for_checkpoint
+
+
+@contextlib.contextmanager
+def checkpoint_engine_as(engine: Any, make: Callable[[Any], Any]) -> Iterator[Any]:
+    """While the block runs, the engine's saves write through ``make(its checkpoint engine)`` instead.
+
+    Yields:
+        The checkpoint engine ``make`` returned.
+
+    Raises:
+        UpstreamChanged: the engine has no checkpoint engine with ``save(state_dict, path)``.
+    """
+    inner = getattr(engine, "checkpoint_engine", None)
+    require_parameters("async_save_state", getattr(inner, "save", None), ("state_dict", "path"))
+    engine.checkpoint_engine = writer = make(inner)
+    try:
+        yield writer
+    finally:
+        engine.checkpoint_engine = inner
+
+
+_BUILDERS = {"_create_checkpoint_file": ("save_dir", "tag", "zero_checkpoint"),
+             "_save_checkpoint": ("save_dir", "tag", "client_state", "exclude_frozen_parameters"),
+             "_create_zero_checkpoint_files": ("save_dir", "tag"), "_save_zero_checkpoint": ("save_path", "tag"),
+             "_optimizer_has_ckpt_event_prologue": (), "module_state_dict": ("keep_vars",)}
+
+
+def state_only_save(engine: Any, save_dir: str, tag: str, client_state: dict, **kwargs: Any) -> bool:
+    """DeepSpeed's ``save_checkpoint`` without its collectives: the same files from the same per-rank builders
+    (``_save_checkpoint``, ``_save_zero_checkpoint``), for a caller that has checked the tag across ranks itself.
+
+    What DeepSpeed's save adds around them is collective: two barriers, the tag check (two all-reduces) and, under
+    ZeRO-3, a prologue that partitions every parameter and an epilogue that all-gathers the persistent ones again.
+    The prologue only shapes the model-states file (a partitioned parameter is saved as an empty tensor), so the
+    module's state dict is given that form directly (:func:`_as_partitioned`) and the live parameters are left alone.
+
+    Returns:
+        False (nothing done) where the engine is one this does not cover (MoE layers, NVMe-offloaded optimizer
+        state, pipeline modules, an optimizer with a checkpoint prologue other than ZeRO-3's, a DeepSpeed whose
+        builders are missing or take other parameters): the caller runs DeepSpeed's whole save instead.
+    """
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    builders = {name: getattr(engine, name, None) for name in _BUILDERS}
+    if (not all(callable(fn) and not lacking_parameters(fn, _BUILDERS[name]) for name, fn in builders.items())
+            or set(kwargs) - {"exclude_frozen_parameters"}
+            or getattr(engine, "has_moe_layers", True) or engine.zero_nvme_offload_optimizer()
+            or type(engine.module).__name__ == "PipelineModule"
+            or (builders["_optimizer_has_ckpt_event_prologue"]()
+                and not isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3))):
+        return False
+    builders["_create_checkpoint_file"](save_dir, tag, False)  # the tag's folder, through the checkpoint engine
+    with _as_partitioned(engine):
+        builders["_save_checkpoint"](save_dir, tag, client_state=client_state, **kwargs)
+    if engine.save_zero_checkpoint:
+        builders["_create_zero_checkpoint_files"](save_dir, tag)
+        builders["_save_zero_checkpoint"](save_dir, tag)
+    return True
+
+
+@contextlib.contextmanager
+def _as_partitioned(engine: Any) -> Iterator[None]:
+    """While it lasts, ``engine.module_state_dict`` gives every ZeRO-3 parameter as DeepSpeed's save would after its
+    prologue has partitioned it: an empty tensor of the parameter's dtype (``free_param``'s form). Other engines'
+    state dicts are unchanged."""
+    whole = engine.module_state_dict
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> Any:
+        kwargs["keep_vars"] = True
+        state = whole(*args, **kwargs)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = (torch.empty(0, dtype=value.dtype, device=value.device) if hasattr(value, "ds_id")
+                              else value.detach())
+        return state
+
+    engine.module_state_dict = module_state_dict
+    try:
+        yield
+    finally:
+        del engine.module_state_dict  # the class's method again
