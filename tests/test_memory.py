@@ -298,7 +298,7 @@ def test_auto_plan_follows_the_tokens_per_rank():
     from ds_usp.integration.step.choices import MemoryContext, MemorySettings
 
     def plan(tokens: int, **settings):
-        ctx = MemoryContext(settings=MemorySettings(**settings), topo=None, layout="zigzag", hidden=256,
+        ctx = MemoryContext(settings=MemorySettings(**settings), fallback_topo=None, layout="zigzag", hidden=256,
                             intermediate=896, vocab=32000, layers=4, zero3=False)
         return ctx.make_choices(tokens, torch.device("cpu"), torch.float32)
 

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ds_usp.comm import all_reduce_max_int
 from ds_usp.cost import loss_chunk_rows
 from ds_usp.topology import USPTopology
 
@@ -67,17 +68,37 @@ class StepChoices:
 
 @dataclass
 class MemoryContext:
-    """What the wrapped model shares between its top-level forward and its layers."""
+    """What the wrapped model shares between its top-level forward and its layers.
+
+    The topology is the model's current call's (:attr:`topo`: under dynamic SP the degree the batch runs at);
+    :attr:`choices` are the features of the current forward call, set by :meth:`choose` when a call starts and by
+    :meth:`use` when a checkpointed layer is recomputed with the choices of the call that ran it.
+    """
 
     settings: MemorySettings
-    topo: USPTopology
+    fallback_topo: Optional[USPTopology]
     layout: str
     hidden: int
     intermediate: int
     vocab: int
     layers: int
     zero3: bool
+    usp: Any = None  # the model's USPContext (ds_usp.integration.models.attention), whose call state gives the topology
     choices: Optional[StepChoices] = field(default=None)
+
+    @property
+    def topo(self) -> Optional[USPTopology]:
+        """The topology of the model's current call."""
+        return self.usp.topo if self.usp is not None else self.fallback_topo
+
+    def use(self, choices: StepChoices) -> None:
+        """Run with ``choices`` (a recomputation: those of the call that ran the layer)."""
+        self.choices = choices
+
+    def choose(self, tokens: int, device: torch.device, dtype: torch.dtype) -> StepChoices:
+        """Decide and use the features of a forward call over ``tokens`` tokens per rank (:meth:`make_choices`)."""
+        self.choices = self.make_choices(tokens, device, dtype)
+        return self.choices
 
     def make_choices(self, tokens: int, device: torch.device, dtype: torch.dtype) -> StepChoices:
         """Decide the features for a forward call over ``tokens`` tokens per rank.
@@ -91,9 +112,8 @@ class MemoryContext:
             The choices.
         """
         if self.zero3 and dist.get_world_size() > 1:  # tile counts decide how often ZeRO-3 gathers: agree on them
-            t = torch.tensor([tokens], device=_group_device(device))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.topo.sp_dp_group)
-            tokens = int(t)
+            tokens = all_reduce_max_int(tokens, self.topo.sp_dp_group, "the tokens per rank of a step",
+                                        _group_device(device))
         s, tile = self.settings, self.settings.tile_mib * MIB
         elem = torch.empty(0, dtype=dtype).element_size()
         logits_bytes = tokens * self.vocab * 4

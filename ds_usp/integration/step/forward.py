@@ -1,19 +1,19 @@
-"""The memory stack of a long-sequence step, applied to an HF causal LM from outside (:func:`apply`).
+"""The training step of an HF causal LM under sequence parallelism, applied to the model from outside (:func:`apply`).
 
 ``ds_usp.initialize`` calls :func:`apply`, which wraps the model the way torchtitan applies parallelisms: the
-attention layers know nothing about it. Each concern lives in its own module:
+attention layers know nothing about it. The model's forward becomes :class:`CausalLMStep`, whose paths are its
+methods: a call without labels (the model's own forward), the SP loss (:meth:`CausalLMStep.loss`), TRL's fused LM head
+(:meth:`CausalLMStep.fused`) and a VLM's body (:meth:`CausalLMStep.multimodal`). Each memory feature lives in its own
+module:
 
 * :mod:`.loss`: the SP loss through ``lm_head`` in chunks (``usp.chunked_loss``): ``model(input_ids=...,
   shift_labels=...)`` (or ``labels=``) returns ``out.loss`` without ever holding the whole logits; it is the
   token-weighted mean over the SP group's whole sequence, the same on every rank, each rank's gradient its
   exact share. ``out.logits`` is None unless ``return_logits=True``.
 * :mod:`.tiling`: every decoder layer's MLP over sequence tiles, recomputed per tile (``usp.tiled_mlp``).
-* :mod:`.checkpointing`: per-layer activation checkpointing, selective or full, and the offload of the kept
-  layer inputs (``usp.activation_checkpointing``, ``usp.offload_activations``).
-* :mod:`.step_choices`: the settings and the per-call :class:`~ds_usp.integration.step.choices.StepChoices` ("auto"
-  features turn on when the tokens a rank holds need them).
-
-This module only patches the model: its forward (the loss), its layers (checkpointing) and their MLPs (tiling).
+* :mod:`.recompute`: per-layer activation checkpointing, selective or full, and the offload of the kept layer inputs
+  (``usp.activation_checkpointing``, ``usp.offload_activations``).
+* :mod:`.choices`: the settings and the per-call :class:`~ds_usp.integration.step.choices.StepChoices`.
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_usp.integration.data.batch import IGNORE_INDEX, MULTIMODAL_KEY, VISUAL_KEYS, docs_from_cu_seq_lens
+from ds_usp.integration.data.batch import IGNORE_INDEX, MULTIMODAL_KEY, VISUAL_KEYS, packed_documents
 from ds_usp.integration.data.batch import shift_labels as shift_sequence_labels
+from ds_usp.integration.models.attention import context_of
 from ds_usp.integration.models.multimodal import body_and_language_model, sharded_language_model
 from ds_usp.integration.step.choices import MemoryContext, MemorySettings
 from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, fused_forward
@@ -34,7 +35,9 @@ from ds_usp.integration.step.loss import LogitsTail, chunked_lm_loss, load_balan
 from ds_usp.integration.step.recompute import checkpointed_layer_forward
 from ds_usp.integration.step.tail import RouterAux, find_logits_tail, find_router_aux
 from ds_usp.integration.step.tiling import tile_bounds, tiled_mlp
+from ds_usp.integration.upstream.torch import replace_forward
 from ds_usp.log import log_rank0
+from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import USPTopology
 
 # attribute names of a decoder layer's feed-forward block: dense MLPs and MoE blocks (Mixtral, Qwen3-MoE, GPT-OSS,
@@ -56,7 +59,7 @@ def feed_forward_blocks(layer: nn.Module) -> list[nn.Module]:
 
 @dataclass
 class ModelTail:
-    """What the wrapped forward of a causal LM computes after its decoder, found from the model (model_tail.py).
+    """What the wrapped forward of a causal LM computes after its decoder, found from the model (tail.py).
 
     Attributes:
         name: the model's class, named in errors.
@@ -87,9 +90,11 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
     """Wrap an HF causal LM with the SP loss and the memory features, from outside.
 
     Args:
-        model: the model (``get_decoder()`` with ``.layers``, ``get_output_embeddings()``, ``config``).
+        model: the model (``get_decoder()`` with ``.layers``, ``get_output_embeddings()``, ``config``), given its
+            :class:`~ds_usp.integration.models.attention.USPContext` first (its current call's degree is the one the
+            loss runs at).
         settings: the ``usp`` memory keys.
-        topo: the topology.
+        topo: the topology (used when the model has no USP context).
         layout: the sequence layout (for ``labels=``, which are shifted over the whole sequence).
         zero3: ZeRO-3 is on (tile counts are then agreed over the ranks).
 
@@ -123,23 +128,24 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
     if tail.logits is None:
         log_rank0(f"{tail.name} transforms its logits after lm_head in a way ds-usp does not reproduce: its SP loss "
                   f"(labels= / shift_labels=) is refused; compute it from the logits with ds_usp.sp_cross_entropy")
-    ctx = MemoryContext(settings=settings, topo=topo, layout=layout, hidden=cfg.hidden_size,
+    ctx = MemoryContext(settings=settings, fallback_topo=topo, layout=layout, hidden=cfg.hidden_size,
                         intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), vocab=head.weight.shape[0]
                         if head.weight.dim() == 2 and head.weight.numel() else cfg.vocab_size,
-                        layers=len(layers), zero3=zero3)
+                        layers=len(layers), zero3=zero3, usp=context_of(model))
     hf_checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
     if hf_checkpointing is None:
         hf_checkpointing = getattr(model, "is_gradient_checkpointing", False)
     if hf_checkpointing and settings.activation_checkpointing is not False:
         model.gradient_checkpointing_disable()  # ours keeps the attention's result; two nested would recompute twice
         log_rank0("HF gradient checkpointing is replaced by usp.activation_checkpointing (set it to false to keep HF's)")
-    model.forward = _causal_lm_forward(model, model.forward, decoder, head, ctx, tail)
+    replace_forward(model, functools.wraps(model.forward)(CausalLMStep(model, model.forward, decoder, head, ctx,
+                                                                       tail)))
     for layer in layers:
         for block in feed_forward_blocks(layer):
-            block.forward = _tiled_mlp_forward(block.forward, tuple(block.parameters()), ctx)
+            replace_forward(block, _tiled_mlp_forward(block.forward, tuple(block.parameters()), ctx))
             if zero3 and settings.tiled_mlp is not False and not _has_experts(block):
                 _gather_once_per_call(block)
-        layer.forward = checkpointed_layer_forward(layer.forward, ctx)
+        replace_forward(layer, checkpointed_layer_forward(layer.forward, ctx))
     return ctx
 
 
@@ -167,27 +173,103 @@ def _tiled_mlp_forward(original: Callable[[Tensor], Tensor], params: tuple, ctx:
     return forward
 
 
-def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module, head: nn.Module,
-                       ctx: MemoryContext, tail: ModelTail) -> Callable:
-    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+class CausalLMStep:
+    """The forward of an HF causal LM under sequence parallelism (what :func:`apply` makes ``model.forward``).
 
-    from ds_usp.sharding import gather_sequence, shard_sequence
+    Args:
+        model: the causal LM.
+        original: its own forward.
+        decoder: the module holding its decoder layers (:func:`decoder_of`).
+        head: its ``lm_head``.
+        ctx: the memory context its layers share.
+        tail: what it computes after the decoder.
+    """
 
-    def router_loss(out: Any, attention_mask: Optional[Tensor], rows: int, length: int) -> Tensor:
+    def __init__(self, model: nn.Module, original: Callable, decoder: nn.Module, head: nn.Module,
+                 ctx: MemoryContext, tail: ModelTail) -> None:
+        self.model, self.original, self.decoder, self.head, self.ctx, self.tail = (model, original, decoder, head,
+                                                                                   ctx, tail)
+
+    def __call__(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                 position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
+                 shift_labels: Optional[Tensor] = None, return_logits: bool = False,
+                 num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
+                 **kwargs: Any) -> Any:
+        """The model's call: without labels its own forward; with them the SP loss; with ``fused_lm_head=True``
+        TRL's per-token log-probs of the whole batch."""
+        multimodal = kwargs.pop(MULTIMODAL_KEY, None)
+        if multimodal is not None and labels is None and shift_labels is None:
+            raise ValueError("a multimodal shard is trained with its shift_labels (ds_usp.shard_batch gives them)")
+        routed = self._routed(output_router_logits)
+        if self.tail.router is not None:
+            kwargs["output_router_logits"] = routed
+        if kwargs.pop("fused_lm_head", False):  # TRL's fused LM head (GRPO, RLOO, DPO): the whole batch on every rank
+            return self.fused(input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
+                              routed, kwargs)
+        ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        self._choose(ref.shape[0] * ref.shape[1], ref.device)
+        if labels is None and shift_labels is None:
+            out = self.original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                **kwargs)
+            if routed and getattr(out, "router_logits", None):
+                out["aux_loss"] = self._router_loss(out, attention_mask, *ref.shape[:2])  # the group's, not the shard's
+            return out
+        return self.loss(input_ids, attention_mask, position_ids, labels, shift_labels, return_logits,
+                         num_items_in_batch, routed, multimodal, kwargs)
+
+    # ---- the paths ---------------------------------------------------------------------------------------------
+    def loss(self, input_ids: Optional[Tensor], attention_mask: Optional[Tensor], position_ids: Optional[Tensor],
+             labels: Optional[Tensor], shift_labels: Optional[Tensor], return_logits: bool,
+             num_items_in_batch: Optional[Tensor], routed: bool, multimodal: Optional[dict], kwargs: dict) -> Any:
+        """The SP loss of this rank's shard (the token-weighted mean over the group's whole sequence)."""
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+        ctx, tail = self.ctx, self.tail
+        if tail.logits is None:
+            raise ValueError(f"{tail.name} transforms its logits after lm_head in a way ds-usp's SP loss does not "
+                             f"reproduce (see docs/models.md): call it without labels / shift_labels and compute the "
+                             f"loss from out.logits with ds_usp.sp_cross_entropy")
+        kwargs.setdefault("use_cache", False)  # a loss is wanted: no KV cache (HF builds one when config.use_cache)
+        if multimodal is not None:  # a VLM: its body on the whole sequence, its language model on the shard
+            out = self.multimodal(multimodal, kwargs)
+        else:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               **kwargs)
+        hidden = out[0]  # (b, s_local, H)
+        if shift_labels is None:  # labels of this rank's shard: shift them over the whole sequence
+            seq, docs = packed_documents(kwargs.get("cu_seq_lens_q"), labels.shape[0])
+            full = gather_sequence(labels, ctx.topo, dim=1, layout=ctx.layout, seq_len=seq, doc_lens=docs)  # (b, S)
+            shift_labels = shard_sequence(shift_sequence_labels(full, docs), ctx.topo, dim=1, layout=ctx.layout,
+                                          pad_value=IGNORE_INDEX, doc_lens=docs)
         choices = ctx.choices
-        tiles = tile_bounds(length, choices.mlp_tiles) if choices is not None and choices.mlp_tiles else None
-        valid = None if attention_mask is None else attention_mask.reshape(-1) != 0
-        return load_balancing_loss(tuple(out.router_logits), tail.router.num_experts, tail.router.top_k, valid,
-                                   ctx.topo, tiles, rows)
+        logits = tail.logits.apply(self.head(hidden)) if return_logits or not choices.loss_chunk else None
+        if choices.loss_chunk:
+            loss = chunked_lm_loss(hidden, self.head, shift_labels, ctx.topo, choices.loss_chunk,
+                                   choices.loss_grad_in_forward, num_items_in_batch, tail.logits)
+        else:  # the whole logits, plain autograd: (b, s, V) -> (b*s, V)
+            loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = sp_loss(loss_sum, shift_labels, ctx.topo, num_items_in_batch)
+            logits = logits if return_logits else None
+        aux = None
+        if routed:
+            aux = self._router_loss(out, attention_mask, *hidden.shape[:2])
+            loss = loss + tail.router.coef * aux
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits,
+                                         past_key_values=getattr(out, "past_key_values", None),
+                                         hidden_states=getattr(out, "hidden_states", None),
+                                         attentions=getattr(out, "attentions", None),
+                                         router_logits=getattr(out, "router_logits", None))
 
-    def fused(input_ids: Optional[Tensor], attention_mask: Optional[Tensor], position_ids: Optional[Tensor],
+    def fused(self, input_ids: Optional[Tensor], attention_mask: Optional[Tensor], position_ids: Optional[Tensor],
               labels: Optional[Tensor], shift_labels: Optional[Tensor], num_items_in_batch: Optional[Tensor],
-              output_router_logits: Optional[bool], kwargs: dict) -> Any:
+              routed: bool, kwargs: dict) -> Any:
+        """TRL's ``fused_lm_head=True`` call: the whole batch on every rank of the group, each running its shard
+        (:func:`ds_usp.integration.step.logprobs.fused_forward`)."""
         from trl.trainer.utils import FusedCausalLMOutput
 
-        from ds_usp.integration.models.attention import context_of
-
-        settings = getattr(model, FUSED_HEAD_ATTR, None)
+        tail = self.tail
+        settings = getattr(self.model, FUSED_HEAD_ATTR, None)
         if settings is None:
             raise ValueError(f"{tail.name} is called with fused_lm_head=True (TRL's fused LM head) under sequence "
                              f"parallelism, but its temperature is unknown to ds-usp: train with ds_usp.USPGRPOTrainer, "
@@ -199,108 +281,61 @@ def _causal_lm_forward(model: nn.Module, original: Callable, decoder: nn.Module,
         if visual:  # the decoder below is the text model: it would drop them without a word
             raise ValueError(f"{tail.name} is given {', '.join(visual)} with fused_lm_head=True: RL and preference "
                              f"training of vision-language models is not supported under sequence parallelism yet")
-        routed = bool(output_router_logits if output_router_logits is not None else
-                      (tail.router is not None and tail.router.default_on))
-        if routed and tail.router is None:
-            raise ValueError(f"output_router_logits: {tail.router_problem or 'no router loss ds-usp knows'}")
         aux = []
 
         def run_decoder(shard: dict, real: Tensor) -> Tensor:
             ids = shard["input_ids"]
-            ctx.choices = ctx.make_choices(ids.numel(), ids.device, head.weight.dtype if head.weight.is_floating_point()
-                                           else torch.float32)
-            context_of(model).cu_seq_lens = shard["cu_seq_lens_q"]  # for layers that do not pass the documents on
+            self._choose(ids.numel(), ids.device)
+            usp = context_of(self.model)
+            if usp is not None:
+                usp.set_documents(shard["cu_seq_lens_q"])  # for layers that do not pass the documents on
             inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
-            if tail.router is not None:
-                kwargs["output_router_logits"] = routed
-            out = decoder(**inputs, **{**kwargs, "use_cache": False})
+            out = self.decoder(**inputs, **{**kwargs, "use_cache": False})
             if routed:
-                aux.append(router_loss(out, real, *ids.shape))
+                aux.append(self._router_loss(out, real, *ids.shape))
             return out[0]
 
-        fields = fused_forward(run_decoder, head, tail.logits, ctx.topo, ctx.layout, settings, input_ids,
-                               attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
-                               chunk=lambda tokens: ctx.choices.loss_chunk or tokens)
+        fields = fused_forward(run_decoder, self.head, tail.logits, self.ctx.topo, self.ctx.layout, settings,
+                               input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
+                               chunk=lambda tokens: self.ctx.choices.loss_chunk or tokens)
         if aux:
             fields["loss"] = fields["loss"] + tail.router.coef * aux[0]
         return FusedCausalLMOutput(**fields, aux_loss=aux[0] if aux else None)
 
-    def multimodal_call(multimodal: dict, kwargs: dict) -> Any:
-        body, language = body_and_language_model(model)
+    def multimodal(self, multimodal: dict, kwargs: dict) -> Any:
+        """A VLM's body on the whole sequence (its visual inputs resolved there), its language model on the shard."""
+        body, language = body_and_language_model(self.model)
         if body is None:
-            raise ValueError(f"{tail.name} is given visual inputs, but ds-usp finds no VLM body with a language_model "
-                             f"in it (docs/models.md lists the vision-language families)")
+            raise ValueError(f"{self.tail.name} is given visual inputs, but ds-usp finds no VLM body with a "
+                             f"language_model in it (docs/models.md lists the vision-language families)")
         inputs = dict(multimodal)
         documents = {"docs": inputs.pop("docs"), **{k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k",
                                                                              "max_length_q", "max_length_k")}}
-        with sharded_language_model(language, ctx.topo, ctx.layout, documents):
+        with sharded_language_model(language, self.ctx.topo, self.ctx.layout, documents):
             return body(**inputs, use_cache=False)
 
-    @functools.wraps(original)
-    def forward(input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
-                position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
-                shift_labels: Optional[Tensor] = None, return_logits: bool = False,
-                num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
-                **kwargs: Any) -> Any:
-        from ds_usp.integration.models.attention import context_of
+    # ---- shared pieces -------------------------------------------------------------------------------------------
+    def _choose(self, tokens: int, device: torch.device) -> None:
+        """The memory features of this call, from the tokens this rank holds."""
+        weight = self.head.weight
+        self.ctx.choose(tokens, device, weight.dtype if weight.is_floating_point() else torch.float32)
 
-        usp = context_of(model)
-        if usp is not None:  # dynamic SP: the degree this call runs at (set from the batch by the model's pre-hook)
-            ctx.topo = usp.topo
-        multimodal = kwargs.pop(MULTIMODAL_KEY, None)
-        if multimodal is not None and labels is None and shift_labels is None:
-            raise ValueError("a multimodal shard is trained with its shift_labels (ds_usp.shard_batch gives them)")
-        if kwargs.pop("fused_lm_head", False):  # TRL's fused LM head (GRPO, RLOO, DPO): the whole batch on every rank
-            return fused(input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
-                         output_router_logits, kwargs)
-        ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        ctx.choices = ctx.make_choices(ref.shape[0] * ref.shape[1], ref.device,
-                                 head.weight.dtype if head.weight.is_floating_point() else torch.float32)
+    def _routed(self, output_router_logits: Optional[bool]) -> bool:
+        """Whether the call adds the MoE router loss (refused by name when the family's cannot be computed)."""
+        router = self.tail.router
         routed = bool(output_router_logits if output_router_logits is not None else
-                      (tail.router is not None and tail.router.default_on))
-        if routed and tail.router is None and tail.router_problem:
-            raise ValueError(f"output_router_logits: {tail.router_problem}; set output_router_logits=False")
-        if tail.router is not None:
-            kwargs["output_router_logits"] = routed
-        if labels is None and shift_labels is None:
-            out = original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-            if routed and tail.router is not None and getattr(out, "router_logits", None):
-                out.aux_loss = router_loss(out, attention_mask, *ref.shape[:2])  # the whole group's, not the shard's
-            return out
-        if tail.logits is None:
-            raise ValueError(f"{tail.name} transforms its logits after lm_head in a way ds-usp's SP loss does not "
-                             f"reproduce (see docs/models.md): call it without labels / shift_labels and compute the "
-                             f"loss from out.logits with ds_usp.sp_cross_entropy")
-        kwargs.setdefault("use_cache", False)  # a loss is wanted: no KV cache (HF builds one when config.use_cache)
-        if multimodal is not None:  # a VLM: its body on the whole sequence, its language model on the shard
-            out = multimodal_call(multimodal, kwargs)
-        else:
-            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        hidden = out[0]  # (b, s_local, H)
-        if shift_labels is None:  # labels of this rank's shard: shift them over the whole sequence
-            cu = kwargs.get("cu_seq_lens_q")
-            seq, docs = docs_from_cu_seq_lens(cu, labels.shape[0]) if cu is not None else (None, None)
-            topo, layout = ctx.topo, ctx.layout
-            full = gather_sequence(labels, topo, dim=1, layout=layout, seq_len=seq, doc_lens=docs)  # (b, S)
-            shift_labels = shard_sequence(shift_sequence_labels(full, docs), topo, dim=1, layout=layout,
-                                          pad_value=IGNORE_INDEX, doc_lens=docs)
-        choices = ctx.choices
-        logits = tail.logits.apply(head(hidden)) if return_logits or not choices.loss_chunk else None
-        if choices.loss_chunk:
-            loss = chunked_lm_loss(hidden, head, shift_labels, ctx.topo, choices.loss_chunk, choices.loss_grad_in_forward,
-                                   num_items_in_batch, tail.logits)
-        else:  # the whole logits, plain autograd: (b, s, V) -> (b*s, V)
-            loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
-            loss = sp_loss(loss_sum, shift_labels, ctx.topo, num_items_in_batch)
-            logits = logits if return_logits else None
-        aux = None
-        if routed and tail.router is not None:
-            aux = router_loss(out, attention_mask, *ref.shape[:2])
-            loss = loss + tail.router.coef * aux
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits,
-                                         past_key_values=getattr(out, "past_key_values", None),
-                                         hidden_states=getattr(out, "hidden_states", None),
-                                         attentions=getattr(out, "attentions", None),
-                                         router_logits=getattr(out, "router_logits", None))
-    return forward
+                      (router is not None and router.default_on))
+        if routed and router is None:  # a dense model has none to add; an MoE family whose loss ds-usp cannot compute
+            if self.tail.router_problem:
+                raise ValueError(f"output_router_logits: {self.tail.router_problem}; set output_router_logits=False")
+            return False
+        return routed
+
+    def _router_loss(self, out: Any, attention_mask: Optional[Tensor], rows: int, length: int) -> Tensor:
+        """The MoE load-balancing loss over the SP group's whole sequence."""
+        choices, router = self.ctx.choices, self.tail.router
+        tiles = tile_bounds(length, choices.mlp_tiles) if choices is not None and choices.mlp_tiles else None
+        valid = None if attention_mask is None else attention_mask.reshape(-1) != 0
+        return load_balancing_loss(tuple(out.router_logits), router.num_experts, router.top_k, valid, self.ctx.topo,
+                                   tiles, rows)
+

@@ -100,7 +100,7 @@ def checkpointed_layer_forward(original: Callable, ctx: MemoryContext) -> Callab
         first = [hidden_states]
 
         def run(hidden: Tensor, *rest: Any, **kw: Any) -> Any:  # also the recomputation: the same choices
-            ctx.choices = choices
+            ctx.use(choices)
             if device.type == "cpu":
                 trim_host_heap()
             # the forward runs on the input it was given; only the recomputation reads the (offloaded) stored copy,

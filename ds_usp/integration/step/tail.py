@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ds_usp.integration.step.loss import LogitsTail, gathered, load_balancing_loss
+from ds_usp.integration.upstream.torch import replace_forward, restore_forward
 
 # ----------------------------------------------------------------------------------- the logits tail
 
@@ -75,14 +76,14 @@ def find_logits_tail(model: nn.Module, forward: Callable, decoder: nn.Module, he
             def stand_in(*args: Any, **kwargs: Any) -> Any:
                 return MoeModelOutputWithPast(last_hidden_state=h)  # a superset of the dense output
 
-            decoder.forward = stand_in
+            replace_forward(decoder, stand_in)
             try:
                 kwargs = {"output_router_logits": False} if "output_router_logits" in inspect.signature(
                     forward).parameters else {}
                 out = forward(input_ids=torch.zeros(1, 4, dtype=torch.long, device=h.device), use_cache=False,
                               **kwargs)
             finally:
-                del decoder.forward
+                restore_forward(decoder)
         logits = getattr(out, "logits", None)
     except Exception:  # noqa: BLE001 - a forward we cannot drive this way: the tail is unknown
         return None
