@@ -18,10 +18,11 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin
 
 import hjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
+                      field_validator)
 
 from ds_usp.log import log_info, log_warning
 
@@ -47,9 +48,10 @@ def _key(default: Any, valid: str, meaning: str, **constraints: Any) -> Any:
     return Field(default=default, description=meaning, json_schema_extra={"valid": valid}, **constraints)
 
 
-class _USPBlock(BaseModel):
+class USPSettings(BaseModel):
     """Schema of the optional ``"usp"`` block: the one source of every key's type, default, valid values and
-    meaning. Validation messages and the key table of docs/config.md (:func:`reference_table`) come from it."""
+    meaning. Validation messages, the key table of docs/config.md (:func:`reference_table`) and the attributes of
+    :class:`USPConfig` come from it; ``activation_checkpointing: true`` is read as ``"selective"``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -106,17 +108,36 @@ class _USPBlock(BaseModel):
         gt=0, allow_inf_nan=False)
 
 
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _true_is_selective(cls, value: Any) -> Any:
+        return "selective" if value is True else value
+
+
 def _valid(key: str) -> str:
-    return _USPBlock.model_fields[key].json_schema_extra["valid"]
+    return USPSettings.model_fields[key].json_schema_extra["valid"]
+
+
+_JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number"}
 
 
 def _type_name(key: str) -> str:
-    default = _USPBlock.model_fields[key].default
-    kinds = {"ulysses_degree": "integer", "ring_degree": "integer", "timeout_seconds": "number", "tile_mib": "number",
-             "native_op": "string or boolean", "chunked_loss": "string or boolean", "tiled_mlp": "string or boolean",
-             "activation_checkpointing": "string or boolean", "offload_activations": "string or boolean",
-             "dynamic_sp": "boolean", "async_save": "boolean"}
-    return kinds.get(key, "string" if isinstance(default, str) else type(default).__name__)
+    """The JSON type(s) a key takes, read from its annotation (``Literal`` values, strict numbers, ``Optional``)."""
+    names: list[str] = []
+
+    def walk(annotation: Any) -> None:
+        args = get_args(annotation)
+        if get_origin(annotation) is Literal:
+            for value in args:
+                walk(type(value))
+        elif args:  # Union / Optional / Annotated (pydantic's strict types)
+            for arg in args:
+                walk(arg)
+        elif annotation in _JSON_TYPES and _JSON_TYPES[annotation] not in names:
+            names.append(_JSON_TYPES[annotation])
+
+    walk(USPSettings.model_fields[key].annotation)
+    return "number" if names == ["integer", "number"] else " or ".join(names)
 
 
 _TOP_KEYS = (  # (key, type, default, valid values, meaning): the keys outside the "usp" block
@@ -136,7 +157,7 @@ def reference_table() -> str:
     """
     rows = ["| key | type | default | valid values | meaning |", "| --- | --- | --- | --- | --- |"]
     rows += [f"| `{k}` | {t} | {d} | {v} | {m} |" for k, t, d, v, m in _TOP_KEYS]
-    for key, info in _USPBlock.model_fields.items():
+    for key, info in USPSettings.model_fields.items():
         default = "chosen" if info.default is None else f"`{json.dumps(info.default)}`"
         rows.append(f"| `usp.{key}` | {_type_name(key)} | {default} | {_valid(key)} | {info.description} |")
     return "\n".join(rows)
@@ -144,7 +165,10 @@ def reference_table() -> str:
 
 @dataclass(frozen=True)
 class USPConfig:
-    """Validated sequence-parallel settings.
+    """Validated sequence-parallel settings: the layout over the ranks, and the ``"usp"`` keys.
+
+    Every ``"usp"`` key reads as an attribute (``cfg.layout``, ``cfg.chunked_loss``...) of :attr:`settings`, the
+    validated block with its defaults; the degrees are this config's own (resolved, never None).
 
     Attributes:
         mode: ``"usp"``, ``"ulysses"``, ``"ring"``, or ``None`` when sequence parallelism is off.
@@ -153,20 +177,8 @@ class USPConfig:
         ulysses_degree: ranks in one all-to-all (Ulysses) group.
         ring_degree: ranks in one K/V ring.
         data_parallel_size: ``world_size // sequence_parallel_size``.
-        layout: the sequence layout: ``"contiguous"``, ``"zigzag"`` (causal load balance) or ``"balanced"``.
-        attn_backend: local attention kernel choice.
-        native_op: ``"auto"``, ``True`` or ``False``.
-        comm_dtype: ``"input"`` or ``"fp8"`` (activations on the wire).
-        timeout_seconds: timeout of every collective on the USP process groups.
         degrees_chosen_automatically: True when the degrees were not given and were chosen here.
-        chunked_loss: ``"auto"``, True or False.
-        tiled_mlp: ``"auto"``, True or False.
-        activation_checkpointing: ``"auto"``, ``"selective"``, ``"full"`` or False.
-        offload_activations: ``"auto"``, True or False.
-        tile_mib: the tile budget in MiB.
-        vision_tower: ``"replicated"`` or ``"sharded"`` (a VLM's vision tower).
-        dynamic_sp: build the groups of every smaller SP degree too.
-        async_save: checkpoints written by a background thread.
+        settings: the ``"usp"`` block (:class:`USPSettings`).
     """
 
     mode: Optional[str]
@@ -175,20 +187,14 @@ class USPConfig:
     ulysses_degree: int
     ring_degree: int
     data_parallel_size: int
-    layout: str = "zigzag"
-    attn_backend: str = "auto"
-    native_op: Union[str, bool] = "auto"
-    comm_dtype: str = "input"
-    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     degrees_chosen_automatically: bool = False
-    chunked_loss: Union[str, bool] = "auto"
-    tiled_mlp: Union[str, bool] = "auto"
-    activation_checkpointing: Union[str, bool] = "auto"
-    offload_activations: Union[str, bool] = "auto"
-    tile_mib: float = 128.0
-    vision_tower: str = "replicated"
-    dynamic_sp: bool = False
-    async_save: bool = False
+    settings: USPSettings = USPSettings()
+
+    def __getattr__(self, name: str) -> Any:
+        """A ``"usp"`` key, from :attr:`settings`."""
+        if name != "settings" and name in USPSettings.model_fields:
+            return getattr(self.settings, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @property
     def enabled(self) -> bool:
@@ -233,7 +239,7 @@ def _explain(err: ValidationError, written: Mapping[str, str]) -> str:
         key = str(e["loc"][0])
         name = f"usp.{written[key]} (the old name of usp.{key})" if key in written else f"usp.{key}"
         if e["type"] == "extra_forbidden":
-            lines[key] = f"usp.{key} is not a known key; valid keys are: {', '.join(_USPBlock.model_fields)}"
+            lines[key] = f"usp.{key} is not a known key; valid keys are: {', '.join(USPSettings.model_fields)}"
         elif key == "layout" and e.get("input") == "basic":
             lines[key] = f"{name} ('basic') is the old name of 'contiguous': write \"layout\": \"contiguous\""
         else:
@@ -359,7 +365,7 @@ def process_group_timeout(ds_config: Mapping[str, Any]) -> Optional[float]:
         return None
     block = ds_config.get("usp", {})
     try:
-        return float(_USPBlock(**_renamed(block)).timeout_seconds) if isinstance(block, Mapping) else DEFAULT_TIMEOUT_SECONDS
+        return float(USPSettings(**_renamed(block)).timeout_seconds) if isinstance(block, Mapping) else DEFAULT_TIMEOUT_SECONDS
     except (ValidationError, TypeError, USPConfigError):
         return DEFAULT_TIMEOUT_SECONDS
 
@@ -419,7 +425,7 @@ def load_usp_config(
         raise USPConfigError(f"usp ({raw_block!r}) must be a JSON object")
     written = {new: old for old, new in OLD_KEYS.items() if old in raw_block}
     try:
-        block = _USPBlock(**_renamed(raw_block))
+        block = USPSettings(**_renamed(raw_block))
     except ValidationError as e:
         raise USPConfigError(_explain(e, written)) from None
 
@@ -471,11 +477,5 @@ def load_usp_config(
                              f"must be a multiple or a divisor of ulysses_degree")
 
     return USPConfig(mode=mode, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
-                     ring_degree=r, data_parallel_size=world_size // sp, layout=block.layout,
-                     attn_backend=block.attn_backend, native_op=block.native_op, comm_dtype=block.comm_dtype,
-                     timeout_seconds=float(block.timeout_seconds), degrees_chosen_automatically=chosen,
-                     chunked_loss=block.chunked_loss, tiled_mlp=block.tiled_mlp,
-                     activation_checkpointing="selective" if block.activation_checkpointing is True
-                     else block.activation_checkpointing, offload_activations=block.offload_activations,
-                     tile_mib=float(block.tile_mib), vision_tower=block.vision_tower,
-                     dynamic_sp=block.dynamic_sp, async_save=block.async_save)
+                     ring_degree=r, data_parallel_size=world_size // sp, degrees_chosen_automatically=chosen,
+                     settings=block)

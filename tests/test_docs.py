@@ -3,7 +3,7 @@
 * setup.py: the installed versions satisfy every requirement; the floors of the packages CI pins (torch, deepspeed,
   transformers, accelerate, trl) are the versions the dev extra pins, and the dev extra's exact pins are the installed
   versions, so a floor no CI run uses fails here; the README's and CI's ``pip install torch==...`` is the dev pin.
-* docs/config.md: every key of the schema (``ds_usp.config._USPBlock``) has a row in the key table and a section, no
+* docs/config.md: every key of the schema (``ds_usp.config.USPSettings``) has a row in the key table and a section, no
   key outside the schema is documented as one, the values listed for a key are its ``Literal`` values, and every
   context-free row of an "invalid value | error" table is the error ``load_usp_config`` raises for that value.
 """
@@ -20,7 +20,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from ds_usp.config import OLD_KEYS, SP_MODES, USPConfigError, _USPBlock, _valid, load_usp_config
+from ds_usp.config import OLD_KEYS, SP_MODES, USPConfigError, USPSettings, _valid, load_usp_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DOC = ROOT / "docs" / "config.md"
@@ -122,7 +122,7 @@ def _values(annotation: typing.Any) -> set | None:
     return None
 
 
-ENUMERABLE = {key: _values(info.annotation) for key, info in _USPBlock.model_fields.items()}
+ENUMERABLE = {key: _values(info.annotation) for key, info in USPSettings.model_fields.items()}
 ENUMERABLE = {key: values for key, values in ENUMERABLE.items() if values is not None}
 
 
@@ -148,7 +148,7 @@ def test_every_schema_key_is_documented_and_no_other():
     doc = CONFIG_DOC.read_text()
     table = set(re.findall(r"^\| `usp\.(\w+)` \|", doc, flags=re.M))
     headed = {key for heading, _ in _sections() for key in re.findall(r"`usp\.(\w+)`", heading)}
-    schema = set(_USPBlock.model_fields)
+    schema = set(USPSettings.model_fields)
     assert table == schema, f"key table vs schema: {sorted(table ^ schema)}"
     assert headed == schema, f"keys with a section vs schema: {sorted(headed ^ schema)}"
     # any other usp.<name> the doc mentions is an old name or documented as refused

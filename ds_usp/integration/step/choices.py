@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.comm import all_reduce_max_int
+from ds_usp.config import USPSettings
 from ds_usp.cost import loss_chunk_rows
 from ds_usp.topology import USPTopology
 
@@ -24,23 +25,7 @@ OFFLOAD_SHARE = 0.1  # "auto" offloads when the checkpointed hidden states would
 MLP_LIVE = 6  # tokens x intermediate tensors a tile's backward holds at once (gate, up, act, product, 2 grads)
 
 
-@dataclass(frozen=True)
-class MemorySettings:
-    """The ``usp`` memory keys (see docs/config.md).
-
-    Attributes:
-        chunked_loss: ``"auto"``, True or False.
-        tiled_mlp: ``"auto"``, True or False.
-        activation_checkpointing: ``"auto"``, ``"selective"``, ``"full"`` or False.
-        offload_activations: ``"auto"``, True or False.
-        tile_mib: the budget of one tile: a logits chunk in fp32, an MLP tile's intermediate.
-    """
-
-    chunked_loss: Any = "auto"
-    tiled_mlp: Any = "auto"
-    activation_checkpointing: Any = "auto"
-    offload_activations: Any = "auto"
-    tile_mib: float = 128.0
+MemorySettings = USPSettings  # the memory stack reads the "usp" keys of the same names
 
 
 @dataclass(frozen=True)
