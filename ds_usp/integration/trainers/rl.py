@@ -14,12 +14,12 @@ changes, in one place for the three trainers (:class:`USPRLMixin`); each TRL tra
   batch (prompts, completions, rewards, advantages) and refuses otherwise, naming what differs;
 * **log-probs at length**: TRL's fused LM head call ``model(..., labels=..., fused_lm_head=True)`` (policy, old policy,
   reference model) runs each rank on its shard of the sequence, through ``lm_head`` chunk by chunk with TRL's
-  temperature, and gathers the per-token results over the group (:func:`ds_usp.integration.step.logprobs.fused_forward`),
-  left-padded prompts and right-padded completions exact;
+  temperature, and gathers the per-token results over the group
+  (:func:`ds_usp.integration.step.logprobs.fused_forward`), left-padded prompts and right-padded completions exact;
 * **losses and metrics**: TRL's own code on those whole per-token tensors, identical on the ranks of a group, with
   accelerate's processes seen as the data-parallel replicas while it runs
-  (:func:`ds_usp.integration.upstream.accelerate.replicas_view`), so rewards, advantages, every ``loss_type`` normalisation and every
-  logged metric count each sample once; DeepSpeed sums the group's gradient shares.
+  (:func:`ds_usp.integration.upstream.accelerate.replicas_view`), so rewards, advantages, every ``loss_type``
+  normalisation and every logged metric count each sample once; DeepSpeed sums the group's gradient shares.
 
 Refused by name before any step: vLLM generation, paged generation, Liger kernels, ``compute_loss_func``, DPO's
 ``padding_free`` and ``precompute_ref_log_probs``, and hybrid (linear-attention / SSM) models.
@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from ds_usp.comm import all_gather_objects
+from ds_usp.comm import all_gather_objects, disagreements
+from ds_usp.integration.engine.preflight import installed_version
 from ds_usp.integration.models.attention import unsharded
 from ds_usp.integration.models.hybrid import is_wrapped_mixer
 from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, FusedHead
-from ds_usp.integration.trainers.trainer import USPTrainerBase, _installed, _sp_size
+from ds_usp.integration.trainers.trainer import USPTrainerBase
 from ds_usp.integration.upstream.accelerate import replicas_view
+from ds_usp.integration.upstream.trl import generation_batch_per_group, record_fused_head
 
 
 def _refusals(trainer_name: str, args: Any, kwargs: dict) -> list[str]:
@@ -62,6 +64,19 @@ def _refusals(trainer_name: str, args: Any, kwargs: dict) -> list[str]:
     return [f"{trainer_name}: {what} is not supported with \"sequence_parallel\"" for what in found]
 
 
+def _seeing_replicas(name: str, what: str) -> Callable[..., Any]:
+    """A method of :class:`USPRLMixin`: the trainer's own ``name``, run while accelerate's processes are the
+    data-parallel replicas (:meth:`USPRLMixin._replicas`)."""
+
+    def method(self: "USPRLMixin", *args: Any, **kwargs: Any) -> Any:
+        with self._replicas():
+            return getattr(super(USPRLMixin, self), name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"{what}, seeing the replicas as accelerate's processes."
+    return method
+
+
 class USPRLMixin(USPTrainerBase):
     """What turns TRL's GRPO / RLOO / DPO trainer into a USP one; see the module docstring."""
 
@@ -71,17 +86,14 @@ class USPRLMixin(USPTrainerBase):
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
         trl_args = bound.get("args")
         config = getattr(getattr(trl_args, "hf_deepspeed_config", None), "config", None) or {}
-        sp = _sp_size(config)
-        if config.get("sequence_parallel"):
+        usp_config = self._read_usp_config(config, trl_args.world_size if trl_args is not None else 1)
+        if usp_config.enabled:
             problems = _refusals(type(self).__name__, trl_args, bound)
             if problems:
                 raise ValueError("; ".join(problems))
-            if sp > 1 and getattr(trl_args, "generation_batch_size", None) and \
-                    not getattr(trl_args, "_ds_usp_per_group", False):
-                trl_args.generation_batch_size //= sp  # TRL counted every rank; a batch is per SP group
-                trl_args._ds_usp_per_group = True  # the same arguments given to a second trainer: not again
+            generation_batch_per_group(trl_args, usp_config.sequence_parallel_size)
         super().__init__(*args, **kwargs)
-        if not config.get("sequence_parallel"):
+        if not usp_config.enabled:
             return
         models = [m for m in (self.model, getattr(self, "ref_model", None)) if m is not None]
         for model in models:
@@ -93,8 +105,8 @@ class USPRLMixin(USPTrainerBase):
                                  f"(linear attention / state-space layers): generating with it while its layers are "
                                  f"sharded is not supported under \"sequence_parallel\"; train it with "
                                  f"ds_usp.USPSFTTrainer, or this trainer without sequence parallelism")
-            setattr(base, FUSED_HEAD_ATTR, FusedHead(float(getattr(self, "temperature", 1.0)),
-                                                     bool(getattr(self.args, "cast_lm_head_to_fp32", False))))
+            record_fused_head(base, FUSED_HEAD_ATTR, FusedHead(float(getattr(self, "temperature", 1.0)),
+                                                               bool(getattr(self.args, "cast_lm_head_to_fp32", False))))
 
     # ---- accelerate's processes are the replicas while TRL's own code runs ---------------------------------------
     @contextlib.contextmanager
@@ -111,25 +123,10 @@ class USPRLMixin(USPTrainerBase):
         finally:
             self._usp_in_view = False
 
-    def _prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's (rollouts and scoring for GRPO / RLOO), seeing the replicas as accelerate's processes."""
-        with self._replicas():
-            return super()._prepare_inputs(*args, **kwargs)
-
-    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's loss on the whole per-token tensors, seeing the replicas as accelerate's processes."""
-        with self._replicas():
-            return super().compute_loss(*args, **kwargs)
-
-    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's, seeing the replicas as accelerate's processes."""
-        with self._replicas():
-            return super().prediction_step(*args, **kwargs)
-
-    def log(self, *args: Any, **kwargs: Any) -> None:
-        """TRL's, seeing the replicas as accelerate's processes."""
-        with self._replicas():
-            return super().log(*args, **kwargs)
+    _prepare_inputs = _seeing_replicas("_prepare_inputs", "TRL's rollouts and scoring for GRPO / RLOO")
+    compute_loss = _seeing_replicas("compute_loss", "TRL's loss on the whole per-token tensors")
+    prediction_step = _seeing_replicas("prediction_step", "TRL's")
+    log = _seeing_replicas("log", "TRL's")
 
 
 class USPRolloutMixin(USPRLMixin):
@@ -162,13 +159,8 @@ def check_group_holds_same(batch: dict, group: Any) -> None:
     Raises:
         ValueError: naming the keys that differ (a reward function that is not deterministic, most often).
     """
-    sums = {}
-    for key, value in sorted(batch.items()):
-        if isinstance(value, torch.Tensor):
-            flat = value.detach().reshape(-1).double().cpu()
-            sums[key] = (float(flat.sum()), float((flat * torch.arange(flat.numel(), dtype=torch.float64)).sum()))
-    seen = all_gather_objects(sums, group, "checksums of the rollout batch")
-    differ = sorted(k for k in sums if any(other.get(k) != sums[k] for other in seen))
+    tensors = {key: value for key, value in sorted(batch.items()) if isinstance(value, torch.Tensor)}
+    differ = sorted(disagreements(tensors, group, "checksums of the rollout batch"))
     if differ:
         raise ValueError(f"the ranks of a sequence-parallel group hold different {', '.join(differ)} after the rollout "
                          f"(rank {dist.get_rank()}): every rank of a group must train on the same samples. ds-usp "
@@ -177,13 +169,12 @@ def check_group_holds_same(batch: dict, group: Any) -> None:
 
 
 def _trainer(base: type, mixin: type, name: str, modules: tuple) -> type:
-    cls = type(name, (mixin, base), {"_trl_modules": modules, "__module__": __name__,
-                                     "__doc__": f"``trl.{base.__name__}`` with USP when the DeepSpeed JSON sets "
-                                                f"``\"sequence_parallel\"`` (see :mod:`ds_usp.integration.trainers.rl`)."})
-    return cls
+    doc = (f"``trl.{base.__name__}`` with USP when the DeepSpeed JSON sets ``\"sequence_parallel\"`` (see "
+           f":mod:`ds_usp.integration.trainers.rl`).")
+    return type(name, (mixin, base), {"_trl_modules": modules, "__module__": __name__, "__doc__": doc})
 
 
-if _installed("trl") is not None:
+if installed_version("trl") is not None:
     import trl.trainer.dpo_trainer as _dpo
     import trl.trainer.grpo_trainer as _grpo
     import trl.trainer.rloo_trainer as _rloo

@@ -17,8 +17,8 @@ naming it, see :func:`check_hooks`):
 
 * the engine: accelerate creates it with ``deepspeed.initialize`` and offers no way to pass an
   ``mpu``; ``import ds_usp`` makes ``deepspeed.initialize`` with a ``"sequence_parallel"`` config
-  :func:`ds_usp.initialize` (:func:`ds_usp.integration.upstream.deepspeed.install_deepspeed_hook`), which builds the groups
-  and hands DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks; while the
+  :func:`ds_usp.initialize` (:func:`ds_usp.integration.upstream.deepspeed.install_deepspeed_hook`), which builds the
+  groups and hands DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks; while the
   trainer's ``accelerator.prepare`` runs it marks the call as a USP trainer's (a plain Trainer is refused);
 * data: the loaders split batches over replicas only (every rank of an SP group gets the same
   batch), and each batch is sharded by :func:`ds_usp.shard_batch` (layout of ``usp.layout``,
@@ -28,8 +28,9 @@ naming it, see :func:`check_hooks`):
   counted once; the loss is returned already scaled for gradient accumulation
   (``loss_is_scaled_for_ga``), so accumulation and ``max_grad_norm`` behave as without SP;
 * logging shows the true loss (the same on every rank of a group), tokens/s counts each real token
-  once (the shards' ``attention_mask`` marks the real tokens), evaluation gives the loss and ``predict`` the logits of the whole sequences, gathered inside
-  each SP group and over replicas only; ``save_model`` and checkpoint resume are DeepSpeed's own.
+  once (the shards' ``attention_mask`` marks the real tokens), evaluation gives the loss and ``predict`` the logits of
+  the whole sequences, gathered inside each SP group and over replicas only; ``save_model`` and checkpoint resume are
+  DeepSpeed's own.
 
 DeepSpeed's ``train_batch_size``: HF fills an ``"auto"`` one with ``world x micro x accumulation``
 while DeepSpeed counts replicas only (``world / sequence_parallel_size``); importing this module
@@ -37,21 +38,23 @@ corrects that one value in HF's config processing (:func:`_replicas_batch`).
 """
 from __future__ import annotations
 
-import functools
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ds_usp.comm import all_reduce_sum_, barrier
+from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.integration.data.batch import IGNORE_INDEX, VISUAL_KEYS, packed_documents, shard_batch
-from ds_usp.integration.engine.checkpoints import MANIFEST, first_complete, verify, write_manifest
+from ds_usp.integration.engine.checkpoints import complete_or_newest, write_manifest
+from ds_usp.integration.engine.preflight import installed_version
 from ds_usp.integration.models.attention import register_usp_attention
-from ds_usp.integration.upstream.accelerate import check_accelerate_reads_deepspeed_initialize
-from ds_usp.integration.upstream.deepspeed import TRAINER_ROUTE
+from ds_usp.integration.upstream.accelerate import (check_accelerate_reads_deepspeed_initialize, gather_for_metrics,
+                                                    route_prepare, set_sync_gradients, shard_over_replicas)
 from ds_usp.integration.upstream.transformers import fix_trainer_batch_size
+from ds_usp.integration.upstream.transformers_trainer import rotation_held_back
 
 # The Trainer / accelerate / HF-DeepSpeed pieces this module overrides or calls: (module, class, method, parameters
 # the override takes). A release that renames one is refused at import, naming it, instead of silently training
@@ -83,13 +86,6 @@ READ_BY_TRAINER = ("loss_is_scaled_for_ga", "gather_function", "current_gradient
                    "compute_loss_func", "label_smoother", "model_wrapped", "save_total_limit")
 
 
-def _installed(package: str) -> Optional[str]:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def check_hooks(hooks: tuple = HOOKS, read_by_trainer: tuple = READ_BY_TRAINER) -> None:
     """Refuse a transformers / accelerate that lacks a hook this integration uses (instead of a version range).
 
@@ -119,7 +115,7 @@ def check_hooks(hooks: tuple = HOOKS, read_by_trainer: tuple = READ_BY_TRAINER) 
     source = inspect.getsource(importlib.import_module("transformers.trainer"))
     missing += [f"transformers.trainer reading Trainer.{name}" for name in read_by_trainer if name not in source]
     if missing:
-        found = ", ".join(f"{p} {_installed(p) or 'not installed'}" for p in ("transformers", "accelerate"))
+        found = ", ".join(f"{p} {installed_version(p) or 'not installed'}" for p in ("transformers", "accelerate"))
         raise ImportError(f"ds-usp's HF Trainer integration hooks pieces that this {found} does not have: "
                           f"{'; '.join(missing)}. It was tested with transformers 5.23, accelerate 1.15 and TRL 1.16 "
                           f"(pip install -e '.[trainer]' installs them)")
@@ -143,19 +139,8 @@ def complete_checkpoint_folder(output_dir: str, wanted: Any) -> Any:
     root = Path(output_dir)
     folders = sorted((p for p in root.glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)),
                      key=lambda p: int(p.name.split("-")[1]), reverse=True) if root.is_dir() else []
-    if not any((p / MANIFEST).is_file() for p in folders):
-        return wanted
-    if wanted is not True:
-        verify(Path(wanted))
-        return wanted
-    return str(root / first_complete(root, [p.name for p in folders]))
-
-
-def _sp_size(ds_config: dict) -> int:
-    """``sequence_parallel_size`` when ``"sequence_parallel"`` is set (default: the world), else 1."""
-    if not ds_config.get("sequence_parallel"):
-        return 1
-    return int(ds_config.get("sequence_parallel_size", dist.get_world_size() if dist.is_initialized() else 1))
+    found = complete_or_newest(root, [p.name for p in folders], None if wanted is True else Path(wanted))
+    return wanted if found is None or wanted is not True else str(found)
 
 
 def _replicas_batch(config: Any, args: Any) -> Optional[int]:
@@ -165,7 +150,10 @@ def _replicas_batch(config: Any, args: Any) -> Optional[int]:
     ``world x micro x accumulation``; DeepSpeed's own config divides the world by ``sequence_parallel_size``
     (``deepspeed/runtime/config.py``) and refuses the mismatch, already in ``zero.Init`` when ZeRO-3 builds the model
     (:func:`ds_usp.integration.upstream.transformers.fix_trainer_batch_size` applies this)."""
-    sp = _sp_size(config)
+    try:
+        sp = load_usp_config(config, args.world_size).sequence_parallel_size
+    except USPConfigError:
+        return None  # ds_usp.initialize refuses it, naming the key
     if sp <= 1:
         return None
     return args.world_size // sp * args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -175,31 +163,32 @@ class USPTrainerBase:
     """What every USP trainer shares (SFT and RL alike): the engine through ``ds_usp.initialize``, one batch per SP
     group (loaders split over replicas only), and the step's sequence count."""
 
-    _usp_sp: int = 1
+    _usp_config: Optional[USPConfig] = None  # the DeepSpeed config's sequence-parallel keys, read once
 
     # ---- the engine ---------------------------------------------------------------------------------------
+    def _read_usp_config(self, ds_config: Mapping[str, Any], world_size: int) -> USPConfig:
+        """The sequence-parallel keys of ``ds_config`` (:func:`ds_usp.config.load_usp_config`), read on the first call
+        and kept."""
+        if self._usp_config is None:
+            self._usp_config = load_usp_config(ds_config, world_size)
+        return self._usp_config
+
+    @property
+    def _usp_sp(self) -> int:
+        """The sequence-parallel size (1 before the config is read, or without ``"sequence_parallel"``)."""
+        return self._usp_config.sequence_parallel_size if self._usp_config is not None else 1
+
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's accelerator, whose ``prepare`` creates the DeepSpeed engine through ``ds_usp.initialize``."""
         super().create_accelerator_and_postprocess()
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        config = plugin.deepspeed_config if plugin is not None else {}
-        self._usp_sp = _sp_size(config)
-        if not config.get("sequence_parallel"):
+        config = self._read_usp_config(plugin.deepspeed_config if plugin is not None else {}, self.args.world_size)
+        if not config.enabled:
             return  # a plain Trainer
         if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
             raise ValueError('USPTrainer: train_sampling_strategy="batch_rebalance" is not supported with '
                              '"sequence_parallel" (it reshuffles batches across the ranks of a sequence group)')
-        prepare = self.accelerator.prepare
-
-        @functools.wraps(prepare)
-        def prepare_with_usp(*args: Any, **kwargs: Any) -> Any:
-            token = TRAINER_ROUTE.set(True)  # deepspeed.initialize, called by accelerate, becomes ds_usp.initialize
-            try:
-                return prepare(*args, **kwargs)
-            finally:
-                TRAINER_ROUTE.reset(token)
-
-        self.accelerator.prepare = prepare_with_usp
+        route_prepare(self.accelerator)  # deepspeed.initialize, called by its prepare, becomes ds_usp.initialize
 
     @property
     def _usp(self) -> Any:
@@ -213,13 +202,8 @@ class USPTrainerBase:
             raise ValueError("USPTrainer: iterable datasets are not supported with \"sequence_parallel\" (accelerate "
                              "shards them over every rank before ds-usp can give the ranks of a sequence group the "
                              "same batches); use a map-style dataset")
-        sampler = getattr(loader, "batch_sampler", None)
-        if sampler is None or not hasattr(sampler, "num_processes"):
-            raise ValueError(f"USPTrainer: unexpected data loader {type(loader).__name__} (no accelerate batch "
-                             f"sampler to split over replicas)")
-        world, rank = dist.get_world_size(), dist.get_rank()
-        sampler.num_processes, sampler.process_index = world // self._usp_sp, rank // self._usp_sp  # SP groups are contiguous ranks
-        return loader
+        # SP groups are contiguous ranks: replica r holds ranks r * sp ... (r + 1) * sp - 1
+        return shard_over_replicas(loader, dist.get_world_size() // self._usp_sp, dist.get_rank() // self._usp_sp)
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's loader, split over replicas only."""
@@ -247,28 +231,24 @@ class USPTrainerBase:
             return super()._save_checkpoint(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # HF rotates inside its save: here, after the manifest
-        try:
+        with rotation_held_back(self.args) as limit:  # HF rotates inside its save: here, after the manifest
             super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         wait = getattr(self.model_wrapped, "wait_for_checkpoint", None)
         if wait is not None:
             wait()  # under "usp.async_save" the engine's files are still being written: the folder's manifest waits
-        dist.barrier()  # every rank's files (DeepSpeed's, the RNG states) are written
+        barrier(None, "checkpoint files written")  # every rank's files (DeepSpeed's, the RNG states) are written
         if self.args.should_save:
             write_manifest(folder, self.state.global_step)
             rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
-        dist.barrier()
+        barrier(None, "checkpoint committed")
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """HF's ``train``; ``resume_from_checkpoint=True`` takes the newest *complete* ``checkpoint-N`` (a damaged or
         half-written one is skipped with a warning naming what is wrong), and a folder given by path is verified first
-        (:class:`~ds_usp.integration.engine.checkpoints.CheckpointDamaged` naming its files otherwise). Folders saved without
-        manifests (by a plain Trainer) are taken as HF takes them."""
+        (:class:`~ds_usp.integration.engine.checkpoints.CheckpointDamaged` naming its files otherwise). Folders saved
+        without manifests (by a plain Trainer) are taken as HF takes them."""
         if self._usp_sp > 1 and resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = complete_checkpoint_folder(self.args.output_dir, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -280,11 +260,9 @@ class USPTrainerMixin(USPTrainerBase):
     def create_accelerator_and_postprocess(self) -> None:
         """:class:`USPTrainerBase`'s, and ``compute_loss`` returns the loss already divided as the step needs."""
         super().create_accelerator_and_postprocess()
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if plugin is not None and plugin.deepspeed_config.get("sequence_parallel"):
+        if self._usp_config.enabled:
             self.loss_is_scaled_for_ga = True
-            usp_block = plugin.deepspeed_config.get("usp") or {}
-            if usp_block.get("dynamic_sp") is True and self.args.gradient_accumulation_steps != 1:
+            if self._usp_config.dynamic_sp and self.args.gradient_accumulation_steps != 1:
                 raise ValueError(f"USPTrainer with \"usp\": {{\"dynamic_sp\": true}} plans each optimizer step's "
                                  f"micro batches itself: set gradient_accumulation_steps=1 (not "
                                  f"{self.args.gradient_accumulation_steps}) and per_device_train_batch_size to the "
@@ -311,7 +289,8 @@ class USPTrainerMixin(USPTrainerBase):
             return self._dynamic_step([self._prepare_inputs(b) for b in batches], device)
         shards = [self._shard(self._prepare_inputs(b)) for b in batches]
         count = torch.tensor(sum(int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards), device=device)
-        dist.all_reduce(count)  # the shards partition a group's targets, the replicas hold different ones
+        # the shards partition a group's targets, the replicas hold different ones
+        all_reduce_sum_(count, None, "targets of the step")
         return shards, count
 
     # ---- dynamic SP: each optimizer step's documents on the degrees their lengths need -------------------------
@@ -331,7 +310,7 @@ class USPTrainerMixin(USPTrainerBase):
         shards = micro_batch_shards(self.model_wrapped, documents, -(-longest // topo.sp_size))
         count = torch.tensor(step_targets(documents), device=device)
         if topo.dp_size > 1:
-            dist.all_reduce(count, group=topo.dp_group)  # the ranks of a group hold the same documents
+            all_reduce_sum_(count, topo.dp_group, "targets of the step")  # the ranks of a group hold the same documents
         tokens = sum(int(d["input_ids"].numel()) for d in documents) if topo.sp_rank == 0 else 0
         return [DynamicStep(shards, tokens)], count
 
@@ -341,15 +320,15 @@ class USPTrainerMixin(USPTrainerBase):
         if not isinstance(inputs, DynamicStep):
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
-        state, total = self.accelerator.gradient_state, torch.zeros(())
+        total = torch.zeros(())
         try:
             for k, shard in enumerate(inputs.shards):
-                state._set_sync_gradients(k == len(inputs.shards) - 1)  # accelerate's DeepSpeed backward reads it
+                set_sync_gradients(self.accelerator, k == len(inputs.shards) - 1)  # DeepSpeed's boundary on the last
                 loss = self.compute_loss(model, shard, num_items_in_batch=num_items_in_batch)
                 self.accelerator.backward(loss)
                 total = total + loss.detach().cpu()
         finally:
-            state._set_sync_gradients(True)
+            set_sync_gradients(self.accelerator, True)
         return total
 
     # ---- the loss ------------------------------------------------------------------------------------------
@@ -400,15 +379,8 @@ class USPTrainerMixin(USPTrainerBase):
 
     def _gather_over_replicas(self, tensor: Any) -> Any:
         """``gather_for_metrics`` over the replicas only: the ranks of an SP group hold the same results."""
-        usp = self._usp
-        if usp.topo.dp_size > 1:
-            parts = [torch.empty_like(tensor) for _ in range(usp.topo.dp_size)]
-            dist.all_gather(parts, tensor.contiguous(), group=usp.topo.dp_group)
-            tensor = torch.cat(parts)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            tensor = tensor[:state.remainder]  # the last uneven batch was padded with repeated samples
-        return tensor
+        topo = self._usp.topo
+        return gather_for_metrics(self.accelerator, tensor, topo.dp_group, topo.dp_size)
 
 
 class DynamicStep(dict):
@@ -442,7 +414,7 @@ class USPTrainer(USPTrainerMixin, Trainer):
     """``transformers.Trainer`` with USP when the DeepSpeed JSON sets ``"sequence_parallel"``."""
 
 
-if _installed("trl") is not None:
+if installed_version("trl") is not None:
     from trl import SFTTrainer  # noqa: E402
 
     class USPSFTTrainer(USPTrainerMixin, SFTTrainer):

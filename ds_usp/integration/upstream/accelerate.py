@@ -1,14 +1,16 @@
 """ds-usp's changes to accelerate (and the accelerate functions TRL's trainer modules import): the Trainer route's
-``deepspeed.initialize`` lookup, and accelerate's processes seen as the data-parallel replicas."""
+``deepspeed.initialize`` lookup and its marked ``prepare``, the prepared loaders split over the data-parallel replicas,
+the gradient boundary of a dynamic-SP step, and accelerate's processes seen as the data-parallel replicas."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
+from ds_usp.integration.upstream.deepspeed import TRAINER_ROUTE
 from ds_usp.integration.upstream.registry import Patch, refuse, register, require_parameters
 
 register("replicas_view", Patch(
@@ -22,6 +24,34 @@ register("replicas_view", Patch(
     "sequence_parallel_size times (and the unbiased reward std would change)",
     "accelerate taking a data-parallel process group (its ParallelismConfig knows sp_size but TRL refuses it in "
     "GRPO and RLOO)"))
+
+
+register("trainer_route", Patch(
+    "a ds-usp trainer's Accelerator.prepare (the instance's, wrapped)",
+    "Accelerator.prepare creating the DeepSpeed engine through _prepare_deepspeed, which calls deepspeed.initialize",
+    "the deepspeed.initialize hook must tell a ds-usp trainer's call (built by ds_usp.initialize) from a plain HF "
+    "Trainer's (refused: it would feed every rank whole sequences), and accelerate passes nothing that tells them "
+    "apart",
+    "accelerate passing an mpu (or other arguments) from its DeepSpeed plugin to deepspeed.initialize"))
+
+
+register("replicas_sampler", Patch(
+    "accelerate's BatchSamplerShard.num_processes / process_index (of a ds-usp trainer's prepared loaders)",
+    "BatchSamplerShard taking (num_processes, process_index) and reading them as it iterates and counts its "
+    "batches (transformers' own Trainer sets them the same way for its BatchRebalanceSampler)",
+    "accelerate splits the batches over every rank, but the ranks of a sequence-parallel group must train the same "
+    "batch: each would otherwise hold the shard of a different sequence",
+    "accelerate's prepare taking the data-parallel size and index (its ParallelismConfig knows sp_size, but only "
+    "for its own context parallelism)"))
+
+
+register("sync_gradients", Patch(
+    "accelerate's Accelerator.sync_gradients (set per micro batch of a dynamic-SP step)",
+    "the property having a setter, and Accelerator.backward passing sync_gradients=self.sync_gradients to the "
+    "DeepSpeed engine (its gradient accumulation boundary)",
+    "a dynamic-SP step runs all its micro batches inside one Trainer step: DeepSpeed must reach its accumulation "
+    "boundary (and step its optimizer) on the last one only",
+    "the Trainer running several micro batches per training_step, or accelerate's backward taking the boundary"))
 
 
 def check_accelerate_reads_deepspeed_initialize() -> None:
@@ -72,26 +102,41 @@ def _gather_objects(obj: Any, group: Any, size: int) -> list:
     return [x for part in all_gather_objects(obj, group, "gather_object over replicas") for x in part]
 
 
+def gather_for_metrics(accelerator: Any, data: Any, group: Any, size: int, use_gather_object: bool = False) -> Any:
+    """accelerate's ``gather_for_metrics`` over ``group`` (``size`` ranks): the rows of every rank (or, for objects,
+    their lists) concatenated, less the samples that accelerate repeated to even out the last batch.
+
+    Args:
+        accelerator: the accelerator (its ``gradient_state`` says whether the last batch was evened out).
+        data: tensors (nested in lists, tuples and dicts) or, with ``use_gather_object``, a list of objects.
+        group: the process group of the replicas.
+        size: its ranks.
+        use_gather_object: gather ``data`` as objects (as accelerate does for anything that is not a tensor).
+
+    Returns:
+        The gathered data.
+    """
+    data = (_gather_objects(data, group, size) if use_gather_object or not isinstance(data, torch.Tensor)
+            else _gather_rows(data, group, size))
+    state = accelerator.gradient_state
+    return data[:state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
+
+
 def _replicas_class(cls: type, group: Any, size: int, index: int) -> type:
     """A subclass of the accelerator's class whose processes are the data-parallel replicas of ``group``."""
-
-    def gather_for_metrics(self: Any, input_data: Any, use_gather_object: bool = False) -> Any:
-        data = (_gather_objects(input_data, group, size) if use_gather_object or not isinstance(input_data, torch.Tensor)
-                else _gather_rows(input_data, group, size))
-        state = self.gradient_state
-        return data[:state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
+    from ds_usp.comm import all_reduce_max_int, all_reduce_sum_
 
     def reduce(self: Any, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         out = tensor.clone() * scale
         if size > 1:
-            dist.all_reduce(out, group=group)
+            all_reduce_sum_(out, group, "reduce over replicas")
         return out / size if reduction == "mean" else out
 
     def pad_across_processes(self: Any, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        longest = torch.tensor(tensor.shape[dim])
+        longest = tensor.shape[dim]
         if size > 1:
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-        missing = int(longest) - tensor.shape[dim]
+            longest = all_reduce_max_int(longest, group, "pad_across_processes over replicas")
+        missing = longest - tensor.shape[dim]
         if missing <= 0:
             return tensor
         pad = tensor.new_full((*tensor.shape[:dim], missing, *tensor.shape[dim + 1:]), pad_index)
@@ -99,7 +144,9 @@ def _replicas_class(cls: type, group: Any, size: int, index: int) -> type:
 
     return type(f"{cls.__name__}OverReplicas", (cls,), {
         "num_processes": property(lambda self: size), "process_index": property(lambda self: index),
-        "gather": lambda self, tensor: _gather_rows(tensor, group, size), "gather_for_metrics": gather_for_metrics,
+        "gather": lambda self, tensor: _gather_rows(tensor, group, size),
+        "gather_for_metrics": lambda self, input_data, use_gather_object=False: gather_for_metrics(
+            self, input_data, group, size, use_gather_object),
         "reduce": reduce, "pad_across_processes": pad_across_processes})
 
 
@@ -133,3 +180,70 @@ def replicas_view(accelerator: Any, modules: tuple, group: Any, size: int, index
         accelerator.__class__ = cls
         for module, name, fn in saved:
             setattr(module, name, fn)
+
+
+def route_prepare(accelerator: Any) -> None:
+    """Make ``accelerator.prepare`` mark the ``deepspeed.initialize`` it calls as a ds-usp trainer's
+    (:data:`ds_usp.integration.upstream.deepspeed.TRAINER_ROUTE`), so that the hook builds the engine with
+    ``ds_usp.initialize`` instead of refusing a plain Trainer.
+
+    Raises:
+        UpstreamChanged: accelerate's ``_prepare_deepspeed`` does not read ``deepspeed.initialize``.
+    """
+    check_accelerate_reads_deepspeed_initialize()
+    prepare = accelerator.prepare
+
+    @functools.wraps(prepare)
+    def prepare_with_usp(*args: Any, **kwargs: Any) -> Any:
+        token = TRAINER_ROUTE.set(True)
+        try:
+            return prepare(*args, **kwargs)
+        finally:
+            TRAINER_ROUTE.reset(token)
+
+    accelerator.prepare = prepare_with_usp
+
+
+def shard_over_replicas(loader: Any, size: int, index: int) -> Any:
+    """Make an accelerate-prepared ``loader`` split its batches over ``size`` replicas, this rank being ``index``.
+
+    Args:
+        loader: a loader from ``Accelerator.prepare`` (its ``batch_sampler`` a ``BatchSamplerShard``).
+        size: the data-parallel replicas.
+        index: this rank's replica.
+
+    Returns:
+        ``loader``.
+
+    Raises:
+        ValueError: ``loader`` has no accelerate batch sampler.
+        UpstreamChanged: ``BatchSamplerShard`` takes no ``num_processes`` / ``process_index``.
+    """
+    from accelerate.data_loader import BatchSamplerShard
+
+    require_parameters("replicas_sampler", BatchSamplerShard.__init__, ("num_processes", "process_index"))
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, BatchSamplerShard):
+        raise ValueError(f"unexpected data loader {type(loader).__name__} (no accelerate batch sampler to split over "
+                         f"replicas)")
+    sampler.num_processes, sampler.process_index = size, index
+    return loader
+
+
+def set_sync_gradients(accelerator: Any, sync: bool) -> None:
+    """Whether the next ``accelerator.backward`` ends DeepSpeed's gradient accumulation (and so steps its optimizer).
+
+    Raises:
+        UpstreamChanged: ``Accelerator.sync_gradients`` has no setter, or its ``backward`` does not pass it on.
+    """
+    prop = getattr(type(accelerator), "sync_gradients", None)
+    if not isinstance(prop, property) or prop.fset is None:
+        refuse("sync_gradients", "Accelerator.sync_gradients is not a property with a setter")
+    if "sync_gradients=self.sync_gradients" not in _source(type(accelerator).backward):
+        refuse("sync_gradients", "Accelerator.backward does not pass sync_gradients to DeepSpeed")
+    accelerator.sync_gradients = sync
+
+
+@functools.cache
+def _source(fn: Any) -> str:
+    return inspect.getsource(fn)
