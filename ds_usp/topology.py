@@ -133,6 +133,24 @@ def group_ranks(ulysses_degree: int, ring_degree: int, world_size: int) -> Group
     )
 
 
+def _of_ranks(name: str, doc: str) -> property:
+    """A property of :class:`USPTopology`: ``self.ranks.<name>`` (an ``int`` of :class:`GroupRanks`)."""
+
+    def get(self: "USPTopology") -> int:
+        return getattr(self.ranks, name)
+
+    return property(get, doc=doc)
+
+
+def _my_group(kind: str, doc: str) -> property:
+    """A property of :class:`USPTopology`: the global ranks of this rank's group of ``kind``."""
+
+    def get(self: "USPTopology") -> Ranks:
+        return self.ranks.member_of(kind, self.rank)
+
+    return property(get, doc=doc)
+
+
 @dataclass(frozen=True)
 class USPTopology:
     """This rank's USP groups. Build it with :meth:`USPTopology.build` after ``deepspeed.init_distributed()``.
@@ -145,8 +163,9 @@ class USPTopology:
             handed to DeepSpeed through :attr:`mpu`.
         default_positions: how the model numbers the tokens of a full sequence ``(b, S)`` when it is given no
             ``position_ids`` (``ds_usp.initialize`` sets it from the model, see
-            :func:`ds_usp.integration.models.checks.default_positions`; ``None``: ``0..S-1``). :func:`ds_usp.shard_batch`
-            uses it, so a model numbering from ``padding_idx + 1`` (RoBERTa) gets its own positions.
+            :func:`ds_usp.integration.models.checks.default_positions`; ``None``: ``0..S-1``).
+            :func:`ds_usp.shard_batch` uses it, so a model numbering from ``padding_idx + 1`` (RoBERTa) gets its own
+            positions.
         parent_sp_group: for a dynamic-SP degree (:meth:`with_degrees`), the SP group of the topology it was cut from:
             a micro batch's loss is averaged over that whole group's tokens, whichever sub-group holds which row
             (``None``: this topology's own SP group).
@@ -210,45 +229,14 @@ class USPTopology:
                    model_parallel_group=solo)
 
     # ---- sizes and this rank's coordinates (all derived from the rank lists) ----
-    @property
-    def ulysses_degree(self) -> int:
-        """Ranks per Ulysses group (U)."""
-        return self.ranks.ulysses_degree
-
-    @property
-    def ring_degree(self) -> int:
-        """Ranks per ring (R)."""
-        return self.ranks.ring_degree
-
-    @property
-    def sp_size(self) -> int:
-        """Sequence-parallel size N = U x R."""
-        return self.ranks.sp_size
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel size."""
-        return self.ranks.dp_size
-
-    @property
-    def ulysses_ranks(self) -> Ranks:
-        """Global ranks of this rank's Ulysses group."""
-        return self.ranks.member_of("ulysses", self.rank)
-
-    @property
-    def ring_ranks(self) -> Ranks:
-        """Global ranks of this rank's ring, in ring order."""
-        return self.ranks.member_of("ring", self.rank)
-
-    @property
-    def sp_ranks(self) -> Ranks:
-        """Global ranks of this rank's sequence-parallel group."""
-        return self.ranks.member_of("sp", self.rank)
-
-    @property
-    def dp_ranks(self) -> Ranks:
-        """Global ranks of this rank's data-parallel group."""
-        return self.ranks.member_of("dp", self.rank)
+    ulysses_degree = _of_ranks("ulysses_degree", "Ranks per Ulysses group (U).")
+    ring_degree = _of_ranks("ring_degree", "Ranks per ring (R).")
+    sp_size = _of_ranks("sp_size", "Sequence-parallel size N = U x R.")
+    dp_size = _of_ranks("dp_size", "Data-parallel size.")
+    ulysses_ranks = _my_group("ulysses", "Global ranks of this rank's Ulysses group.")
+    ring_ranks = _my_group("ring", "Global ranks of this rank's ring, in ring order.")
+    sp_ranks = _my_group("sp", "Global ranks of this rank's sequence-parallel group.")
+    dp_ranks = _my_group("dp", "Global ranks of this rank's data-parallel group.")
 
     @property
     def ulysses_rank(self) -> int:
@@ -331,6 +319,16 @@ class USPTopology:
                 f"dp {list(self.dp_ranks)}")
 
 
+def _answer(doc: str, get: Callable[[USPTopology], Any]) -> Callable[["USPMpu"], Any]:
+    """A method of :class:`USPMpu` answering one of DeepSpeed's questions with ``get(self.topo)``."""
+
+    def method(self: "USPMpu") -> Any:
+        return get(self.topo)
+
+    method.__doc__ = doc
+    return method
+
+
 class USPMpu:
     """What DeepSpeed asks of ``mpu`` (see ``deepspeed/utils/groups.py``), answered from a :class:`USPTopology`.
 
@@ -346,67 +344,23 @@ class USPMpu:
     def __init__(self, topo: USPTopology) -> None:
         self.topo = topo
 
-    def get_data_parallel_group(self) -> Any:
-        """Group of the model replicas."""
-        return self.topo.dp_group
-
-    def get_data_parallel_world_size(self) -> int:
-        """Number of replicas."""
-        return self.topo.dp_size
-
-    def get_data_parallel_rank(self) -> int:
-        """Index of this replica."""
-        return self.topo.dp_rank
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        """Global ranks of the replica group."""
-        return list(self.topo.dp_ranks)
-
-    def get_sequence_parallel_group(self) -> Any:
-        """Group of the ranks that share one sequence."""
-        return self.topo.sp_group
-
-    def get_sequence_parallel_world_size(self) -> int:
-        """U x R."""
-        return self.topo.sp_size
-
-    def get_sequence_parallel_rank(self) -> int:
-        """Position in the sequence-parallel group."""
-        return self.topo.sp_rank
-
-    def get_sequence_data_parallel_group(self) -> Any:
-        """All ranks: where ZeRO shards state and reduces gradients."""
-        return self.topo.sp_dp_group
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        """SP x DP ranks."""
-        return self.topo.sp_size * self.topo.dp_size
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        """Rank within the sequence x data-parallel group."""
-        return self.topo.rank
-
-    def get_model_parallel_group(self) -> Any:
-        """This rank alone (the model is not split)."""
-        return self.topo.model_parallel_group
-
-    def get_model_parallel_world_size(self) -> int:
-        """Always 1."""
-        return 1
-
-    def get_model_parallel_rank(self) -> int:
-        """Always 0."""
-        return 0
-
+    # DeepSpeed's question: its answer
+    get_data_parallel_group = _answer("Group of the model replicas.", lambda t: t.dp_group)
+    get_data_parallel_world_size = _answer("Number of replicas.", lambda t: t.dp_size)
+    get_data_parallel_rank = _answer("Index of this replica.", lambda t: t.dp_rank)
+    get_data_parallel_group_ranks = _answer("Global ranks of the replica group.", lambda t: list(t.dp_ranks))
+    get_sequence_parallel_group = _answer("Group of the ranks that share one sequence.", lambda t: t.sp_group)
+    get_sequence_parallel_world_size = _answer("U x R.", lambda t: t.sp_size)
+    get_sequence_parallel_rank = _answer("Position in the sequence-parallel group.", lambda t: t.sp_rank)
+    get_sequence_data_parallel_group = _answer("All ranks: where ZeRO shards state and reduces gradients.",
+                                               lambda t: t.sp_dp_group)
+    get_sequence_data_parallel_world_size = _answer("SP x DP ranks.", lambda t: t.sp_size * t.dp_size)
+    get_sequence_data_parallel_rank = _answer("Rank within the sequence x data-parallel group.", lambda t: t.rank)
+    get_model_parallel_group = _answer("This rank alone (the model is not split).", lambda t: t.model_parallel_group)
+    get_model_parallel_world_size = _answer("Always 1.", lambda t: 1)
+    get_model_parallel_rank = _answer("Always 0.", lambda t: 0)
     # DeepSpeed's ZeRO-1/2 universal-checkpoint loader asks for the tensor-parallel names directly.
-    def get_tensor_model_parallel_group(self) -> Any:
-        """This rank alone (same as the model-parallel group)."""
-        return self.topo.model_parallel_group
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        """Always 1."""
-        return 1
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        """Always 0."""
-        return 0
+    get_tensor_model_parallel_group = _answer("This rank alone (same as the model-parallel group).",
+                                              lambda t: t.model_parallel_group)
+    get_tensor_model_parallel_world_size = _answer("Always 1.", lambda t: 1)
+    get_tensor_model_parallel_rank = _answer("Always 0.", lambda t: 0)
