@@ -125,3 +125,203 @@ def test_replicas_view_swaps_and_restores_and_refuses_a_changed_accelerate():
         with accelerate.replicas_view(accelerator, (trl_like,), group=None, size=1, index=0):
             pass
     assert type(accelerator) is cls
+
+
+# ---- the patches that moved here from the engine, the trainers, comm and the Triton kernels ----------------------
+
+def test_group_lookup_refuses_a_changed_torch(monkeypatch):
+    import torch.distributed as dist
+
+    from ds_usp.integration.upstream import c10d
+
+    assert callable(c10d._resolver())  # the installed torch has it (a pybind builtin: checked by its docstring)
+    for changed in (None, lambda name: name):
+        c10d._resolver.cache_clear()
+        monkeypatch.setattr(dist.distributed_c10d, "_resolve_process_group", changed, raising=False)
+        with pytest.raises(UpstreamChanged, match="_resolve_process_group"):
+            c10d.process_group_named("0")
+    monkeypatch.undo()
+    c10d._resolver.cache_clear()
+
+
+def test_triton_interpreter_switch_is_restored_and_checked(monkeypatch):
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from ds_usp.integration.upstream import triton as triton_patches
+
+    before = knobs.runtime.interpret
+    with triton_patches.interpreted(not before):
+        assert knobs.runtime.interpret == (not before)
+    assert knobs.runtime.interpret == before
+    monkeypatch.setattr(knobs, "runtime", types.SimpleNamespace(interpret=False))  # no scope(): not restorable
+    with pytest.raises(UpstreamChanged, match="no interpret knob or no scope"):
+        with triton_patches.interpreted(True):
+            pass
+
+
+def test_engine_patches_check_the_engine_first():
+    class Engine:
+        global_steps = 3
+
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+        def backward(self, loss):
+            return loss
+
+        def step(self):
+            return "stepped"
+
+        def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+            return "deepspeed's save"
+
+        def load_checkpoint(self, load_dir, tag=None):
+            return "deepspeed's load"
+
+    engine = Engine()
+    deepspeed_patches.attach_state(engine, "state")
+    assert engine.usp == "state"
+    with pytest.raises(UpstreamChanged, match="has an attribute usp of its own"):
+        deepspeed_patches.attach_state(type("Own", (), {"usp": None})(), "state")
+
+    deepspeed_patches.note_failures(engine, rank=5)
+    assert engine.step() == "stepped" and engine.backward(2) == 2
+    with pytest.raises(RuntimeError, match="boom") as caught:
+        engine.forward(1)
+    assert "ds_usp: raised on rank 5 in engine.forward() during training step 4" in caught.value.__notes__
+    with pytest.raises(UpstreamChanged, match="keeps no global_steps"):
+        deepspeed_patches.note_failures(types.SimpleNamespace(forward=print), rank=0)
+
+    mine = types.SimpleNamespace(save_checkpoint=lambda *a, **k: "ours", load_checkpoint=lambda *a, **k: "ours",
+                                 wait_for_checkpoint=lambda: None)
+    deepspeed_patches.replace_checkpointing(engine, mine)
+    assert engine.save_checkpoint("d") == "ours" and engine.load_checkpoint("d") == "ours"
+    assert engine.wait_for_checkpoint is mine.wait_for_checkpoint
+
+    class Renamed(Engine):
+        def save_checkpoint(self, directory, tag=None):  # other parameters
+            return None
+    with pytest.raises(UpstreamChanged, match="takes no save_dir, client_state, save_latest"):
+        deepspeed_patches.replace_checkpointing(Renamed(), mine)
+
+
+def test_async_save_state_swaps_the_checkpoint_engine_and_stands_aside_without_the_builders():
+    class Writer:
+        def save(self, state_dict, path):
+            return path
+
+    engine = types.SimpleNamespace(checkpoint_engine=Writer())
+    inner = engine.checkpoint_engine
+    with deepspeed_patches.checkpoint_engine_as(engine, lambda own: ("copying", own)) as writer:
+        assert engine.checkpoint_engine is writer and writer == ("copying", inner)
+    assert engine.checkpoint_engine is inner
+    with pytest.raises(UpstreamChanged, match="takes no state_dict"):
+        with deepspeed_patches.checkpoint_engine_as(types.SimpleNamespace(checkpoint_engine=types.SimpleNamespace(
+                save=lambda obj, where: None)), lambda own: own):
+            pass
+    # a DeepSpeed whose private builders are gone or changed: DeepSpeed's whole save runs instead (False)
+    assert deepspeed_patches.state_only_save(types.SimpleNamespace(), "d", "t", {}) is False
+    changed = types.SimpleNamespace(**{name: (lambda *a: None) for name in deepspeed_patches._BUILDERS})
+    assert deepspeed_patches.state_only_save(changed, "d", "t", {}) is False
+
+
+def test_the_installed_deepspeed_has_the_checkpoint_builders():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    for name, params in deepspeed_patches._BUILDERS.items():
+        registry.require_parameters("async_save_state", getattr(DeepSpeedEngine, name), params)
+    registry.require_parameters("atomic_checkpoints", DeepSpeedEngine.save_checkpoint,
+                                ("save_dir", "tag", "client_state", "save_latest"))
+    assert not hasattr(DeepSpeedEngine, "usp") and not hasattr(DeepSpeedEngine, "wait_for_checkpoint")
+
+
+def test_loaders_are_split_over_replicas_by_accelerates_sampler():
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    data = list(range(16))
+    shard = BatchSamplerShard(BatchSampler(SequentialSampler(data), 2, False), num_processes=4, process_index=3)
+    loader = DataLoader(data, batch_sampler=shard)
+    assert accelerate.shard_over_replicas(loader, 2, 1) is loader
+    assert [b.tolist() for b in loader] == [[2, 3], [6, 7], [10, 11], [14, 15]]  # replica 1 of 2
+    with pytest.raises(ValueError, match="no accelerate batch sampler"):
+        accelerate.shard_over_replicas(DataLoader(data, batch_size=2), 2, 1)
+
+
+def test_the_trainer_route_and_the_gradient_boundary_go_through_accelerates_public_names():
+    from accelerate import Accelerator
+    from accelerate.state import GradientState
+
+    from ds_usp.integration.upstream.deepspeed import TRAINER_ROUTE
+
+    accelerator = Accelerator.__new__(Accelerator)  # no state needed beyond the gradient state
+    seen = []
+    accelerator.prepare = lambda *models: seen.append(TRAINER_ROUTE.get()) or models
+    accelerate.route_prepare(accelerator)
+    assert accelerator.prepare("model") == ("model",) and seen == [True] and not TRAINER_ROUTE.get()
+
+    accelerator.gradient_state = GradientState()
+    accelerate.set_sync_gradients(accelerator, False)
+    assert accelerator.gradient_state.sync_gradients is False
+    accelerate.set_sync_gradients(accelerator, True)
+    assert accelerator.gradient_state.sync_gradients is True
+
+    class NoSetter:
+        sync_gradients = property(lambda self: True)
+    with pytest.raises(UpstreamChanged, match="not a property with a setter"):
+        accelerate.set_sync_gradients(NoSetter(), False)
+
+
+def test_checkpoint_rotation_is_held_back_and_restored(monkeypatch):
+    import transformers
+
+    from ds_usp.integration.upstream import transformers_trainer
+
+    args = types.SimpleNamespace(save_total_limit=2)
+    with transformers_trainer.rotation_held_back(args) as limit:
+        assert limit == 2 and args.save_total_limit is None
+    assert args.save_total_limit == 2
+    transformers_trainer._rotates_inside_save.cache_clear()
+    monkeypatch.setattr(transformers.Trainer, "_save_checkpoint", lambda self, model, trial: None)
+    with pytest.raises(UpstreamChanged, match="does not rotate with self.args.save_total_limit"):
+        with transformers_trainer.rotation_held_back(args):
+            pass
+    assert args.save_total_limit == 2
+    monkeypatch.undo()
+    transformers_trainer._rotates_inside_save.cache_clear()
+
+
+def test_trl_generation_batch_is_divided_once_and_checked(monkeypatch):
+    pytest.importorskip("trl")
+    from ds_usp.integration.upstream import trl as trl_patches
+
+    class Config:
+        def __init__(self):
+            self.per_device_train_batch_size, self.steps_per_generation, num_processes = 2, 2, 4
+            self.generation_batch_size = self.per_device_train_batch_size * num_processes * self.steps_per_generation
+
+        __post_init__ = __init__
+
+    config = Config()
+    trl_patches.generation_batch_per_group(config, 2)
+    trl_patches.generation_batch_per_group(config, 2)  # the same config given to a second trainer
+    assert config.generation_batch_size == 8
+    trl_patches.generation_batch_per_group(types.SimpleNamespace(), 2)  # DPO's config has none: left alone
+
+    class Other:
+        generation_batch_size = 16
+
+        def __post_init__(self):
+            self.generation_batch_size = 16
+    with pytest.raises(UpstreamChanged, match="computes generation_batch_size otherwise"):
+        trl_patches.generation_batch_per_group(Other(), 2)
+
+    model = torch.nn.Linear(1, 1)
+    trl_patches.record_fused_head(model, "_ds_usp_fused_head", (0.7, True))
+    assert model._ds_usp_fused_head == (0.7, True)
+    import trl.trainer.utils
+
+    monkeypatch.setattr(trl.trainer.utils, "add_fused_lm_head", lambda model, temperature: None)
+    with pytest.raises(UpstreamChanged, match="takes no cast_lm_head_to_fp32"):
+        trl_patches.record_fused_head(model, "_ds_usp_fused_head", (0.7, True))
