@@ -78,18 +78,22 @@ class USPSettings(BaseModel):
         DEFAULT_TIMEOUT_SECONDS, "a positive number of seconds", "timeout of every collective on the USP groups",
         gt=0, allow_inf_nan=False)
     chunked_loss: Union[Literal["auto"], StrictBool] = _key(
-        "auto", "'auto', true or false", "logits and loss through `lm_head` in chunks, never the whole logits "
-        "(auto: when a rank's fp32 logits exceed `tile_mib`)")
+        "auto", "'auto', true or false", "logits and loss through `lm_head` in chunks, never the whole logits (auto: "
+        "when the whole logits would not fit `memory_gib`; the chunk is as large as fits, a multiple of 128 rows)")
     tiled_mlp: Union[Literal["auto"], StrictBool] = _key(
         "auto", "'auto', true or false", "each decoder layer's MLP over sequence tiles, recomputed per tile in the "
-        "backward (auto: with activation checkpointing, or when the MLP's backward would hold more than `tile_mib`)")
+        "backward (auto: when it is the fastest way to fit `memory_gib`, in as few tiles as fit)")
     activation_checkpointing: Union[Literal["auto", "selective", "full"], StrictBool] = _key(
         "auto", "'auto', 'selective', 'full', true (selective) or false", "per decoder layer: `selective` keeps "
-        "the ring attention's result and recomputes the rest, `full` recomputes everything (auto: selective when "
-        "a rank holds 2048 tokens or more)")
+        "the ring attention's result and recomputes the rest, `full` recomputes everything; a mode given applies to "
+        "every layer (auto: selective or full for only as many layers as `memory_gib` needs, none when it fits)")
     offload_activations: Union[Literal["auto"], StrictBool] = _key(
-        "auto", "'auto', true or false", "checkpointed layer inputs wait in host memory (auto: on a GPU when they "
-        "would take a tenth of its memory; a no-op on CPU)")
+        "auto", "'auto', true or false", "checkpointed layer inputs wait in host memory, copied on a side stream "
+        "(auto: on a GPU, when the step does not fit `memory_gib` otherwise; a no-op on CPU)")
+    memory_gib: Optional[Union[StrictInt, StrictFloat]] = _key(
+        None, "a positive number of GiB", "the memory one rank's step may use, model states included: the `auto` "
+        "features are the fastest that fit 90% of it (default: a GPU's memory; on CPU the host's available memory "
+        "shared by the node's ranks)", gt=0, allow_inf_nan=False)
     vision_tower: Literal[VISION_TOWER_MODES] = _key(  # type: ignore[valid-type]
         "replicated", _choices(VISION_TOWER_MODES), "a VLM's vision tower: `replicated` encodes every image and "
         "frame on every rank; `sharded` runs each block of a tower that packs its patches with `cu_seqlens` "
@@ -103,10 +107,9 @@ class USPSettings(BaseModel):
         False, "true or false", "`engine.save_checkpoint` pauses training only to copy the state; a background "
         "thread writes the files, and the manifest and `latest` follow once every rank's files are on disk "
         "(docs/reliability.md)")
-    tile_mib: Union[StrictInt, StrictFloat] = _key(
-        128, "a positive number of MiB", "the size of one tile: the most a loss chunk's fp32 logits take, what an MLP tile's backward holds",
-        gt=0, allow_inf_nan=False)
-
+    tile_mib: Optional[Union[StrictInt, StrictFloat]] = _key(
+        None, "a positive number of MiB", "the most a loss chunk's fp32 logits and an MLP tile's backward may take "
+        "(default: as much as `memory_gib` allows)", gt=0, allow_inf_nan=False)
 
     @field_validator("activation_checkpointing")
     @classmethod

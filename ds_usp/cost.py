@@ -336,6 +336,7 @@ class StepSettings:
     offload_optimizer: bool = False
     offload_activations: bool = False
     tile_mib: float = 128.0
+    features: Optional["Features"] = None  # exactly these features (the "auto" choice) instead of the flags above
 
     @property
     def sp(self) -> int:
@@ -400,21 +401,21 @@ class StepMemory:
         return self.params + self.grads + self.optimizer + self.activations + self.attention + self.loss + self.fixed
 
 
-LOSS_MIN_ROWS = 256  # a loss chunk's fewest rows (below this, lm_head's matmuls lose efficiency)
+LOSS_MIN_ROWS = 256  # a loss chunk's fewest rows under a fixed tile budget (below it lm_head's matmuls lose efficiency)
+ROW_MULTIPLE = 128  # the loss chunks the planner chooses are a multiple of this many rows (whole matmul tiles)
+MLP_LIVE = 6  # tokens x intermediate tensors a tiled MLP's backward holds at once (gate, up, product, their grads)
 
 
 def loss_chunk_rows(tokens: int, hidden: int, vocab: int, tile_mib: float) -> int:
-    """Tokens per chunk of the chunked loss: as many as make the chunk's fp32 logits as large as the rank's hidden
-    states (what one layer holds anyway), at least :data:`LOSS_MIN_ROWS`, and never more than one tile holds.
-
-    A fixed tile alone sized the chunk for the longest sequences: at short ones its logits were the step's largest
-    buffer (128 MiB of a 260 MiB step at 2048 tokens x vocab 32000 per rank, issue 26).
+    """Tokens per chunk of the chunked loss under a fixed tile budget (``usp.tile_mib``): as many as make the chunk's
+    fp32 logits as large as the rank's hidden states, at least :data:`LOSS_MIN_ROWS`, and never more than one tile
+    holds.
 
     Args:
         tokens: tokens this rank holds.
         hidden: the model's hidden size.
         vocab: the vocabulary size.
-        tile_mib: the tile budget (``usp.tile_mib``).
+        tile_mib: the tile budget.
 
     Returns:
         The chunk's rows, at least 1.
@@ -428,24 +429,82 @@ def tokens_per_rank(seq: int, micro_batch: int, sp: int) -> int:
     return micro_batch * padded // sp
 
 
+@dataclass(frozen=True)
+class Features:
+    """What one forward-backward does to hold less memory: the choice ``"auto"`` makes for each call.
+
+    Attributes:
+        loss_chunk: tokens per logits chunk of the loss (0: the whole logits).
+        loss_grad_in_forward: the chunked loss takes its gradients in its forward (else its backward recomputes the
+            logits: one more ``2 T H V`` matmul, for the same memory).
+        mlp_tiles: sequence tiles of each feed-forward block (0: not tiled).
+        checkpoint: ``"selective"``, ``"full"`` or ``""``.
+        checkpoint_layers: how many decoder layers (the first ones) are checkpointed.
+        offload: the checkpointed layers' inputs wait in host memory.
+    """
+
+    loss_chunk: int = 0
+    loss_grad_in_forward: bool = True
+    mlp_tiles: int = 0
+    checkpoint: str = ""
+    checkpoint_layers: int = 0
+    offload: bool = False
+
+    def describe(self, layers: int) -> str:
+        """The features in words (the start-up log line and the planner's table)."""
+        loss = "whole logits"
+        if self.loss_chunk:
+            loss = f"loss in {self.loss_chunk}-row chunks" + ("" if self.loss_grad_in_forward else ", recomputed")
+        parts = [loss, f"MLP in {self.mlp_tiles} tiles" if self.mlp_tiles else "MLP whole",
+                 f"{self.checkpoint} checkpointing of {self.checkpoint_layers}/{layers} layers" if self.checkpoint
+                 else "no checkpointing"]
+        return ", ".join(parts) + (", their inputs offloaded" if self.offload else "")
+
+
+def features_of(shape: ModelShape, tokens: int, s: StepSettings) -> Features:
+    """The features a :class:`StepSettings` means at ``tokens`` per rank: its own :attr:`~StepSettings.features`
+    when set, else its flags (every layer checkpointed, the loss chunked by :func:`loss_chunk_rows`, the MLP in
+    tiles of ``tile_mib``)."""
+    if s.features is not None:
+        return s.features
+    tiles = max(1, math.ceil(tokens * shape.mlp_width * 2 * MLP_LIVE / (s.tile_mib * 2 ** 20))) if s.tiled_mlp else 0
+    return Features(loss_chunk=loss_chunk_rows(tokens, shape.hidden, shape.vocab, s.tile_mib) if s.chunked_loss else 0,
+                    mlp_tiles=tiles, checkpoint=s.checkpointing,
+                    checkpoint_layers=shape.layers if s.checkpointing else 0,
+                    offload=s.offload_activations and bool(s.checkpointing))
+
+
+def activation_memory(shape: ModelShape, tokens: int, f: Features, elem_bytes: int, attention_peak: float,
+                      cal: Calibration = Calibration()) -> tuple[float, float, float]:
+    """``(activations, loss, attention)``: the bytes one rank holds for its step's activations at the peak.
+
+    Per token and softmax layer :class:`Calibration`'s ``h`` and feed-forward parts (a tiled block keeps its input
+    instead of its feed-forward part); a linear-attention layer its projections and gates. A checkpointed layer keeps
+    its input (selective: also the ring's output and LSE; offloaded: nothing on the device) and one layer is
+    recomputed at a time. The loss: the whole fp32 logits, or one chunk, an fp32 ``lm_head`` gradient and ``dx``.
+    The peak is at the loss (the kept activations and the loss's buffers) or in a layer's backward (the kept
+    activations, a recomputed layer, and the larger of the attention's buffers and an MLP tile's), whichever is larger.
+
+    Args:
+        shape: the model.
+        tokens: ``T``, tokens per rank.
+        f: the features.
+        elem_bytes: the training dtype's bytes.
+        attention_peak: the attention's transient backward bytes (:func:`attention_memory`).
+        cal: the measured constants.
+
+    Returns:
+        The three parts (at most one of ``loss`` and ``attention`` is not 0: the part the peak is at).
+    """
+    return _Pricer(shape, tokens, elem_bytes, attention_peak, 0.0, Hardware(), cal).memory(f)
+
+
 def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int = 1, elem_bytes: int = 2,
                 cal: Calibration = Calibration()) -> StepMemory:
     """The bytes one rank holds at the peak of a training step (AdamW, DeepSpeed ZeRO), by part.
 
-    With ``P`` parameters, ``w`` ranks, ``e`` bytes of the training dtype (mixed precision when ``e = 2``):
-
-    * parameters ``P e`` (ZeRO-3: ``P e / w`` plus the gathered ones, up to DeepSpeed's 1e9 live parameters);
-      gradients: the full set while the backward runs (ZeRO-1), up to a reduce bucket (ZeRO-2/3), plus the rank's
-      fp32 partition; optimizer ``P (8 + 4 [fp32 master]) / w`` (nothing with the optimizer offloaded); and
-      :attr:`Calibration.per_param` bytes per parameter (up to a bucket) for DeepSpeed's own buffers;
-    * activations: per token and softmax layer :class:`Calibration`'s ``h`` and feed-forward parts; a linear-
-      attention layer its projections and gates; selective checkpointing keeps the layer input and the ring's
-      output and LSE instead, full checkpointing the layer input, and both add one layer recomputed; tiled
-      feed-forward blocks keep their input only; offloaded layer inputs live on the host;
-    * the attention's transient buffers (``attention_memory(...).backward_peak``);
-    * the loss: the whole fp32 logits, or one chunk (``tile_mib``), an fp32 ``lm_head`` gradient and ``dx``;
-    * the peak is at the loss (the kept activations and the loss's buffers) or in a layer's backward (the kept
-      activations, a recomputed layer and the attention's buffers), whichever is larger.
+    The model's states (:func:`model_state_memory`), and the activations, the attention's transient buffers and the
+    loss's of :func:`activation_memory` for the features of ``s`` (:func:`features_of`).
 
     Args:
         shape: the model.
@@ -458,42 +517,32 @@ def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int =
     Returns:
         The :class:`StepMemory`.
     """
-    w, t, h, e = s.world, tokens_per_rank(seq, micro_batch, s.sp), shape.hidden, elem_bytes
-    p = shape.params
+    t = tokens_per_rank(seq, micro_batch, s.sp)
+    params, grads, optimizer = model_state_memory(shape, s, elem_bytes, cal)
+    att = attention_memory(micro_batch, tokens_per_rank(seq, 1, s.sp) * s.sp, shape.heads, shape.kv_heads,
+                           shape.head_dim, s.ulysses, s.ring, elem_bytes)
+    activations, loss, attention = activation_memory(shape, t, features_of(shape, t, s), elem_bytes,
+                                                     att.backward_peak, cal)
+    return StepMemory(params=params, grads=grads, optimizer=optimizer, activations=activations, attention=attention,
+                      loss=loss, fixed=cal.fixed)
+
+
+def model_state_memory(shape: ModelShape, s: StepSettings, elem_bytes: int = 2,
+                       cal: Calibration = Calibration()) -> tuple[float, float, float]:
+    """``(parameters, gradients, optimizer)``: the bytes of the model's states one rank holds at the step's peak.
+
+    With ``P`` parameters, ``w`` ranks, ``e`` bytes of the training dtype (mixed precision when ``e = 2``):
+    parameters ``P e`` (ZeRO-3: ``P e / w`` plus the gathered ones, up to DeepSpeed's 1e9 live parameters);
+    gradients: the full set while the backward runs (ZeRO-1), up to a reduce bucket (ZeRO-2/3), plus the rank's fp32
+    partition; optimizer ``P (8 + 4 [fp32 master]) / w`` (nothing with the optimizer offloaded); and
+    :attr:`Calibration.per_param` bytes per parameter (up to a bucket) for DeepSpeed's own buffers.
+    """
+    w, e, p = s.world, elem_bytes, shape.params
     params = p * e / w + min(p, LIVE_PARAMS) * e if s.zero == 3 else p * e
     grads = (p if s.zero == 1 else min(p, REDUCE_BUCKET)) * e + (0.0 if s.offload_optimizer else p * 4 / w)
     grads += cal.per_param[s.zero - 1] * min(p, REDUCE_BUCKET)
     optimizer = 0.0 if s.offload_optimizer else p * (8 + (4 if e != 4 else 0)) / w
-    att = attention_memory(micro_batch, tokens_per_rank(seq, 1, s.sp) * s.sp, shape.heads, shape.kv_heads,
-                           shape.head_dim, s.ulysses, s.ring, e)
-    mlp = 0.0 if s.tiled_mlp else cal.per_layer_mlp * shape.mlp_width
-    full_layer = t * e * (cal.per_layer_hidden * h + mlp)
-    linear_layer = t * e * (2 * shape.linear_k_heads * shape.linear_k_dim + 3 * shape.linear_v_heads
-                            * shape.linear_v_dim + 2 * shape.linear_v_heads) + t * e * cal.per_layer_hidden * h
-    tiled_inputs = t * e * h * shape.layers if s.tiled_mlp else 0.0  # what a tiled block keeps: its input
-    one_layer = max(full_layer if shape.attention_layers else 0.0, linear_layer if shape.linear_layers else 0.0)
-    if s.checkpointing:
-        kept = t * e * h  # the layer input
-        if s.checkpointing == "selective":  # the ring's output and LSE, and what the policy keeps besides
-            kept += t * e * cal.selective_hidden * h
-        kept = 0.0 if s.offload_activations else shape.layers * kept
-    else:
-        kept = shape.attention_layers * full_layer + shape.linear_layers * linear_layer + tiled_inputs
-        one_layer = 0.0  # nothing is recomputed
-    if s.chunked_loss:
-        chunk = loss_chunk_rows(t, h, shape.vocab, s.tile_mib)
-        loss = min(chunk, t) * shape.vocab * 4 + shape.vocab * h * 4 + t * h * e  # one chunk, fp32 dW, dx
-    else:
-        loss = t * shape.vocab * cal.logits
-    attention = att.backward_peak if shape.attention_layers else 0.0
-    # the peak is at the loss (every kept activation and the logits) or in a layer's backward (a layer recomputed,
-    # the attention's buffers), whichever is larger: the loss's buffers are gone by then
-    backward = one_layer + attention
-    activations, loss, attention = kept + (0.0 if loss >= backward else one_layer), (loss if loss >= backward
-                                                                                     else 0.0), \
-        (0.0 if loss >= backward else attention)
-    return StepMemory(params=params, grads=grads, optimizer=optimizer, activations=activations, attention=attention,
-                      loss=loss, fixed=cal.fixed)
+    return params, grads, optimizer
 
 
 def attention_forward_flops(shape: ModelShape, seq: int, micro_batch: int = 1, causal: bool = True,
@@ -545,6 +594,8 @@ class Hardware:
         intra_bw: GB/s one rank sends to the ranks of its node (NVLink).
         inter_bw: GB/s one rank sends across nodes (its share of the network).
         efficiency: the share of the peak the model's matmuls reach.
+        host_bw: GB/s between a GPU and its host (PCIe), one way: offloaded activations.
+        launch_us: microseconds a kernel launch costs beyond its work (a tile's or a chunk's small kernels).
     """
 
     nodes: int = 1
@@ -554,6 +605,8 @@ class Hardware:
     intra_bw: float = 300.0
     inter_bw: float = 25.0
     efficiency: float = 0.5
+    host_bw: float = 25.0
+    launch_us: float = 8.0
 
     @property
     def world(self) -> int:
@@ -570,6 +623,7 @@ class StepTime:
     ring: float
     ring_hidden: float
     zero: float
+    features: float = 0.0  # what the memory features add: recomputation, exposed offload copies, their launches
 
     @property
     def ring_exposed(self) -> float:
@@ -578,15 +632,16 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        """Compute, the all-to-alls, the exposed ring and ZeRO's collectives in sequence."""
-        return self.compute + self.all_to_all + self.ring_exposed + self.zero
+        """Compute, the memory features, the all-to-alls, the exposed ring and ZeRO's collectives in sequence."""
+        return self.compute + self.features + self.all_to_all + self.ring_exposed + self.zero
 
 
 def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_batch: int = 1,
               elem_bytes: int = 2, doc_lens: Optional[Sequence[int]] = None) -> StepTime:
     """Seconds of one training step per rank.
 
-    Compute: :func:`step_flops` over the ranks of a sequence at ``peak x efficiency``. Communication: the exact
+    Compute: :func:`step_flops` over the ranks of a sequence at ``peak x efficiency``; the memory features:
+    :func:`feature_seconds`. Communication: the exact
     bytes of :func:`forward_bytes` / :func:`backward_bytes` (and :func:`linear_bytes`) per layer, the all-to-all at
     the bandwidth of the Ulysses group (inside a node when ``U`` fits one), the ring at the bandwidth between
     ring neighbours (``U`` ranks apart), overlapped with the attention's compute (the K/V of the next step is in
@@ -605,10 +660,13 @@ def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_
     Returns:
         The :class:`StepTime`.
     """
-    flops = step_flops(shape, seq, micro_batch, checkpointing=s.checkpointing, doc_lens=doc_lens) / s.sp
+    flops = step_flops(shape, seq, micro_batch, doc_lens=doc_lens) / s.sp
     rate = hw.peak_tflops * 1e12 * hw.efficiency
     compute = flops / rate
     padded = tokens_per_rank(seq, 1, s.sp) * s.sp
+    tokens = tokens_per_rank(seq, micro_batch, s.sp)
+    extra = feature_seconds(shape, tokens, features_of(shape, tokens, s), hw, elem_bytes,
+                            attention_forward_flops(shape, padded, micro_batch, True, doc_lens) / s.sp)
 
     def bw(span: int) -> float:  # GB/s between ranks ``span`` apart
         return (hw.intra_bw if span < hw.gpus_per_node else hw.inter_bw) * 1e9
@@ -630,4 +688,235 @@ def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_
     hidden = shape.attention_layers * attn_flops / s.sp / rate * (s.ring - 1) / s.ring if s.ring > 1 else 0.0
     per_param = elem_bytes * (3 if s.zero == 3 else 1) * (s.world - 1) / s.world
     zero = shape.params * per_param / bw(s.world) if s.world > 1 else 0.0
-    return StepTime(compute=compute, all_to_all=a2a, ring=ring, ring_hidden=hidden, zero=zero)
+    return StepTime(compute=compute, all_to_all=a2a, ring=ring, ring_hidden=hidden, zero=zero, features=extra)
+
+
+# ------------------------------------------------------------------------------------------ the memory features
+
+KERNELS_PER_TILE = 30  # launches one MLP tile adds (its forward, recomputation and backward: matmuls, pointwise)
+KERNELS_PER_CHUNK = 20  # launches one loss chunk adds (logits, softmax, its gradient, three matmuls)
+KERNELS_PER_CHECKPOINT = 10  # launches a checkpointed layer adds besides its recomputation (saving, unpacking)
+OFFLOAD_HIDDEN = 0.75  # the most of an offload copy's time a layer's compute hides (the first layers' never are)
+
+
+@dataclass(frozen=True)
+class FeatureModes:
+    """What the ``usp`` memory keys leave to :func:`choose_features`.
+
+    Attributes:
+        chunked_loss: ``"auto"``, True or False.
+        tiled_mlp: ``"auto"``, True or False.
+        activation_checkpointing: ``"auto"``, ``"selective"``, ``"full"`` or False (a mode given: every layer).
+        offload_activations: ``"auto"``, True or False.
+        tile_mib: the most a loss chunk's fp32 logits and an MLP tile's backward may hold (None: what fits).
+    """
+
+    chunked_loss: object = "auto"
+    tiled_mlp: object = "auto"
+    activation_checkpointing: object = "auto"
+    offload_activations: object = "auto"
+    tile_mib: Optional[float] = None
+
+
+class _Pricer:
+    """The memory and the seconds of each feature at ``tokens`` per rank, in parts (the one place their formulas are
+    written: :func:`activation_memory`, :func:`feature_seconds` and :func:`choose_features` use it)."""
+
+    def __init__(self, shape: ModelShape, tokens: int, elem_bytes: int, attention_peak: float,
+                 attention_flops: float, hw: Hardware, cal: Calibration) -> None:
+        t, h, e = tokens, shape.hidden, elem_bytes
+        self.shape, self.t, self.e, self.hw, self.cal = shape, t, e, hw, cal
+        self.layers = shape.layers
+        self.rate = hw.peak_tflops * 1e12 * hw.efficiency
+        linear_layer = t * e * (2 * shape.linear_k_heads * shape.linear_k_dim + 3 * shape.linear_v_heads
+                                * shape.linear_v_dim + 2 * shape.linear_v_heads) + t * e * cal.per_layer_hidden * h
+        self.whole, self.one = {}, {}
+        for tiled in (False, True):
+            full_layer = t * e * (cal.per_layer_hidden * h + (0.0 if tiled else cal.per_layer_mlp * shape.mlp_width))
+            # every layer kept, a tiled block's input included; the one a checkpointed layer recomputes
+            self.whole[tiled] = (shape.attention_layers * full_layer + shape.linear_layers * linear_layer
+                                 + (t * e * h * self.layers if tiled else 0.0))
+            self.one[tiled] = max(full_layer if shape.attention_layers else 0.0,
+                                  linear_layer if shape.linear_layers else 0.0)
+        self.attention = attention_peak if shape.attention_layers else 0.0
+        self.attention_flops = attention_flops
+        self.proj = 2.0 * t * h * (2 * shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim)
+        self.mlp = 2.0 * t * 3 * h * shape.mlp_width
+
+    # ---- memory
+    def kept(self, mode: str, k: int, offload: bool, tiled: bool) -> float:
+        """What the layers keep for their backward: ``k`` checkpointed (their inputs), the others whole."""
+        per = 0.0 if offload else self.t * self.e * self.shape.hidden * (
+            1 + (self.cal.selective_hidden if mode == "selective" else 0))
+        return k * per + (self.whole[tiled] * (self.layers - k) / self.layers if self.layers else 0.0)
+
+    def backward(self, k: int, tiles: int) -> tuple[float, float]:
+        """``(recomputed layer, the larger of the attention's and an MLP tile's buffers)`` in a layer's backward."""
+        tile = math.ceil(self.t / tiles) * self.shape.mlp_width * self.e * MLP_LIVE if tiles else 0.0
+        return (self.one[tiles > 0] if k else 0.0), max(self.attention, tile)
+
+    def loss(self, chunk: int) -> float:
+        """The loss's buffers: the whole fp32 logits, or one chunk's, an fp32 ``lm_head`` gradient and ``dx``."""
+        if chunk:
+            return min(chunk, self.t) * self.shape.vocab * 4 + self.shape.vocab * self.shape.hidden * 4 \
+                + self.t * self.shape.hidden * self.e
+        return self.t * self.shape.vocab * self.cal.logits
+
+    def memory(self, f: Features) -> tuple[float, float, float]:
+        """``(activations, loss, attention)`` at the peak (:func:`activation_memory`)."""
+        k = self._k(f)
+        kept = self.kept(f.checkpoint, k, f.offload, f.mlp_tiles > 0)
+        one, transient = self.backward(k, f.mlp_tiles)
+        loss = self.loss(f.loss_chunk)
+        if loss >= one + transient:  # the loss's buffers are gone by the layers' backward
+            return kept, loss, 0.0
+        return kept + one, 0.0, transient
+
+    # ---- seconds
+    def layers_seconds(self, mode: str, k: int, offload: bool, tiles: int) -> float:
+        """What checkpointing ``k`` layers and tiling every feed-forward block add (see :func:`feature_seconds`)."""
+        tiled = tiles > 0
+        flops = k * (self.proj + (0.0 if tiled else self.mlp) + (self.attention_flops if mode == "full" else 0.0))
+        if tiled:
+            flops += self.layers * self.mlp * 2 / 3
+        launches = self.layers * tiles * KERNELS_PER_TILE + k * KERNELS_PER_CHECKPOINT
+        exposed = 0.0
+        if offload and k:  # a layer's forward and backward hide a share of its input's two copies at best
+            copy = 2 * self.t * self.shape.hidden * self.e / (self.hw.host_bw * 1e9)
+            exposed = k * max(copy * (1 - OFFLOAD_HIDDEN), copy - 3 * (self.proj + self.mlp) / self.rate)
+        return flops / self.rate + launches * self.hw.launch_us * 1e-6 + exposed
+
+    def loss_seconds(self, chunk: int, grad_in_forward: bool) -> float:
+        """What the chunked loss adds: its chunks' launches, and ``2 T H V`` when it recomputes its logits."""
+        if not chunk:
+            return 0.0
+        flops = 0.0 if grad_in_forward else 2.0 * self.t * self.shape.hidden * self.shape.vocab
+        return flops / self.rate + math.ceil(self.t / chunk) * KERNELS_PER_CHUNK * self.hw.launch_us * 1e-6
+
+    def seconds(self, f: Features) -> float:
+        """:func:`feature_seconds`."""
+        return self.layers_seconds(f.checkpoint, self._k(f), f.offload, f.mlp_tiles) + \
+            self.loss_seconds(f.loss_chunk, f.loss_grad_in_forward)
+
+    def _k(self, f: Features) -> int:
+        return min(f.checkpoint_layers, self.layers) if f.checkpoint else 0
+
+
+def feature_seconds(shape: ModelShape, tokens: int, f: Features, hw: Hardware, elem_bytes: int = 2,
+                    attention_flops: float = 0.0) -> float:
+    """Seconds the memory features add to one rank's step: recomputed FLOPs at ``peak x efficiency``, the offload
+    copies' part not hidden behind a layer's compute, and the launches of each tile, chunk and checkpoint.
+
+    * a checkpointed layer recomputes its projections, its feed-forward block when it is not tiled (a tiled block
+      keeps its input, so the recomputation ends before it), and under ``"full"`` its attention's forward;
+    * a tiled gated MLP recomputes ``gate`` and ``up`` (two thirds of its forward) per tile;
+    * the chunked loss recomputing its logits adds ``2 T H V``; taking its gradients in the forward adds nothing;
+    * an offloaded layer input goes to the host and back (``2 T H e`` bytes at ``host_bw``), overlapped with the
+      layer's own forward and backward, at most :data:`OFFLOAD_HIDDEN` of it.
+
+    Args:
+        shape: the model.
+        tokens: ``T``, tokens per rank.
+        f: the features.
+        hw: the device (its peak, efficiency, host bandwidth and launch cost).
+        elem_bytes: the training dtype's bytes.
+        attention_flops: one softmax layer's attention forward on this rank (for ``"full"`` checkpointing).
+
+    Returns:
+        Seconds.
+    """
+    return _Pricer(shape, tokens, elem_bytes, 0.0, attention_flops, hw, Calibration()).seconds(f)
+
+
+def _chunk_options(tokens: int, cap_rows: Optional[int]) -> list[int]:
+    """Loss chunk rows to try: multiples of :data:`ROW_MULTIPLE` doubling up to the tokens (rounded up), at most
+    ``cap_rows``."""
+    top = -(-tokens // ROW_MULTIPLE) * ROW_MULTIPLE
+    rows, out = ROW_MULTIPLE, []
+    while rows < top:
+        out.append(rows)
+        rows *= 2
+    out.append(top)
+    if cap_rows is not None:  # usp.tile_mib: a cap below one multiple is taken as it is (small models, tests)
+        out = [r for r in out if r <= cap_rows] or [max(1, min(cap_rows, top))]
+    return out
+
+
+def _tile_options(tokens: int) -> list[int]:
+    """MLP tile counts to try: 1, 2, 3, 4, 6, 8, 12, 16, 24... while a tile keeps at least :data:`ROW_MULTIPLE` tokens."""
+    out, n = [1], 2
+    while tokens / n >= ROW_MULTIPLE:
+        out.append(n)
+        n = n + 1 if n < 4 else n * 3 // 2 if n % 8 == 0 or n == 4 else n * 4 // 3
+    return out
+
+
+def _allowed(value: object, auto: list, on: list, off: list) -> list:
+    return auto if value == "auto" else (off if value is False or value is None or value == "" else on)
+
+
+def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget: float, hw: Hardware,
+                    elem_bytes: int = 2, attention_peak: float = 0.0, attention_flops: float = 0.0,
+                    offload_possible: bool = True, cal: Calibration = Calibration()) -> tuple[Features, float, float]:
+    """The fastest features whose activations fit ``budget``: what ``"auto"`` takes (and the planner's ``auto``).
+
+    Every combination the keys allow is priced: the loss whole or in chunks (multiples of :data:`ROW_MULTIPLE` rows,
+    gradients in the forward), the feed-forward blocks whole or in tiles, checkpointing (``"selective"`` or ``"full"``)
+    of the first ``k`` layers for every ``k``, their inputs offloaded or not; a key set to true forces its feature (a
+    checkpointing mode forces every layer), false rules it out. Memory: :func:`activation_memory`; time:
+    :func:`feature_seconds`. The fastest combination that fits wins (ties: the one holding least); when none fits, the
+    one holding least.
+
+    Args:
+        shape: the model.
+        tokens: ``T``, tokens per rank.
+        modes: the ``usp`` keys.
+        budget: bytes the activations, the loss and the attention's buffers may take on one rank.
+        hw: the device.
+        elem_bytes: the training dtype's bytes.
+        attention_peak: the attention's transient backward bytes.
+        attention_flops: one layer's attention forward FLOPs on this rank.
+        offload_possible: the device has a host to offload to (a GPU).
+        cal: the measured constants.
+
+    Returns:
+        ``(features, activation bytes, seconds they add)``.
+    """
+    p = _Pricer(shape, tokens, elem_bytes, attention_peak, attention_flops, hw, cal)
+    layers = shape.layers
+    cap = None if modes.tile_mib is None else int(modes.tile_mib * 2 ** 20 // (shape.vocab * 4))
+    chunks = _chunk_options(tokens, cap)
+    losses = sorted(((p.loss_seconds(c, True), p.loss(c), c) for c in
+                     _allowed(modes.chunked_loss, [0] + chunks, chunks, [0])))  # fastest first
+    tiles = _tile_options(tokens)
+    if modes.tile_mib is not None:  # a tile's backward within the tile budget
+        tiles = [n for n in tiles if math.ceil(tokens / n) * shape.mlp_width * elem_bytes * MLP_LIVE
+                 <= modes.tile_mib * 2 ** 20] or tiles[-1:]
+    tile_opts = _allowed(modes.tiled_mlp, [0] + tiles, tiles, [0])
+    mode = modes.activation_checkpointing
+    if mode == "auto":
+        ckpts = [("", 0)] + [(m, k) for m in ("selective", "full") for k in range(1, layers + 1)]
+    else:
+        ckpts = [(mode, layers)] if mode in ("selective", "full") else [("", 0)]
+    offloads = _allowed(modes.offload_activations, [False, True], [True], [False]) if offload_possible else [False]
+
+    best = least = None  # (seconds, bytes, features)
+    for ckpt, k in ckpts:
+        for offload in offloads:
+            if offload and not ckpt:
+                continue
+            for n in tile_opts:
+                kept = p.kept(ckpt, k, offload, n > 0)
+                one, transient = p.backward(k, n)
+                layers_s = p.layers_seconds(ckpt, k, offload, n)
+                for loss_s, loss_b, chunk in losses:
+                    mem = kept + max(loss_b, one + transient)
+                    option = (layers_s + loss_s, mem, chunk, n, ckpt, k, offload)
+                    if least is None or mem < least[1]:
+                        least = option
+                    if mem <= budget:
+                        if best is None or option[:2] < best[:2]:
+                            best = option
+                        break  # the losses are sorted fastest first: the first that fits is this row's best
+    sec, mem, chunk, n, ckpt, k, offload = best if best is not None else least
+    return Features(loss_chunk=chunk, mlp_tiles=n, checkpoint=ckpt, checkpoint_layers=k, offload=offload), mem, sec

@@ -30,15 +30,19 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
 from ds_usp.config import degree_split, divisors
-from ds_usp.cost import GIB, Hardware, ModelShape, StepMemory, StepSettings, StepTime, step_memory, step_time
+from ds_usp.cost import (GIB, FeatureModes, Hardware, ModelShape, StepMemory, StepSettings, StepTime,
+                         attention_forward_flops, attention_memory, choose_features, model_state_memory,
+                         step_memory, step_time, tokens_per_rank)
+from ds_usp.integration.step.choices import HEADROOM
 from ds_usp.integration.data.dynamic import plan_step
 from ds_usp.integration.models.shape import model_shape, split_refusal
 
 # the memory-feature presets the planner tries: name -> (checkpointing, tiled feed-forward, chunked loss, offloaded
-# layer inputs); "full-offload" is ALST's recipe (with --offload, the optimizer state goes to the host too)
-PRESETS = {"off": ("", False, False, False), "selective": ("selective", True, True, False),
-           "full": ("full", True, True, False), "full-offload": ("full", True, True, True)}
-HEADROOM = 0.9  # a plan fits when it predicts at most this share of the GPU's memory
+# layer inputs); "auto" is what ds-usp's "auto" keys choose (the fastest features that fit, priced per plan);
+# "full-offload" is ALST's recipe (with --offload, the optimizer state goes to the host too)
+PRESETS = {"auto": ("auto", "auto", "auto", "auto"), "off": ("", False, False, False),
+           "selective": ("selective", True, True, False), "full": ("full", True, True, False),
+           "full-offload": ("full", True, True, True)}
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,11 @@ class Candidate:
         """The plan as a flat dict (the table and ``--json``)."""
         s = self.settings
         return {"U": s.ulysses, "R": s.ring, "dp": s.dp, "zero": s.zero, "layout": "zigzag", "features": self.preset,
+                "chosen": asdict(s.features) if s.features is not None else None,
                 "offload": s.offload_optimizer, "mem_gib": self.memory.total / GIB,
                 **{f"{k}_gib": v / GIB for k, v in asdict(self.memory).items()},
-                "step_s": self.time.total, "compute_s": self.time.compute, "all_to_all_s": self.time.all_to_all,
+                "step_s": self.time.total, "compute_s": self.time.compute, "features_s": self.time.features,
+                "all_to_all_s": self.time.all_to_all,
                 "ring_s": self.time.ring, "ring_exposed_s": self.time.ring_exposed,
                 "zero_s": self.time.zero, "tokens_per_s": seq * s.dp / self.time.total if self.time.total else None,
                 "problem": self.problem}
@@ -133,7 +139,11 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
                 for preset in presets:
                     ckpt, tiled, chunked, off_act = PRESETS[preset]
                     for off in ((False, True) if offload else (False,)):
-                        s = StepSettings(u, r, hw.world // sp, stage, ckpt, tiled, chunked, off, off_act)
+                        if preset == "auto":
+                            s = StepSettings(u, r, hw.world // sp, stage, offload_optimizer=off)
+                            s = s if refused else auto_settings(shape, s, seq, hw, micro_batch, elem_bytes)
+                        else:
+                            s = StepSettings(u, r, hw.world // sp, stage, ckpt, tiled, chunked, off, off_act)
                         if refused:  # not priced: ds-usp would refuse it
                             out.append(Candidate(s, preset, StepMemory(0, 0, 0, 0, 0, 0, 0), StepTime(0, 0, 0, 0, 0),
                                                  refused))
@@ -146,6 +156,21 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
                         out.append(Candidate(s, preset, mem, t, problem))
     # fastest per token first: a plan with replicas trains dp sequences per step
     return sorted(out, key=lambda c: (c.problem is not None, c.time.total / c.settings.dp, c.memory.total))
+
+
+def auto_settings(shape: ModelShape, base: StepSettings, seq: int, hw: Hardware, micro_batch: int = 1,
+                  elem_bytes: int = 2) -> StepSettings:
+    """``base`` with the features ds-usp's ``"auto"`` keys choose on this hardware (the same rule as
+    :meth:`ds_usp.integration.step.choices.MemoryContext.make_choices`: the fastest that fit :data:`HEADROOM` of the
+    GPU's memory beside the model's states)."""
+    tokens = tokens_per_rank(seq, micro_batch, base.sp)
+    padded = tokens_per_rank(seq, 1, base.sp) * base.sp
+    budget = HEADROOM * hw.gpu_mem_gib * GIB - sum(model_state_memory(shape, base, elem_bytes))
+    att = attention_memory(micro_batch, padded, shape.heads, shape.kv_heads, shape.head_dim, base.ulysses, base.ring,
+                           elem_bytes)
+    features, _, _ = choose_features(shape, tokens, FeatureModes(), budget, hw, elem_bytes, att.backward_peak,
+                                     attention_forward_flops(shape, padded, micro_batch) / base.sp)
+    return replace(base, features=features)
 
 
 def largest_fitting_seq(shape: ModelShape, hw: Hardware, seq: int, **kw: Any) -> Optional[int]:
@@ -244,19 +269,21 @@ def length_plans(shape: ModelShape, hw: Hardware, settings: StepSettings, length
     return out
 
 
-def ds_config(c: Candidate, micro_batch: int, bf16: bool = True) -> dict[str, Any]:
+def ds_config(c: Candidate, micro_batch: int, bf16: bool = True, memory_gib: Optional[float] = None) -> dict[str, Any]:
     """The DeepSpeed JSON of a plan: DeepSpeed's keys and ds-usp's (what a user writes)."""
     s = c.settings
     zero: dict[str, Any] = {"stage": s.zero}
     if s.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     ckpt, tiled, chunked, off_act = PRESETS[c.preset]
+    usp = {"ulysses_degree": s.ulysses, "ring_degree": s.ring, "layout": "zigzag",
+           "activation_checkpointing": ckpt or False, "tiled_mlp": tiled, "chunked_loss": chunked,
+           "offload_activations": off_act}
+    if memory_gib is not None:  # "auto" then chooses per step within this memory, as the planner did
+        usp["memory_gib"] = memory_gib
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": bf16}, "zero_optimization": zero, "sequence_parallel": "usp",
-            "sequence_parallel_size": s.sp,
-            "usp": {"ulysses_degree": s.ulysses, "ring_degree": s.ring, "layout": "zigzag",
-                    "activation_checkpointing": ckpt or False, "tiled_mlp": tiled, "chunked_loss": chunked,
-                    "offload_activations": off_act}}
+            "sequence_parallel_size": s.sp, "usp": usp}
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -366,7 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     if args.write:
         with open(args.write, "w") as f:
-            json.dump(ds_config(good[0], args.micro_batch, bf16=not args.fp32), f, indent=2)
+            json.dump(ds_config(good[0], args.micro_batch, bf16=not args.fp32, memory_gib=hw.gpu_mem_gib), f, indent=2)
         print(f"wrote {args.write}: launch it with deepspeed --num_nodes {hw.nodes} --num_gpus {hw.gpus_per_node} "
               f"your_program.py --deepspeed_config {args.write}")
     return 0
@@ -379,7 +406,7 @@ def _print(shape: ModelShape, hw: Hardware, args: argparse.Namespace, good: list
           f"{hw.nodes} x {hw.gpus_per_node} GPUs, {hw.gpu_mem_gib:g} GiB each; {n_good} of {n_all} plans fit")
     head = (f"{'#':>2} {'U':>3} {'R':>3} {'dp':>3} {'ZeRO':>4} {'features':>9} {'offl':>4} | {'GiB':>6} = "
             f"{'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'attn':>6} {'loss':>6} {'fixed':>5} | "
-            f"{'step s':>8} = {'comp':>7} {'a2a':>6} {'ring':>6} {'zero':>6} | {'tok/s':>9}")
+            f"{'step s':>8} = {'comp':>7} {'feat':>6} {'a2a':>6} {'ring':>6} {'zero':>6} | {'tok/s':>9}")
     print(head)
     print("-" * len(head))
     for i, c in enumerate(good, 1):
@@ -387,8 +414,12 @@ def _print(shape: ModelShape, hw: Hardware, args: argparse.Namespace, good: list
         print(f"{i:>2} {s.ulysses:>3} {s.ring:>3} {s.dp:>3} {s.zero:>4} {c.preset:>9} {'yes' if s.offload_optimizer else '':>4}"
               f" | {m.total / GIB:>6.1f} = {m.params / GIB:>6.1f} {m.grads / GIB:>6.1f} {m.optimizer / GIB:>6.1f} "
               f"{m.activations / GIB:>6.1f} {m.attention / GIB:>6.1f} {m.loss / GIB:>6.1f} {m.fixed / GIB:>5.1f} | "
-              f"{t.total:>8.2f} = {t.compute:>7.2f} {t.all_to_all:>6.2f} {t.ring_exposed:>6.2f} {t.zero:>6.2f} | "
+              f"{t.total:>8.2f} = {t.compute:>7.2f} {t.features:>6.2f} {t.all_to_all:>6.2f} {t.ring_exposed:>6.2f} "
+              f"{t.zero:>6.2f} | "
               f"{args.seq * s.dp / t.total:>9.0f}")
+    auto = [(i, c) for i, c in enumerate(good, 1) if c.settings.features is not None]
+    for i, c in auto[:3]:
+        print(f"#{i} auto: {c.settings.features.describe(shape.layers)}")
     if bad:
         print("not feasible (first few):")
         for c in bad:

@@ -219,3 +219,15 @@ def test_predicted_peak_within_15_percent_of_the_h100_rows():
         s = StepSettings(1, 1, 1, 3, ckpt, tiled, chunked, False, offload_act)
         ratios[r["S"]] = step_memory(shape, s, r["S"]).total / 2 ** 30 / r["peak_GiB"]
     assert all(abs(x - 1) <= GPU_TOLERANCE for x in ratios.values()), f"predicted / measured peak per S: {ratios}"
+
+
+def test_auto_takes_no_feature_the_gpu_does_not_need():
+    """The planner's ``auto`` on one 80 GiB GPU, the 1.5B Llama-3 shape of the H100 rows: at 16K the step fits with the
+    chunked loss alone (no checkpointing, no tiles); at 128K it checkpoints some layers but offloads nothing, since the
+    step fits without it. The JSON it writes leaves the keys "auto" with the GPU's memory."""
+    shape = ["--hidden", "2048", "--layers", "16", "--heads", "32", "--kv-heads", "8", "--vocab", "128256",
+             "--intermediate", "8192", "--gpus-per-node", "1", "--gpu-mem", "80", "--zero", "3", "--json"]
+    for seq, check in ((16384, lambda f: f["loss_chunk"] and not f["checkpoint"] and not f["mlp_tiles"]),
+                       (131072, lambda f: f["checkpoint"] and f["checkpoint_layers"] < 16 and not f["offload"])):
+        rows = [p for p in json.loads(_plan(*shape, "--seq", str(seq)).stdout)["plans"] if p["features"] == "auto"]
+        assert rows and rows[0]["problem"] is None and check(rows[0]["chosen"]), (seq, rows[0])

@@ -93,3 +93,14 @@ def split_refusal(shape: ModelShape, u: int, r: int, seq: int) -> Optional[str]:
     if seq < 2 * u * r:
         return f"S={seq} shorter than 2 x U x R = {2 * u * r}"
     return None
+
+
+def shape_of(model: Any) -> Optional[ModelShape]:
+    """The cost model's view of an HF causal LM (None for another model, or one it cannot describe)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return None
+    try:
+        return model_shape(config, model)
+    except Exception:  # noqa: BLE001 - the cost model is advice: a model it cannot read just goes without
+        return None

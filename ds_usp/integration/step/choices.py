@@ -1,54 +1,63 @@
-"""What one forward call of a long-sequence step does: the ``usp`` memory keys and the choices made from them.
+"""What one forward call of a long-sequence step does: the memory features ``"auto"`` chooses for it.
 
 :class:`MemoryContext` is shared by a wrapped model's top-level forward and its layers
-(:mod:`ds_usp.integration.step.forward`); :meth:`MemoryContext.make_choices` turns the settings and the tokens a rank
-holds into a :class:`StepChoices`: "auto" features turn on when sequence parallelism is on and the sequence is long
-enough to need them.
+(:mod:`ds_usp.integration.step.forward`). At each call :meth:`MemoryContext.choose` turns the ``usp`` keys and the
+tokens this rank holds into :class:`StepChoices`: the fastest features whose predicted memory fits the rank's budget,
+from the one cost model (:func:`ds_usp.cost.choose_features`; ``python -m ds_usp.plan`` prints the same choice).
+
+The budget: ``usp.memory_gib`` when given, else the device's memory (a GPU's; on CPU the host's available memory
+shared by the node's ranks), of which :data:`HEADROOM` is planned, less what the model's states take
+(:func:`ds_usp.cost.model_state_memory`). Under ZeRO-3 the ranks agree on it and on the tokens (tile counts decide how
+often ZeRO-3 gathers), one small all-reduce per call.
 """
 from __future__ import annotations
 
-import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from ds_usp.comm import all_reduce_max_int
+from ds_usp.comm import all_reduce_max_
 from ds_usp.config import USPSettings
-from ds_usp.cost import loss_chunk_rows
+from ds_usp.cost import (GIB, Calibration, FeatureModes, Features, Hardware, ModelShape, StepSettings,
+                         attention_forward_flops, attention_memory, choose_features, features_of, model_state_memory)
+from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 
 MIB = 2 ** 20
-CHECKPOINT_MIN_TOKENS = 2048  # "auto" checkpoints the layers when a rank holds at least this many tokens
-OFFLOAD_SHARE = 0.1  # "auto" offloads when the checkpointed hidden states would take this share of the GPU
-MLP_LIVE = 6  # tokens x intermediate tensors a tile's backward holds at once (gate, up, act, product, 2 grads)
-
-
+HEADROOM = 0.9  # the share of the rank's memory a step is planned into (the planner's, python -m ds_usp.plan)
+CPU = Hardware(peak_tflops=1.0, efficiency=1.0, host_bw=1e9, launch_us=5.0)  # relative prices only
 MemorySettings = USPSettings  # the memory stack reads the "usp" keys of the same names
 
 
 @dataclass(frozen=True)
-class StepChoices:
-    """What one forward call does, decided from the tokens per rank (the same on every rank).
+class StepChoices(Features):
+    """What one forward call does (:class:`ds_usp.cost.Features`), the same on every rank under ZeRO-3.
 
     Attributes:
         tokens: tokens this rank holds (batch x local length); the largest over the ranks under ZeRO-3.
-        loss_chunk: tokens per logits chunk (0: the loss is not chunked).
-        loss_grad_in_forward: take the loss's gradients in its forward (no recompute; holds one
-            ``vocab x hidden`` fp32 weight gradient until the backward) instead of recomputing each
-            chunk's logits in the backward.
-        mlp_tiles: tiles of the MLP (0: not tiled).
-        checkpoint: ``"selective"``, ``"full"`` or ``""`` (off).
-        offload: move each checkpointed layer input to host memory.
+        budget: the bytes the activations were planned into (0: none known).
+        predicted: the bytes the cost model predicts the activations take.
+        seconds: what the features add to the step, as the cost model prices them.
     """
 
-    tokens: int
-    loss_chunk: int = 0
-    loss_grad_in_forward: bool = False
-    mlp_tiles: int = 0
-    checkpoint: str = ""
-    offload: bool = False
+    tokens: int = 0
+    budget: float = 0.0
+    predicted: float = 0.0
+    seconds: float = 0.0
+
+
+def host_memory_per_rank() -> float:
+    """The host's available memory (``MemAvailable``) shared by the ranks of this node, in bytes (0: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return avail / max(1, local)
 
 
 @dataclass
@@ -69,7 +78,13 @@ class MemoryContext:
     layers: int
     zero3: bool
     usp: Any = None  # the model's USPContext (ds_usp.integration.models.attention), whose call state gives the topology
+    shape: Optional[ModelShape] = None  # the cost model's view of the model (None: only forced features, by tile_mib)
+    step: Optional[StepSettings] = None  # the layout and ZeRO settings, for the model's states in the budget
     choices: Optional[StepChoices] = field(default=None)
+    offload: Any = None  # the checkpointed inputs in host memory (ds_usp.integration.step.recompute.Offload)
+    _memory: Optional[float] = field(default=None, repr=False)  # the rank's memory (bytes), read at the first call
+    _known: dict = field(default_factory=dict, repr=False)  # tokens -> choices already made
+    _logged: set = field(default_factory=set, repr=False)
 
     @property
     def topo(self) -> Optional[USPTopology]:
@@ -86,7 +101,7 @@ class MemoryContext:
         return self.choices
 
     def make_choices(self, tokens: int, device: torch.device, dtype: torch.dtype) -> StepChoices:
-        """Decide the features for a forward call over ``tokens`` tokens per rank.
+        """The features for a forward call over ``tokens`` tokens per rank (see the module docstring).
 
         Args:
             tokens: batch x local sequence length of this rank.
@@ -94,30 +109,60 @@ class MemoryContext:
             dtype: the activations' dtype.
 
         Returns:
-            The choices.
+            The choices (logged on rank 0 the first time they are made for a length).
         """
-        if self.zero3 and dist.get_world_size() > 1:  # tile counts decide how often ZeRO-3 gathers: agree on them
-            tokens = all_reduce_max_int(tokens, self.topo.sp_dp_group, "the tokens per rank of a step",
-                                        _group_device(device))
-        s, tile = self.settings, self.settings.tile_mib * MIB
-        elem = torch.empty(0, dtype=dtype).element_size()
-        logits_bytes = tokens * self.vocab * 4
-        chunked = s.chunked_loss is True or (s.chunked_loss == "auto" and logits_bytes > tile)
-        loss_chunk = loss_chunk_rows(tokens, self.hidden, self.vocab, s.tile_mib) if chunked else 0
-        ckpt = s.activation_checkpointing
-        if ckpt == "auto":
-            ckpt = "selective" if tokens >= CHECKPOINT_MIN_TOKENS else ""
-        ckpt = ckpt or ""
-        mlp_bytes = tokens * self.intermediate * elem * MLP_LIVE
-        tiled = s.tiled_mlp is True or (s.tiled_mlp == "auto" and (bool(ckpt) or mlp_bytes > tile))
-        offload = s.offload_activations is True
-        if s.offload_activations == "auto" and ckpt and device.type == "cuda":
-            held = self.layers * tokens * self.hidden * elem
-            offload = held > OFFLOAD_SHARE * torch.cuda.get_device_properties(device).total_memory
-        return StepChoices(tokens=tokens, loss_chunk=loss_chunk,
-                        loss_grad_in_forward=chunked and self.vocab * self.hidden * 4 <= tile,
-                        mlp_tiles=max(1, math.ceil(mlp_bytes / tile)) if tiled else 0, checkpoint=ckpt,
-                        offload=bool(offload and ckpt))
+        memory = self._rank_memory(device)
+        if self.zero3 and dist.is_initialized() and dist.get_world_size() > 1:  # agree: tile counts decide gathers
+            agreed = torch.tensor([tokens, -int(memory // MIB)], dtype=torch.int64, device=_group_device(device))
+            all_reduce_max_(agreed, self.topo.sp_dp_group, "the tokens and memory of a step")
+            tokens, memory = int(agreed[0]), -float(agreed[1]) * MIB
+        key = (tokens, dtype, memory)
+        if key not in self._known:
+            self._known[key] = self._decide(tokens, device, torch.empty(0, dtype=dtype).element_size(), memory)
+        choices = self._known[key]
+        if key not in self._logged:
+            self._logged.add(key)
+            over = choices.predicted > choices.budget
+            log_rank0(f"usp memory features at {tokens} tokens per rank: {choices.describe(self.layers)}"
+                      + (f" (predicted {choices.predicted / GIB:.2f} GiB of a {choices.budget / GIB:.2f} GiB budget "
+                         f"for activations{': nothing fits, these hold the least' if over else ''}; the features "
+                         f"add about {choices.seconds:.3g} s)" if choices.budget else ""))
+        return choices
+
+    def _rank_memory(self, device: torch.device) -> float:
+        """The memory one rank's step may use: ``usp.memory_gib``, else the device's (read once)."""
+        if self._memory is None:
+            given = getattr(self.settings, "memory_gib", None)
+            if given is not None:
+                self._memory = float(given) * GIB
+            elif device.type == "cuda":
+                self._memory = float(torch.cuda.get_device_properties(device).total_memory)
+            else:
+                self._memory = host_memory_per_rank()
+        return self._memory
+
+    def _decide(self, tokens: int, device: torch.device, elem: int, memory: float) -> StepChoices:
+        s = self.settings
+        modes = FeatureModes(s.chunked_loss, s.tiled_mlp, s.activation_checkpointing, s.offload_activations,
+                             s.tile_mib)
+        if self.shape is None or not memory:  # no cost model: the features set to true, sized by the tile budget
+            forced = StepSettings(1, 1, checkpointing=s.activation_checkpointing if s.activation_checkpointing in
+                                  ("selective", "full") else "", tiled_mlp=s.tiled_mlp is True,
+                                  chunked_loss=s.chunked_loss is True, offload_activations=s.offload_activations is True,
+                                  tile_mib=s.tile_mib or 128.0)
+            shape = self.shape or ModelShape("the model", self.hidden, self.layers, 1, 1, 1, 1, self.vocab,
+                                             self.intermediate, 0, 0)
+            return StepChoices(**vars(features_of(shape, tokens, forced)), tokens=tokens)
+        topo = self.topo
+        step = self.step or StepSettings(topo.ulysses_degree, topo.ring_degree, topo.dp_size, 3 if self.zero3 else 2)
+        budget = HEADROOM * memory - sum(model_state_memory(self.shape, step, elem))
+        seq = tokens * topo.sp_size  # the whole rows' length (a batch's rows: b x S over the group)
+        att = attention_memory(1, seq, self.shape.heads, self.shape.kv_heads, self.shape.head_dim, topo.ulysses_degree,
+                               topo.ring_degree, elem)
+        features, predicted, seconds = choose_features(
+            self.shape, tokens, modes, budget, CPU if device.type != "cuda" else Hardware(), elem, att.backward_peak,
+            attention_forward_flops(self.shape, seq) / topo.sp_size, device.type == "cuda", Calibration())
+        return StepChoices(**vars(features), tokens=tokens, budget=budget, predicted=predicted, seconds=seconds)
 
 
 def _group_device(device: torch.device) -> torch.device:

@@ -25,16 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ds_usp.cost import StepSettings
 from ds_usp.integration.data.batch import IGNORE_INDEX, MULTIMODAL_KEY, VISUAL_KEYS, packed_documents
 from ds_usp.integration.data.batch import shift_labels as shift_sequence_labels
 from ds_usp.integration.models.attention import context_of
 from ds_usp.integration.models.multimodal import body_and_language_model, sharded_language_model
+from ds_usp.integration.models.shape import shape_of
 from ds_usp.integration.step.choices import MemoryContext, MemorySettings
 from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, fused_forward
 from ds_usp.integration.step.loss import LogitsTail, chunked_lm_loss, load_balancing_loss, sp_loss
-from ds_usp.integration.step.recompute import checkpointed_layer_forward
+from ds_usp.integration.step.recompute import Offload, checkpointed_layer_forward
 from ds_usp.integration.step.tail import RouterAux, find_logits_tail, find_router_aux
-from ds_usp.integration.step.tiling import tile_bounds, tiled_mlp
+from ds_usp.integration.step.tiling import GatedParts, gated_parts, tile_bounds, tiled_mlp
 from ds_usp.integration.upstream.torch import replace_forward
 from ds_usp.log import log_rank0
 from ds_usp.sharding import gather_sequence, shard_sequence
@@ -86,7 +88,7 @@ def decoder_of(model: nn.Module) -> Optional[nn.Module]:
 
 
 def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout: str,
-          zero3: bool) -> Optional[MemoryContext]:
+          zero3: bool, step: Optional[StepSettings] = None) -> Optional[MemoryContext]:
     """Wrap an HF causal LM with the SP loss and the memory features, from outside.
 
     Args:
@@ -97,6 +99,8 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
         topo: the topology (used when the model has no USP context).
         layout: the sequence layout (for ``labels=``, which are shifted over the whole sequence).
         zero3: ZeRO-3 is on (tile counts are then agreed over the ranks).
+        step: the layout and ZeRO settings the engine trains with (the model's states in the memory budget; None:
+            read from ``topo``).
 
     Returns:
         The shared context, or None when ``model`` is not an HF causal LM (then nothing is wrapped). The
@@ -131,7 +135,8 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
     ctx = MemoryContext(settings=settings, fallback_topo=topo, layout=layout, hidden=cfg.hidden_size,
                         intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), vocab=head.weight.shape[0]
                         if head.weight.dim() == 2 and head.weight.numel() else cfg.vocab_size,
-                        layers=len(layers), zero3=zero3, usp=context_of(model))
+                        layers=len(layers), zero3=zero3, usp=context_of(model), shape=shape_of(model), step=step,
+                        offload=Offload())
     hf_checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x's name
     if hf_checkpointing is None:
         hf_checkpointing = getattr(model, "is_gradient_checkpointing", False)
@@ -140,12 +145,13 @@ def apply(model: nn.Module, settings: MemorySettings, topo: USPTopology, layout:
         log_rank0("HF gradient checkpointing is replaced by usp.activation_checkpointing (set it to false to keep HF's)")
     replace_forward(model, functools.wraps(model.forward)(CausalLMStep(model, model.forward, decoder, head, ctx,
                                                                        tail)))
-    for layer in layers:
+    for index, layer in enumerate(layers):
         for block in feed_forward_blocks(layer):
-            replace_forward(block, _tiled_mlp_forward(block.forward, tuple(block.parameters()), ctx))
+            replace_forward(block, _tiled_mlp_forward(block.forward, tuple(block.parameters()), ctx,
+                                                      gated_parts(block, block.forward)))
             if zero3 and settings.tiled_mlp is not False and not _has_experts(block):
                 _gather_once_per_call(block)
-        replace_forward(layer, checkpointed_layer_forward(layer.forward, ctx))
+        replace_forward(layer, checkpointed_layer_forward(layer.forward, ctx, index))
     return ctx
 
 
@@ -163,13 +169,14 @@ def _gather_once_per_call(block: nn.Module) -> None:
     set_z3_leaf_module(block, True)
 
 
-def _tiled_mlp_forward(original: Callable[[Tensor], Tensor], params: tuple, ctx: MemoryContext) -> Callable:
+def _tiled_mlp_forward(original: Callable[[Tensor], Tensor], params: tuple, ctx: MemoryContext,
+                       gated: Optional[GatedParts]) -> Callable:
     @functools.wraps(original)
     def forward(x: Tensor) -> Tensor:
         tiles = ctx.choices.mlp_tiles if ctx.choices is not None else 0
         if not tiles or x.dim() != 3:
             return original(x)
-        return tiled_mlp(x, original, tiles, params)
+        return tiled_mlp(x, original, tiles, params, gated)
     return forward
 
 

@@ -15,6 +15,7 @@ accumulation, loss scaling or a later division, as with ArcticTraining's wiring)
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -117,23 +118,50 @@ def gathered(params: list[Optional[Tensor]]) -> Any:
     return deepspeed.zero.GatheredParameters(partitioned)
 
 
-def _logits_buffer(x: Tensor, weight: Tensor, chunk: int) -> Tensor:
-    """The one fp32 ``(chunk, V)`` buffer every chunk's logits are written into: a fresh one per chunk fragments
-    a CPU heap (glibc keeps the freed block resident while small allocations split it)."""
-    return torch.empty((min(chunk, x.shape[0]), weight.shape[0]), dtype=torch.float32, device=x.device)
+@functools.lru_cache(maxsize=None)
+def _fp32_product(device_type: str) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32, out=...)`` runs here: a low-precision product written in fp32
+    straight from the matmul (cuBLAS). Probed once per device type (a CPU build has no such kernel; in-place
+    accumulation into fp32, ``addmm`` with ``out_dtype``, needs its input in the low precision, so it is no help)."""
+    if device_type != "cuda":
+        return False
+    try:
+        a = torch.ones((2, 2), dtype=torch.bfloat16, device=device_type)
+        out = torch.empty((2, 2), dtype=torch.float32, device=device_type)
+        torch.mm(a, a, out_dtype=torch.float32, out=out)
+        return bool((out == 2).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _add_weight_grad(dw: Tensor, grad: Tensor, probs: Tensor, xc: Tensor, product: list) -> None:
+    """``dw += grad^T xc`` in fp32 with no ``vocab x hidden`` allocation per chunk: in place when ``grad`` is fp32; a
+    low-precision ``grad`` through the matmul's fp32 output into one fp32 product per pass (``product``, filled on
+    the first chunk; CUDA), else as the fp32 ``probs`` it was cast from times ``xc`` in fp32, in place (chunk-sized
+    conversions only)."""
+    if grad.dtype == dw.dtype:
+        dw.addmm_(grad.t(), xc)
+    elif _fp32_product(dw.device.type):
+        if not product:
+            product.append(torch.empty_like(dw))
+        torch.mm(grad.t(), xc, out_dtype=torch.float32, out=product[0])
+        dw.add_(product[0])
+    else:
+        dw.addmm_(probs.t(), xc.float())
 
 
 def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, start: int, stop: int,
            dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], scale: Optional[Tensor],
-           tail: LogitsTail, buf: Tensor) -> Tensor:
+           tail: LogitsTail, buf: Tensor, product: Optional[list] = None) -> Tensor:
     """One chunk: its loss sum; with ``dx``/``dw`` given, also its gradients (written/added into them).
 
     The logits are ``tail(lm_head(x))`` (what the model applies after ``lm_head``). The gradient of
     ``sum_t valid_t * (logsumexp(z_t) - z_t[y_t])`` with respect to the logits is ``softmax(z_t) - onehot(y_t)``
     on valid rows, times the tail's derivative (``scale``, and ``1 - tanh^2`` under a soft-cap); it is cast to the
     matmul dtype as autograd would, and multiplied by ``scale`` (the incoming gradient) when given. Everything of
-    ``chunk x vocab`` size happens in the one fp32 logits buffer (``torch.logsumexp`` would add two more), plus the
-    tanh of a soft-capped tail. ``buf`` (:func:`_logits_buffer`) holds the logits.
+    ``chunk x vocab`` size happens in the one fp32 logits buffer ``buf`` (``torch.logsumexp`` would add two more),
+    plus the tanh of a soft-capped tail; the weight gradient is accumulated in fp32 in place
+    (:func:`_add_weight_grad`, ``product`` its per-pass fp32 product).
     """
     xc, yc = x[start:stop], labels[start:stop]
     logits = buf[:xc.shape[0]]  # (c, V), the chunk's only (c, V) buffer
@@ -169,10 +197,7 @@ def _chunk(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, st
         probs.mul_(tail.scale)
     grad = probs.to(x.dtype)  # dlogits as autograd hands it to the matmul
     torch.mm(grad, weight, out=dx[start:stop])
-    if grad.dtype == dw.dtype:
-        dw.addmm_(grad.t(), xc)
-    else:
-        dw.add_(grad.t() @ xc)
+    _add_weight_grad(dw, grad, probs, xc, product if product is not None else [])
     if db is not None:
         db.add_(grad.sum(0))
     return loss
@@ -198,9 +223,9 @@ class ChunkedLMLoss(torch.autograd.Function):
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         grads = _grad_buffers(x, weight, bias) if grad_in_forward else (None, None, None)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
-        buf = _logits_buffer(x, weight, chunk)
+        buf, product = _logits_buffer(x, weight, chunk), []
         for start in range(0, x.shape[0], chunk):
-            total += _chunk(x, weight, bias, y, start, start + chunk, *grads, None, tail, buf)
+            total += _chunk(x, weight, bias, y, start, start + chunk, *grads, None, tail, buf, product)
         ctx.save_for_backward(*grads) if grad_in_forward else ctx.save_for_backward(x, weight, bias, y)
         return total
 
@@ -220,12 +245,18 @@ class ChunkedLMLoss(torch.autograd.Function):
             x, weight, bias, y = ctx.saved_tensors
             dx, dw, db = _grad_buffers(x, weight, bias)
             with gathered([weight, bias]):
-                buf = _logits_buffer(x, weight, ctx.chunk)
+                buf, product = _logits_buffer(x, weight, ctx.chunk), []
                 for start in range(0, x.shape[0], ctx.chunk):
-                    _chunk(x, weight, bias, y, start, start + ctx.chunk, dx, dw, db, grad, ctx.tail, buf)
+                    _chunk(x, weight, bias, y, start, start + ctx.chunk, dx, dw, db, grad, ctx.tail, buf, product)
         w_dtype, b_dtype = ctx.dtypes
         return (dx.view(ctx.hidden_shape), dw.to(w_dtype), None if db is None else db.to(b_dtype), None, None,
                 None, None)
+
+
+def _logits_buffer(x: Tensor, weight: Tensor, chunk: int) -> Tensor:
+    """The one fp32 ``(chunk, V)`` buffer every chunk's logits are written into: a fresh one per chunk fragments
+    a CPU heap (glibc keeps the freed block resident while small allocations split it)."""
+    return torch.empty((min(chunk, x.shape[0]), weight.shape[0]), dtype=torch.float32, device=x.device)
 
 
 def _grad_buffers(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
