@@ -17,6 +17,7 @@ kept in module globals.
 from __future__ import annotations
 
 import datetime
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
@@ -319,16 +320,6 @@ class USPTopology:
                 f"dp {list(self.dp_ranks)}")
 
 
-def _answer(doc: str, get: Callable[[USPTopology], Any]) -> Callable[["USPMpu"], Any]:
-    """A method of :class:`USPMpu` answering one of DeepSpeed's questions with ``get(self.topo)``."""
-
-    def method(self: "USPMpu") -> Any:
-        return get(self.topo)
-
-    method.__doc__ = doc
-    return method
-
-
 class USPMpu:
     """What DeepSpeed asks of ``mpu`` (see ``deepspeed/utils/groups.py``), answered from a :class:`USPTopology`.
 
@@ -344,23 +335,27 @@ class USPMpu:
     def __init__(self, topo: USPTopology) -> None:
         self.topo = topo
 
-    # DeepSpeed's question: its answer
-    get_data_parallel_group = _answer("Group of the model replicas.", lambda t: t.dp_group)
-    get_data_parallel_world_size = _answer("Number of replicas.", lambda t: t.dp_size)
-    get_data_parallel_rank = _answer("Index of this replica.", lambda t: t.dp_rank)
-    get_data_parallel_group_ranks = _answer("Global ranks of the replica group.", lambda t: list(t.dp_ranks))
-    get_sequence_parallel_group = _answer("Group of the ranks that share one sequence.", lambda t: t.sp_group)
-    get_sequence_parallel_world_size = _answer("U x R.", lambda t: t.sp_size)
-    get_sequence_parallel_rank = _answer("Position in the sequence-parallel group.", lambda t: t.sp_rank)
-    get_sequence_data_parallel_group = _answer("All ranks: where ZeRO shards state and reduces gradients.",
-                                               lambda t: t.sp_dp_group)
-    get_sequence_data_parallel_world_size = _answer("SP x DP ranks.", lambda t: t.sp_size * t.dp_size)
-    get_sequence_data_parallel_rank = _answer("Rank within the sequence x data-parallel group.", lambda t: t.rank)
-    get_model_parallel_group = _answer("This rank alone (the model is not split).", lambda t: t.model_parallel_group)
-    get_model_parallel_world_size = _answer("Always 1.", lambda t: 1)
-    get_model_parallel_rank = _answer("Always 0.", lambda t: 0)
-    # DeepSpeed's ZeRO-1/2 universal-checkpoint loader asks for the tensor-parallel names directly.
-    get_tensor_model_parallel_group = _answer("This rank alone (same as the model-parallel group).",
-                                              lambda t: t.model_parallel_group)
-    get_tensor_model_parallel_world_size = _answer("Always 1.", lambda t: 1)
-    get_tensor_model_parallel_rank = _answer("Always 0.", lambda t: 0)
+    def _answer(self, get: Callable[[USPTopology], Any]) -> Any:
+        """DeepSpeed's question, answered with ``get(topology)``."""
+        return get(self.topo)
+
+    # each of DeepSpeed's questions and its answer
+    get_data_parallel_group = functools.partialmethod(_answer, lambda t: t.dp_group)  # the replicas
+    get_data_parallel_world_size = functools.partialmethod(_answer, lambda t: t.dp_size)
+    get_data_parallel_rank = functools.partialmethod(_answer, lambda t: t.dp_rank)  # this replica
+    get_data_parallel_group_ranks = functools.partialmethod(_answer, lambda t: list(t.dp_ranks))
+    get_sequence_parallel_group = functools.partialmethod(_answer, lambda t: t.sp_group)  # one sequence's ranks
+    get_sequence_parallel_world_size = functools.partialmethod(_answer, lambda t: t.sp_size)  # U x R
+    get_sequence_parallel_rank = functools.partialmethod(_answer, lambda t: t.sp_rank)
+    # every rank: where ZeRO shards its state and reduces gradients
+    get_sequence_data_parallel_group = functools.partialmethod(_answer, lambda t: t.sp_dp_group)
+    get_sequence_data_parallel_world_size = functools.partialmethod(_answer, lambda t: t.sp_size * t.dp_size)
+    get_sequence_data_parallel_rank = functools.partialmethod(_answer, lambda t: t.rank)
+    # this rank alone: the model is not split
+    get_model_parallel_group = functools.partialmethod(_answer, lambda t: t.model_parallel_group)
+    get_model_parallel_world_size = functools.partialmethod(_answer, lambda t: 1)
+    get_model_parallel_rank = functools.partialmethod(_answer, lambda t: 0)
+    # DeepSpeed's ZeRO-1/2 universal-checkpoint loader asks for the tensor-parallel names directly (the same answers)
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank

@@ -3,24 +3,12 @@ cost model prices another split clearly faster."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Optional
 
 from ds_usp.config import USPConfig
 from ds_usp.cost import Hardware, ModelShape, StepSettings, step_time
-from ds_usp.integration.models.shape import model_shape, split_refusal
+from ds_usp.integration.models.shape import split_refusal
 from ds_usp.log import log_rank0
-
-
-def shape_of(model: Any) -> Optional[ModelShape]:
-    """The cost model's view of an HF causal LM (None for another model, or one it cannot describe)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
-        return None
-    try:
-        return model_shape(config, model)
-    except Exception:  # noqa: BLE001 - the plan is advice: a model the cost model cannot read just goes without
-        return None
-
 
 NOMINAL_TOKENS_PER_RANK = 16384  # the length "auto" degrees are priced at (the length is not known yet)
 

@@ -29,13 +29,14 @@ from ds_usp.comm import barrier, group_device
 from ds_usp.config import (USPConfig, USPConfigError, degree_split, divisors, load_usp_config, process_group_timeout,
                            ranks_per_node, read_ds_config)
 from ds_usp.integration.engine.checkpoints import AtomicCheckpoints
-from ds_usp.integration.engine.degrees import choose_degrees, shape_of
+from ds_usp.integration.engine.degrees import choose_degrees
 from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
                                                  model_heads, versions)
 from ds_usp.integration.models.attention import USPContext, attach
 from ds_usp.integration.models.checks import check_model, default_positions
 from ds_usp.integration.models.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
 from ds_usp.integration.models.multimodal import refuse_cross_attention
+from ds_usp.integration.models.shape import shape_of
 from ds_usp.integration.models.vision import prepare_vision_towers
 from ds_usp.integration.step.choices import MemoryContext, MemorySettings
 from ds_usp.integration.step.forward import apply as apply_memory_features

@@ -27,8 +27,9 @@ Refused by name before any step: vLLM generation, paged generation, Liger kernel
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,19 +63,6 @@ def _refusals(trainer_name: str, args: Any, kwargs: dict) -> list[str]:
         found.append("precompute_ref_log_probs=True (its loader is split over every rank before ds-usp's groups "
                      "exist; keep a live reference model)")
     return [f"{trainer_name}: {what} is not supported with \"sequence_parallel\"" for what in found]
-
-
-def _seeing_replicas(name: str, what: str) -> Callable[..., Any]:
-    """A method of :class:`USPRLMixin`: the trainer's own ``name``, run while accelerate's processes are the
-    data-parallel replicas (:meth:`USPRLMixin._replicas`)."""
-
-    def method(self: "USPRLMixin", *args: Any, **kwargs: Any) -> Any:
-        with self._replicas():
-            return getattr(super(USPRLMixin, self), name)(*args, **kwargs)
-
-    method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"{what}, seeing the replicas as accelerate's processes."
-    return method
 
 
 class USPRLMixin(USPTrainerBase):
@@ -123,10 +111,16 @@ class USPRLMixin(USPTrainerBase):
         finally:
             self._usp_in_view = False
 
-    _prepare_inputs = _seeing_replicas("_prepare_inputs", "TRL's rollouts and scoring for GRPO / RLOO")
-    compute_loss = _seeing_replicas("compute_loss", "TRL's loss on the whole per-token tensors")
-    prediction_step = _seeing_replicas("prediction_step", "TRL's")
-    log = _seeing_replicas("log", "TRL's")
+    def _seeing_replicas(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """TRL's method ``name``, run while accelerate's processes are the data-parallel replicas."""
+        with self._replicas():
+            return getattr(super(), name)(*args, **kwargs)
+
+    # TRL's rollouts and scoring (GRPO / RLOO), its losses on the whole per-token tensors, evaluation and logging
+    _prepare_inputs = functools.partialmethod(_seeing_replicas, "_prepare_inputs")
+    compute_loss = functools.partialmethod(_seeing_replicas, "compute_loss")
+    prediction_step = functools.partialmethod(_seeing_replicas, "prediction_step")
+    log = functools.partialmethod(_seeing_replicas, "log")
 
 
 class USPRolloutMixin(USPRLMixin):
