@@ -369,3 +369,17 @@ def _as_partitioned(engine: Any) -> Iterator[None]:
         yield
     finally:
         del engine.module_state_dict  # the class's method again
+
+
+register("grad_is_ready", Patch(
+    "a ZeRO parameter's ds_grad_is_ready flag (set by the tiled MLP's backward)",
+    "ZeRO-2/3's gradient hooks skipping the reduction of a parameter whose ds_grad_is_ready is False (DeepSpeed's own "
+    "TiledMLP relies on it the same way)",
+    "a tiled MLP's weights receive one gradient per tile: ZeRO would reduce each partial sum instead of the whole",
+    "a public way to defer a parameter's gradient reduction until several backward contributions are in"))
+
+
+def set_grad_ready(params: tuple, ready: bool) -> None:
+    """Let ZeRO reduce ``params``' gradients after this backward contribution (``ready``) or not yet."""
+    for p in params:
+        p.ds_grad_is_ready = ready
