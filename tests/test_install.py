@@ -1,10 +1,12 @@
 """A plain (not editable) ``pip install .`` ships the top-level ``ops/`` and JIT-builds the native op from it.
 
-In a fresh virtual environment (system site-packages for torch and DeepSpeed, ``--no-deps``), outside the
-repository: the installed package holds ``ds_usp/native/op_builder`` with the C++ sources as package data, and
-``python -m ds_usp.report --build`` builds the op from them (into a temporary extension cache: a build of its own,
-about a minute) and reports it JIT-built. The editable install the other tests use reads the same builders from
-the repository's ``ops/``.
+The package is installed, without its dependencies, into a folder of its own (``pip install --target``) that this
+interpreter then puts first on its path: the environment running the tests (the machine's Python or a virtual
+environment) provides torch and DeepSpeed, whatever it is (a nested ``venv --system-site-packages`` would see the base
+interpreter's packages instead of a virtual environment's). Outside the repository, the installed package holds
+``ds_usp/native/op_builder`` with the C++ sources as package data, and ``python -m ds_usp.report --build`` builds the op
+from them (into a temporary extension cache: a build of its own, about a minute) and reports it JIT-built. The editable
+install the other tests use reads the same builders from the repository's ``ops/``.
 """
 from __future__ import annotations
 
@@ -17,19 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_plain_install_ships_and_jit_builds_the_op(tmp_path):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    env.pop("PYTHONPATH", None)
-    done = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(ROOT)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    target = tmp_path / "site"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           "PYTHONPATH": str(target)}
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(target),
+                           str(ROOT)], env={**env, "PYTHONPATH": ""}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    where = subprocess.run([str(python), "-c", "import ds_usp.native.op_builder as b; print(b.CSRC)"], env=env,
+    where = subprocess.run([sys.executable, "-c", "import ds_usp.native.op_builder as b; print(b.CSRC)"], env=env,
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert where.returncode == 0, where.stdout + where.stderr
     csrc = Path(where.stdout.strip().splitlines()[-1])
-    assert str(csrc).startswith(str(venv)) and (csrc / "cpu" / "usp_cpu.cpp").is_file(), where.stdout + where.stderr
-    report = subprocess.run([str(python), "-m", "ds_usp.report", "--build"], env=env, cwd=tmp_path,
+    assert str(csrc).startswith(str(target)) and (csrc / "cpu" / "usp_cpu.cpp").is_file(), where.stdout + where.stderr
+    report = subprocess.run([sys.executable, "-m", "ds_usp.report", "--build"], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=900)
     assert report.returncode == 0, report.stdout + report.stderr
     line = next(x for x in report.stdout.splitlines() if x.startswith("native op (cpu)"))

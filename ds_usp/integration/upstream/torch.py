@@ -1,7 +1,8 @@
 """ds-usp's changes to torch internals: selective checkpointing's recomputation mode."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.utils.checkpoint
@@ -95,3 +96,34 @@ def set_module_attribute(module: torch.nn.Module, name: str, value: Any) -> None
 def restore_forward(module: torch.nn.Module) -> None:
     """Undo :func:`replace_forward`: the class's forward again."""
     module.__dict__.pop("forward", None)
+
+
+register("no_checkpoint_policy", Patch(
+    "torch.utils.checkpoint's selective-checkpointing dispatch modes (_CachingTorchDispatchMode, "
+    "_CachedTorchDispatchMode), popped while a tiled MLP's tiles run",
+    "those private classes, and torch.utils._python_dispatch's _get_current_dispatch_mode and _pop_mode_temporarily "
+    "(the modes a checkpointed layer pushes sit on top of any the caller pushed, a counting meter's included)",
+    "selective checkpointing runs two Python dispatch modes over every aten op of a checkpointed layer: a tiled MLP's "
+    "ops (none of which the policy keeps) would each pay that Python cost",
+    "a public way to exclude a region from a checkpoint policy (or policies that see a Function as one op)"))
+
+
+@contextlib.contextmanager
+def no_checkpoint_policy() -> Iterator[None]:
+    """While it lasts, selective checkpointing's dispatch modes do not see the ops run (any other mode still does).
+
+    Raises:
+        UpstreamChanged: torch's private mode stack functions or checkpoint mode classes are gone.
+    """
+    from torch.utils import _python_dispatch as dispatch
+
+    modes = tuple(c for c in (getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None), _CACHED) if c)
+    current = getattr(dispatch, "_get_current_dispatch_mode", None)
+    pop = getattr(dispatch, "_pop_mode_temporarily", None)
+    if len(modes) != 2 or current is None or pop is None:
+        refuse("no_checkpoint_policy", "torch's selective-checkpointing modes or its dispatch-mode stack functions "
+                                       "are not what they were")
+    with contextlib.ExitStack() as stack:
+        while isinstance(current(), modes):
+            stack.enter_context(pop())
+        yield
