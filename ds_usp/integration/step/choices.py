@@ -112,7 +112,8 @@ class MemoryContext:
             The choices (logged on rank 0 the first time they are made for a length).
         """
         memory = self._rank_memory(device)
-        if self.zero3 and dist.is_initialized() and dist.get_world_size() > 1:  # agree: tile counts decide gathers
+        whole = self.usp is not None and self.usp.unsharded  # generation: each rank alone, no collective
+        if self.zero3 and not whole and dist.is_initialized() and dist.get_world_size() > 1:  # agree: gathers
             agreed = torch.tensor([tokens, -int(memory // MIB)], dtype=torch.int64, device=_group_device(device))
             all_reduce_max_(agreed, self.topo.sp_dp_group, "the tokens and memory of a step")
             tokens, memory = int(agreed[0]), -float(agreed[1]) * MIB
