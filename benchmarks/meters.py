@@ -179,11 +179,14 @@ def _llama_shape(layers: int, vocab: int, hidden: int, mlp: int) -> Any:
                       params - vocab * hidden)
 
 
+FEATURE_FIELDS = ("loss_chunk", "loss_grad_in_forward", "mlp_tiles", "checkpoint", "checkpoint_layers", "offload")
+
+
 def step_peak(seq: int, u: int, r: int, zero: int, keys: dict, layers: int, vocab: int, hidden: int,
               mlp: int) -> tuple[int, tuple]:
     """This rank's peak, in live bytes, of two training steps of an HF Llama (fp32, AdamW, 8 heads, 4 key/value
-    heads) through ``ds_usp.initialize``, above the resident size before the model was built; and the plan its
-    ``usp`` memory ``keys`` chose: ``(checkpoint, tiled MLP, chunked loss, tile_mib)``.
+    heads) through ``ds_usp.initialize``, above the resident size before the model was built; and the features its
+    ``usp`` memory ``keys`` chose (:class:`ds_usp.cost.Features`' fields, as a dict).
 
     Live bytes, as ``max_memory_allocated`` counts them on a GPU: glibc's mmap threshold is fixed at 64 KiB, so a
     freed tensor leaves the resident set at once (with glibc's default the heap keeps freed blocks resident, a
@@ -219,20 +222,24 @@ def step_peak(seq: int, u: int, r: int, zero: int, keys: dict, layers: int, voca
         dist.barrier()
         engine.backward(engine(**shard).loss)
         engine.step()
-    memory = engine.usp.memory
-    plan = (memory.choices.checkpoint, memory.choices.mlp_tiles > 0, memory.choices.loss_chunk > 0, memory.settings.tile_mib)
+    choices = engine.usp.memory.choices
+    plan = {name: getattr(choices, name) for name in FEATURE_FIELDS}  # the features the step ran with
     peak = _kib("VmHWM:") - base
     engine.destroy()
     return peak, plan
 
 
-def predicted_peak(seq: int, u: int, r: int, zero: int, plan: tuple, layers: int, vocab: int, hidden: int,
+def predicted_peak(seq: int, u: int, r: int, zero: int, plan: Any, layers: int, vocab: int, hidden: int,
                    mlp: int, cal: Any = None) -> float:
     """``ds_usp.cost.step_memory`` of the step :func:`step_peak` ran with ``plan`` (fp32), with ``cal`` (default:
-    the library's constants)."""
-    from ds_usp.cost import Calibration, StepSettings, step_memory
+    the library's constants). ``plan``: the features (a dict), or, as results written before the planner chose
+    them, ``(checkpoint, tiled MLP, chunked loss, tile_mib)``."""
+    from ds_usp.cost import Calibration, Features, StepSettings, step_memory
 
-    checkpoint, tiled, chunked, tile_mib = plan
-    settings = StepSettings(u, r, 1, zero, checkpoint, tiled, chunked, tile_mib=tile_mib)
+    if isinstance(plan, dict):
+        settings = StepSettings(u, r, 1, zero, features=Features(**plan))
+    else:
+        checkpoint, tiled, chunked, tile_mib = plan
+        settings = StepSettings(u, r, 1, zero, checkpoint, tiled, chunked, tile_mib=tile_mib or 128.0)
     return step_memory(_llama_shape(layers, vocab, hidden, mlp), settings, seq, 1, elem_bytes=4,
                        cal=cal or Calibration()).total

@@ -66,7 +66,8 @@ def predicted(row: list, plan: list, cal=None) -> float:
     from meters import predicted_peak
 
     seq, u, r, zero, _, layers, vocab, hidden, mlp = row
-    return predicted_peak(seq, u, r, zero, tuple(plan), layers, vocab, hidden, mlp, cal)
+    return predicted_peak(seq, u, r, zero, plan if isinstance(plan, dict) else tuple(plan), layers, vocab, hidden,
+                          mlp, cal)
 
 
 def run_rows(path: str) -> None:
@@ -79,7 +80,7 @@ def run_rows(path: str) -> None:
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, peak)
         measured = max(peaks)
-        results.append({"row": list(row), "plan": list(plan), "measured": measured})
+        results.append({"row": list(row), "plan": plan, "measured": measured})
         if dist.get_rank() == 0:
             print(f"[plan_calibration] {row}: measured {measured / 2 ** 20:.0f} MiB, predicted "
                   f"{predicted(list(row), plan) / 2 ** 20:.0f} MiB", flush=True)
