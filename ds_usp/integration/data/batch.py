@@ -124,6 +124,7 @@ def documents_of_shard(positions: Tensor, topo: USPTopology, layout: str) -> Opt
             rows cannot be put back together without them (on every rank of the group alike).
     """
     full = gather_sequence(positions, topo, dim=1, layout=layout) if topo.sp_size > 1 else positions  # (b, L)
+    full = full.cpu()  # one read of the device's values; everything below is on the host
     rows, padded = full.shape
     # the real length: up to the last non-zero position of any row (the trailing zeros are the end padding)
     last = int(((full != 0) * torch.arange(1, padded + 1, device=full.device)).max())
