@@ -141,6 +141,48 @@ def check_spans(spans: Any, batch: int, seq_len: int,
     return tuple(out) if any(out) else None
 
 
+def check_keys(keys: Any, batch: int, seq_len: int) -> Optional[tuple[tuple[tuple[int, int], ...], ...]]:
+    """Validate the valid keys of each row and return them per row, sorted and merged (``None``: every key of every
+    row is valid).
+
+    Args:
+        keys: ``None``; one list of ``(start, end)`` runs of global positions for every row, or one list per row; or a
+            ``(b, m, 2)`` integer tensor (rows padded with empty ``(0, 0)`` runs).
+        batch: rows of the batch.
+        seq_len: real global length.
+
+    Returns:
+        Per row, the sorted, merged, non-empty runs; None when every row's runs cover ``[0, seq_len)``.
+
+    Raises:
+        ValueError: a run that is not two integers with ``0 <= start <= end <= seq_len``, a row without any valid key,
+            or a row count that is not ``batch``.
+    """
+    if keys is None:
+        return None
+    rows = per_row(keys, batch, "keys", "(start, end) runs of valid keys",
+                   lambda rows: not rows or (isinstance(rows[0], (list, tuple)) and bool(rows[0]) and
+                                             not isinstance(rows[0][0], (list, tuple))))
+    out = []
+    for i, row in enumerate(rows):
+        runs: list[tuple[int, int]] = []
+        for run in sorted(tuple(r) if isinstance(r, (list, tuple)) else (r,) for r in row):
+            ok = len(run) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in run)
+            if not ok or not 0 <= run[0] <= run[1] <= seq_len:
+                raise ValueError(f"keys row {i}: {run!r} is not (start, end) with 0 <= start <= end <= {seq_len} "
+                                 f"(the real length)")
+            if run[1] == run[0]:
+                continue
+            if runs and run[0] <= runs[-1][1]:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], int(run[1])))
+            else:
+                runs.append((int(run[0]), int(run[1])))
+        if not runs:
+            raise ValueError(f"keys row {i}: no valid key at all; every query of the row would see nothing")
+        out.append(tuple(runs))
+    return None if all(row == ((0, seq_len),) for row in out) else tuple(out)
+
+
 def check_scale(softmax_scale: Any) -> None:
     """Refuse a softmax scale that is not a positive finite number (None is fine: ``1/sqrt(head_dim)``).
 

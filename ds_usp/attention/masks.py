@@ -4,7 +4,9 @@ A :class:`MaskSpec` describes the mask over the *global* sequence: causal or not
 (positions past it are padding and meet nothing), the documents of each batch row (a query sees only
 keys of its own document), a sliding window ``(left, right)`` (a query at ``q`` sees keys
 ``q - left ... q + right``) and bidirectional spans (an image's tokens under Gemma 3 or PaliGemma's prefix:
-a query inside a span also sees the later keys of its span; the window's left bound still holds). :func:`block_parts` turns it, for one block (this rank's ring piece of
+a query inside a span also sees the later keys of its span; the window's left bound still holds) and the valid keys
+of each row (a key outside them is seen by no query: a padded or masked-out token in the middle of the sequence, as
+a diffusion transformer's joint text and image segments have). :func:`block_parts` turns it, for one block (this rank's ring piece of
 queries against a source rank's piece of keys, both lists of position runs, see
 :func:`ds_usp.sharding.piece_runs`), into :class:`Part` rectangles that hold every allowed pair:
 a rectangle with no allowed pair is never produced (no kernel call), and inside a rectangle the
@@ -26,10 +28,12 @@ Spans = tuple[tuple[int, int], ...]  # (start, end) of global positions, sorted,
 
 
 class RowMask(NamedTuple):
-    """What a group of batch rows shares: the first position of every document, and the bidirectional spans."""
+    """What a group of batch rows shares: the first position of every document, the bidirectional spans and the
+    valid keys (None: every key up to the real length)."""
 
     starts: tuple[int, ...]
     spans: Spans = ()
+    keys: Optional[Spans] = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class MaskSpec:
         window: ``(left, right)`` in tokens (``None``: unlimited); ``right`` is 0 when causal.
         spans: per batch row, bidirectional spans inside documents (``None``: none): a query in a span sees every
             key of its span that the window's left bound allows, later ones included.
+        keys: per batch row, the ``(start, end)`` runs of positions whose keys may be seen at all (``None``: every
+            key before ``seq_len``); every other rule still applies inside them.
     """
 
     causal: bool
@@ -50,6 +56,7 @@ class MaskSpec:
     docs: Optional[Docs] = None
     window: Optional[tuple[int, int]] = None
     spans: Optional[tuple[Spans, ...]] = None
+    keys: Optional[tuple[Spans, ...]] = None
 
     def row_groups(self, batch: int) -> list[tuple[slice, RowMask]]:
         """Batch rows that share one document layout and spans, as ``(rows, RowMask)``.
@@ -67,8 +74,8 @@ class MaskSpec:
 
     def rows(self, batch: int) -> list[RowMask]:
         """Every row's :class:`RowMask`."""
-        return [RowMask(self.docs[i] if self.docs else (0,), self.spans[i] if self.spans else ())
-                for i in range(batch)]
+        return [RowMask(self.docs[i] if self.docs else (0,), self.spans[i] if self.spans else (),
+                        self.keys[i] if self.keys else None) for i in range(batch)]
 
     def bounds(self) -> tuple[Optional[int], Optional[int]]:
         """``(L, R)``: a query at ``q`` may see keys ``q - L ... q + R`` (None: no bound on that side)."""
@@ -124,11 +131,20 @@ class Part:
         return self.lo is None and self.hi is None
 
 
-def _with_offsets(runs: Runs) -> list[tuple[int, int, int]]:
-    """``(first position, length, row of the piece where the run starts)`` per run."""
+def _with_offsets(runs: Runs, keep: Optional[Spans] = None) -> list[tuple[int, int, int]]:
+    """``(first position, length, row of the piece where the run starts)`` per run; with ``keep``, only the parts of
+    the runs inside those ``(start, end)`` runs of positions (each with its own row)."""
     out, row = [], 0
     for start, length in runs:
-        out.append((start, length, row))
+        if keep is None:
+            out.append((start, length, row))
+        else:
+            for a, b in keep[max(bisect.bisect_right(keep, (start, start)) - 1, 0):]:
+                if a >= start + length:
+                    break
+                lo, hi = max(a, start), min(b, start + length)
+                if lo < hi:
+                    out.append((lo, hi - lo, row + lo - start))
         row += length
     return out
 
@@ -152,7 +168,7 @@ def block_parts(spec: MaskSpec, row: RowMask, q_runs: Runs, k_runs: Runs) -> tup
     parts: list[Part] = []
     for qa, qn, qrow in _with_offsets(q_runs):
         q_end = min(qa + qn, spec.seq_len)
-        for ka, kn, krow in _with_offsets(k_runs):
+        for ka, kn, krow in _with_offsets(k_runs, row.keys):
             k_end = min(ka + kn, spec.seq_len)
             if qa >= q_end or ka >= k_end:
                 continue
@@ -236,7 +252,7 @@ def needed_steps(spec: MaskSpec, ring_degree: int, pieces: tuple[Runs, ...]) -> 
     Returns:
         A number from 1 to R; every rank computes the same.
     """
-    rows = set(spec.rows(max(len(spec.docs or ()), len(spec.spans or ()), 1)))
+    rows = set(spec.rows(max(len(spec.docs or ()), len(spec.spans or ()), len(spec.keys or ()), 1)))
     last = 0
     for r in range(ring_degree):
         for t in range(ring_degree - 1, last, -1):

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ds_usp.attention.checks import (check_device, check_qkv, check_same_across_ranks, check_scale, check_sinks,
-                                     check_softcap, check_spans)
+from ds_usp.attention.checks import (check_device, check_keys, check_qkv, check_same_across_ranks, check_scale,
+                                     check_sinks, check_softcap, check_spans)
+from ds_usp.attention.counter import count_sp_layer
 from ds_usp.attention.masks import MaskSpec, chunk_docs
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
 from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, seq_to_head
@@ -126,8 +127,8 @@ seq_to_head_op, head_to_seq_op = _seq_to_head, _head_to_seq  # the differentiabl
 
 
 def _ring_and_mask(x: Tensor, world: int, ring_group: str, causal: bool, layout: str, seq_len: int,
-                   docs: Optional[Tensor], spans: Optional[Tensor], window_left: int, window_right: int,
-                   chunk: int) -> tuple[RingSpec, MaskSpec]:
+                   docs: Optional[Tensor], spans: Optional[Tensor], keys: Optional[Tensor], window_left: int,
+                   window_right: int, chunk: int) -> tuple[RingSpec, MaskSpec]:
     """The ring of ``ring_group`` for the Ulysses group's piece ``x`` (``(b, U*s, ...)``) and the mask.
 
     The ring's pieces follow the batch's documents (the ``"balanced"`` layout places them); the mask's documents
@@ -139,7 +140,7 @@ def _ring_and_mask(x: Tensor, world: int, ring_group: str, causal: bool, layout:
     doc_starts = normalize_docs(docs, x.shape[0], seq_len) if docs is not None else None
     mask = MaskSpec(causal=causal, seq_len=seq_len, docs=chunk_docs(doc_starts, x.shape[0], seq_len, chunk),
                     window=None if window_left < 0 else (window_left, window_right),
-                    spans=None if spans is None else _spans_of(spans))
+                    spans=None if spans is None else _spans_of(spans), keys=None if keys is None else _spans_of(keys))
     ring = RingSpec(group=rg, ranks=tuple(dist.get_process_group_ranks(rg)), rank=dist.get_rank(rg), layout=layout,
                     padded_len=padded, bounds=segment_bounds(doc_starts, seq_len, padded))
     return ring, mask
@@ -172,7 +173,8 @@ class RingOptions(NamedTuple):
     derivative reads them by name (an operator schema takes no record, so the ops list them as parameters).
 
     ``docs``: ``(b, n)`` int64 document lengths per row (zero-padded) or None; ``spans``: ``(b, m, 2)`` int64
-    bidirectional spans ``(start, end)`` per row (``(0, 0)`` pads) or None; ``window_left`` < 0: no window;
+    bidirectional spans ``(start, end)`` per row (``(0, 0)`` pads) or None; ``keys``: ``(b, m, 2)`` int64 runs of
+    valid keys per row, in the same form, or None (every key); ``window_left`` < 0: no window;
     ``chunk`` 0: no chunked attention; ``softcap`` 0: none; ``sinks``: ``(hq',)`` this rank's heads' sink logits or
     None; ``comm_dtype``: ``usp.comm_dtype`` of the K/V blocks.
     """
@@ -189,6 +191,7 @@ class RingOptions(NamedTuple):
     native_op: str
     docs: Optional[Tensor]
     spans: Optional[Tensor]
+    keys: Optional[Tensor]
     window_left: int
     window_right: int
     chunk: int
@@ -202,15 +205,16 @@ _SINKS = RingOptions._fields.index("sinks")
 def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysses_degree: int, ring_group: str,
                     causal: bool, layout: str, seq_len: int, scale: float, softcap: float, sinks: Optional[Tensor],
                     attn_backend: str, native_op: str, docs: Optional[Tensor], spans: Optional[Tensor],
-                    window_left: int, window_right: int, chunk: int, comm_dtype: str) -> tuple[Tensor, Tensor]:
+                    keys: Optional[Tensor], window_left: int, window_right: int, chunk: int,
+                    comm_dtype: str) -> tuple[Tensor, Tensor]:
     """``(out (b, U*s, hq', dv), lse (b, hq', U*s) fp32)`` of the Ulysses group's piece against the whole ring.
 
     ``qkv`` is ``[q, k, v]`` (U = 1) or ``[qkv_heads]`` from ``ds_usp::seq_to_head``, split by ``heads``/``dims``;
     the rest is :class:`RingOptions`.
     """
     q, k, v = _split(qkv, heads, dims)
-    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, spans, window_left,
-                                window_right, chunk)
+    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, spans, keys,
+                                window_left, window_right, chunk)
     return ring_forward(q, k, v, ring, mask, scale, get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q),
                         softcap, sinks, comm_dtype == "fp8")
 
@@ -225,12 +229,12 @@ def _(qkv: list[Tensor], heads: list[int], dims: list[int], *options: Any) -> tu
 def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tensor, heads: list[int], dims: list[int],
                         ulysses_degree: int, ring_group: str, causal: bool, layout: str, seq_len: int, scale: float,
                         softcap: float, sinks: Optional[Tensor], attn_backend: str, native_op: str,
-                        docs: Optional[Tensor], spans: Optional[Tensor], window_left: int, window_right: int,
-                        chunk: int, comm_dtype: str) -> list[Tensor]:
+                        docs: Optional[Tensor], spans: Optional[Tensor], keys: Optional[Tensor], window_left: int,
+                        window_right: int, chunk: int, comm_dtype: str) -> list[Tensor]:
     """Gradients for ``qkv`` as it was given (``[dq, dk, dv]`` or ``[d qkv_heads]``), then ``d sinks`` if any."""
     q, k, v = _split(qkv, heads, dims)
-    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, spans, window_left,
-                                window_right, chunk)
+    ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, spans, keys,
+                                window_left, window_right, chunk)
     grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ring, mask, scale,
                           get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap,
                           comm_dtype == "fp8")
@@ -280,6 +284,7 @@ class AttentionMask:
         window: sliding window ``(left, right)``.
         chunk: chunked attention's chunk length.
         spans: bidirectional spans, one list for every row or one per row.
+        keys: the runs of valid keys, one list for every row or one per row.
     """
 
     causal: bool = True
@@ -288,6 +293,7 @@ class AttentionMask:
     window: Optional[tuple[int, int]] = None
     chunk: Optional[int] = None
     spans: Union[Sequence[Sequence[int]], Sequence[Sequence[Sequence[int]]], Tensor, None] = None
+    keys: Union[Sequence[Sequence[int]], Sequence[Sequence[Sequence[int]]], Tensor, None] = None
 
 
 @dataclass(frozen=True)
@@ -313,7 +319,8 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
                   doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None,
                   window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None,
                   sinks: Optional[Tensor] = None, comm_dtype: str = "input", chunk: Optional[int] = None,
-                  spans: Union[Sequence[Sequence[int]], Sequence[Sequence[Sequence[int]]], Tensor, None] = None
+                  spans: Union[Sequence[Sequence[int]], Sequence[Sequence[Sequence[int]]], Tensor, None] = None,
+                  keys: Union[Sequence[Sequence[int]], Sequence[Sequence[Sequence[int]]], Tensor, None] = None
                   ) -> Tensor:
     """Exact attention over a sequence sharded across ``topo``'s sequence-parallel group.
 
@@ -351,6 +358,10 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
         spans: bidirectional spans (Gemma 3's image blocks, PaliGemma's prefix): ``(start, end)`` global
             positions, one list for every row or one list per row, each inside one document. A query in a span
             also sees the later keys of its span (the window's left bound still applies). None: none.
+        keys: the valid keys: ``(start, end)`` runs of global positions, one list for every row or one list per row;
+            a key outside them is seen by no query (a padded or masked-out token in the middle of the sequence: a
+            diffusion transformer's joint text and image segments, a text key-padding mask). Queries outside them
+            are still computed (against the valid keys). None: every key before ``seq_len``.
 
     Returns:
         ``(b, s_local, hq, dv)`` in the input dtype: this rank's shard of the output.
@@ -358,13 +369,13 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, causal: bo
     Raises:
         ValueError: bad shapes, dtypes, devices, head counts vs degrees, layout, ``causal``,
             ``softmax_scale``, ``seq_len``, ``attn_backend``, ``native_op``, ``doc_lens``, ``window``, ``softcap``,
-            ``sinks``, ``comm_dtype``, ``chunk`` or ``spans``, raised
+            ``sinks``, ``comm_dtype``, ``chunk``, ``spans`` or ``keys``, raised
             before any communication; or ranks of the SP group that pass different shapes or arguments (checked
             once per signature with one small all-gather, the same error on every rank; skipped under
             ``torch.compile``, where a mismatch ends in the group timeout's ``USPCommError``).
         ds_usp.native.NativeOpUnavailable: ``native_op=True`` and the op cannot be built or loaded.
     """
-    return attention(q, k, v, topo, AttentionMask(causal, seq_len, doc_lens, window, chunk, spans),
+    return attention(q, k, v, topo, AttentionMask(causal, seq_len, doc_lens, window, chunk, spans, keys),
                      AttentionRun(layout, attn_backend, native_op, comm_dtype), softmax_scale, softcap, sinks)
 
 
@@ -377,6 +388,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
     """
     causal, seq_len, doc_lens, window, chunk, spans = (mask.causal, mask.seq_len, mask.doc_lens, mask.window,
                                                        mask.chunk, mask.spans)
+    count_sp_layer()  # the safety net's count (ds_usp.attention.counter), under torch.compile too
     layout, attn_backend, native_op, comm_dtype = run.layout, run.attn_backend, run.native_op, run.comm_dtype
     u = topo.ulysses_degree
     check_qkv(q, k, v, u)
@@ -394,6 +406,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
     docs = normalize_docs(doc_lens, q.shape[0], real_len)
     left, right = check_window(window, causal)
     row_spans = check_spans(spans, q.shape[0], real_len, docs)
+    row_keys = check_keys(mask.keys, q.shape[0], real_len)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"chunk ({chunk!r}) must be a positive number of tokens or None")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -403,17 +416,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
         get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
         check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
                                 (docs or (), left, right, cap, sinks is not None, COMM_DTYPES.index(comm_dtype),
-                                 chunk or 0, row_spans or ()))
+                                 chunk or 0, row_spans or (), row_keys or ()))
     native = str(native_op).lower()
     docs_t = None if docs is None else _doc_tensor(docs, real_len)
     spans_t = None if row_spans is None else _spans_tensor(row_spans)
+    keys_t = None if row_keys is None else _spans_tensor(row_keys)
     ulysses, ring, _ = topo.group_names
     hq, hkv, dk, dv = q.shape[2], k.shape[2], k.shape[3], v.shape[3]
 
     def options(sinks: Optional[Tensor]) -> RingOptions:
         return RingOptions(ulysses_degree=u, ring_group=ring, causal=causal, layout=layout, seq_len=real_len,
                            scale=scale, softcap=cap, sinks=sinks, attn_backend=attn_backend, native_op=native,
-                           docs=docs_t, spans=spans_t, window_left=left, window_right=right, chunk=chunk or 0, comm_dtype=comm_dtype)
+                           docs=docs_t, spans=spans_t, keys=keys_t, window_left=left, window_right=right,
+                           chunk=chunk or 0, comm_dtype=comm_dtype)
 
     if u == 1:
         out, _ = _ring_attention([q, k, v], [hq, hkv, hkv], [dk, dk, dv], *options(sinks))
@@ -445,7 +460,7 @@ def _spans_tensor(spans: tuple[tuple[tuple[int, int], ...], ...]) -> Tensor:
 
 
 def _spans_of(spans: Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The ring op's ``(b, m, 2)`` spans tensor -> per row, the non-empty spans."""
+    """The ring op's ``(b, m, 2)`` spans (or valid keys) tensor -> per row, the non-empty runs."""
     return tuple(tuple((a, b) for a, b in row if b > a) for row in spans.tolist())
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ds_usp.attention.counter import count_sp_layer
 from ds_usp.comm import all_gather_rows, all_reduce_sum_
 from ds_usp.sharding import layout_bounds, normalize_docs, resolve_seq_len, shard_positions
 from ds_usp.topology import USPTopology
@@ -111,6 +112,7 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
     Returns:
         ``(b, s_local, C)`` in ``x``'s dtype, computed in the weight's (as transformers' ``causal_conv1d_fn``).
     """
+    count_sp_layer()
     u, r, kernel = topo.ulysses_degree, topo.ring_degree, weight.shape[-1]
     b, s_local, channels = x.shape
     real_len, padded = resolve_seq_len(seq_len, s_local, u, r, layout)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ds_usp.attention.counter import count_sp_layer
 from ds_usp.linear.conv import exchange
 from ds_usp.linear.delta import Segment, row_groups, segments
 from ds_usp.sharding import layout_bounds, normalize_docs, resolve_seq_len, shard_runs
@@ -120,6 +121,7 @@ def sharded_selective_scan(scan: Callable[..., Tensor], x: Tensor, dt: Tensor, A
     Returns:
         ``(b, d, s_local)`` as ``scan`` returns them.
     """
+    count_sp_layer()
     u, r = topo.ulysses_degree, topo.ring_degree
     b = x.shape[0]
     real_len, padded = resolve_seq_len(seq_len, x.shape[-1], u, r, layout)
@@ -177,6 +179,7 @@ def sharded_linear_recurrence(scan: Callable[[Tensor, Tensor], Tensor], u: Tenso
     Returns:
         ``(b, s_local, d)`` as ``scan`` returns them.
     """
+    count_sp_layer()
     u_, r_ = topo.ulysses_degree, topo.ring_degree
     real_len, padded = resolve_seq_len(seq_len, u.shape[1], u_, r_, layout)
     bounds = layout_bounds(layout, doc_lens, real_len, padded)

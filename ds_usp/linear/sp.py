@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ds_usp.attention.counter import count_sp_layer
 from ds_usp.attention.usp import as_units, head_to_seq_op, seq_to_head_op
 from ds_usp.comm import all_gather_rows, all_reduce_sum_
 from ds_usp.linear.delta import (Rule, Segment, SegmentRun, causal_conv, halo_of, initial_states, row_groups,
@@ -116,6 +117,7 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     Raises:
         ValueError: head counts the Ulysses degree cannot split, or a bad layout / length / documents.
     """
+    count_sp_layer()
     u, r = topo.ulysses_degree, topo.ring_degree
     nk, dk, nv, dv = k.shape[2], k.shape[3], v.shape[2], v.shape[3]
     check_linear_heads(nk, nv, u)
