@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ds_usp.attention import AttentionRun
 from ds_usp.comm import barrier, group_device
 from ds_usp.config import (USPConfig, USPConfigError, degree_split, divisors, load_usp_config, process_group_timeout,
                            ranks_per_node, read_ds_config)
@@ -34,11 +35,15 @@ from ds_usp.integration.engine.preflight import (check_launcher_environment, che
                                                  model_heads, versions)
 from ds_usp.integration.models.attention import USPContext, attach
 from ds_usp.integration.models.checks import check_model, default_positions
+from ds_usp.integration.models.diffusion import check_diffusion_model, is_diffusers_model, shard_diffusion_model
+from ds_usp.integration.models.diffusion.shape import dit_shape
 from ds_usp.integration.models.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
 from ds_usp.integration.models.multimodal import refuse_cross_attention
+from ds_usp.integration.models.safety import install_safety_net
 from ds_usp.integration.models.shape import shape_of
 from ds_usp.integration.models.vision import prepare_vision_towers
 from ds_usp.integration.step.choices import MemoryContext, MemorySettings
+from ds_usp.integration.step.dit import apply_dit_memory
 from ds_usp.integration.step.forward import apply as apply_memory_features
 from ds_usp.integration.upstream import deepspeed as ds_patches
 from ds_usp.integration.upstream.deepspeed import (attach_state, deepspeed_initialize,
@@ -165,7 +170,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     usp_cfg = load_usp_config(raw, world, num_heads=heads, num_kv_heads=kv_heads)
     zero = raw.get("zero_optimization", {})
     auto = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and usp_cfg.degrees_chosen_automatically
-    shape = shape_of(model) if auto else None  # read only when the degrees are the cost model's to choose
+    # a diffusion transformer: its family's plan shards it (models/diffusion), or it is refused by name
+    diffusion = is_diffusers_model(model) and usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1
+    shape = None
+    if auto:  # read only when the degrees are the cost model's to choose
+        shape = dit_shape(model, check_diffusion_model(model)) if diffusion else shape_of(model)
     if shape is not None:
         usp_cfg = choose_degrees(usp_cfg, shape, zero.get("stage", 0) or 1, ranks_per_node(world),
                                       getattr(model.config, "max_position_embeddings", None))
@@ -178,7 +187,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if usp_cfg.enabled:
         if kwargs.get("mpu") is not None:
             raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
-        if model is not None and usp_cfg.sequence_parallel_size > 1:  # the same answer on every rank, before any group
+        if model is not None and diffusion:  # refused by name, or sharded by its family's plan
+            check_diffusion_model(model)
+            if usp_cfg.dynamic_sp:
+                raise ValueError("usp.dynamic_sp is for packed documents of language models; a diffusion transformer's "
+                                 "sample is one sequence: set it to false")
+        elif model is not None and usp_cfg.sequence_parallel_size > 1:  # the same answer on every rank, before any group
             refuse_cross_attention(model)
             prepare_vision_towers(model, usp_cfg.vision_tower)
             check_model(model, handled=is_wrapped_mixer)
@@ -192,15 +206,22 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         kwargs["mpu"] = topo.mpu
         if usp_cfg.native_op is not False:  # built (or loaded) now, with a progress line, not inside step 1
             resolve_native_op(usp_cfg.native_op, group_device(topo.sp_group))
-        if model is not None:
+        settings = MemorySettings(
+            chunked_loss=usp_cfg.chunked_loss, tiled_mlp=usp_cfg.tiled_mlp,
+            activation_checkpointing=usp_cfg.activation_checkpointing,
+            offload_activations=usp_cfg.offload_activations, tile_mib=usp_cfg.tile_mib)
+        if model is not None and diffusion:
+            dit = shard_diffusion_model(model, topo, AttentionRun("contiguous", usp_cfg.attn_backend,
+                                                                  usp_cfg.native_op, usp_cfg.comm_dtype))
+            memory = apply_dit_memory(model, check_diffusion_model(model), dit, settings, topo,
+                                      zero3=zero.get("stage", 0) == 3)
+        elif model is not None:
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
                                      native_op=usp_cfg.native_op, comm_dtype=usp_cfg.comm_dtype))
             wrap_linear_layers(model)
-            memory = apply_memory_features(model, MemorySettings(
-                chunked_loss=usp_cfg.chunked_loss, tiled_mlp=usp_cfg.tiled_mlp,
-                activation_checkpointing=usp_cfg.activation_checkpointing,
-                offload_activations=usp_cfg.offload_activations, tile_mib=usp_cfg.tile_mib),
-                topo, usp_cfg.layout, zero3=zero.get("stage", 0) == 3)
+            memory = apply_memory_features(model, settings, topo, usp_cfg.layout, zero3=zero.get("stage", 0) == 3)
+        if model is not None:
+            install_safety_net(model, usp_cfg.sequence_parallel_size)  # no SP layer in a training forward: refused
             if zero3_sp:
                 _partition_for_zero3(model, raw, topo)
         if topo.rank == 0:
