@@ -161,3 +161,88 @@ def test_test_modules_do_not_decide_cuda_at_import():
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved[1]
+
+
+# ---------------------------------------------------------------------------------- names in docs and docstrings
+
+_NAME = re.compile(r"\bds_usp(?:\.\w+)+")
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, imports)."""
+    names = set()
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    exported = next((node.value for node in tree.body if isinstance(node, ast.Assign) and any(
+        isinstance(x, ast.Name) and x.id == "__all__" for x in node.targets)), None)
+    if exported is not None:  # names a module's __getattr__ makes on first use (ds_usp.USPTrainer) are listed there
+        names.update(n.value for n in ast.walk(exported) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+        names.update(n.id for n in ast.walk(exported) if isinstance(n, ast.Name))  # *_RL_TRAINERS
+        for star in (n.value.id for n in ast.walk(exported) if isinstance(n, ast.Starred)
+                     and isinstance(n.value, ast.Name)):
+            value = next(node.value for node in tree.body if isinstance(node, ast.Assign) and any(
+                isinstance(x, ast.Name) and x.id == star for x in node.targets))
+            names.update(n.value for n in ast.walk(value) if isinstance(n, ast.Constant))
+    return names
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (the native op's builders as ``ds_usp.native.op_builder``)."""
+    found = {_module_name(p): p for p in (ROOT / "ds_usp").rglob("*.py")}
+    found["ds_usp.native.op_builder"] = ROOT / "ops" / "__init__.py"
+    builders = ast.parse(found["ds_usp.native.op_builder"].read_text())  # the extensions they build (prebuilt)
+    for node in ast.walk(builders):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.fullmatch(node.value):
+            found.setdefault(node.value, found["ds_usp.native.op_builder"])
+    return found
+
+
+def unknown_names(text: str, modules: dict[str, Path]) -> list[str]:
+    """The ``ds_usp.*`` names in ``text`` that are neither a module nor a name a module defines at its top level
+    (``ds_usp.cost.choose_features``); an attribute of that name (``ds_usp.cost.Features.describe``) is not checked
+    further."""
+    bad = []
+    for name in sorted(set(_NAME.findall(text))):
+        parts = name.split(".")
+        prefix = max((i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules), default=0)
+        if prefix == len(parts):
+            continue
+        module = ".".join(parts[:prefix])
+        if not prefix or not (parts[prefix] in _top_level_names(modules[module]) or
+                              re.fullmatch(r"__\w+__", parts[prefix])):
+            bad.append(name)
+    return bad
+
+
+def test_architecture_doc_names_every_module_and_only_real_ones():
+    """docs/architecture.md names every module of the package (in backticks), and every ``ds_usp.*`` name it gives is
+    a module or something a module defines."""
+    modules = _modules()
+    doc = DOC.read_text()
+    named = set(re.findall(r"`(ds_usp(?:\.\w+)*)`", doc))
+    missing = sorted(m for m in modules if m not in named and not m.startswith("ds_usp.native.op_builder"))
+    assert not missing, f"docs/architecture.md does not name these modules: {missing}"
+    assert not unknown_names(doc, modules), f"docs/architecture.md names what does not exist: {unknown_names(doc, modules)}"
+
+
+def test_docstrings_and_comments_name_existing_modules():
+    """A docstring or comment that names a ``ds_usp`` module or function names one that exists (modules move; the
+    docstrings that pointed at them must move too)."""
+    modules = _modules()
+    stale = {str(path.relative_to(ROOT)): bad for path in sorted((ROOT / "ds_usp").rglob("*.py"))
+             if (bad := unknown_names(path.read_text(), modules))}
+    assert not stale, f"names of things that do not exist: {stale}"
+
+
+def test_the_name_check_sees_a_missing_name():
+    modules = _modules()
+    assert unknown_names("see ds_usp.cost.choose_features and ds_usp.integration.step.forward", modules) == []
+    assert unknown_names("see ds_usp.integration.memory.apply, ds_usp.cost.no_such_thing", modules) == [
+        "ds_usp.cost.no_such_thing", "ds_usp.integration.memory.apply"]

@@ -310,3 +310,15 @@ def test_the_package_walk_applies_each_rule_where_it_holds(tmp_path):
     assert found == [("ds_usp/comm.py", "(a)"), ("ds_usp/comm.py", "(b)"),
                      ("ds_usp/integration/upstream/patch.py", "(c)"),
                      ("ds_usp/other.py", "(a)"), ("ds_usp/other.py", "(b)"), ("ds_usp/other.py", "(c)")], found
+
+
+def test_architecture_doc_lists_every_registered_patch():
+    """docs/architecture.md's patch table is the registry's (every ``Patch`` registered, with its texts), so a patch
+    added without its row, or a row left after its patch went, fails here."""
+    from ds_usp.integration.upstream import registry
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = registry.patch_table()
+    assert len(registry.PATCHES) > 20
+    assert table in doc, ("docs/architecture.md's patch table differs from the registry's; paste this under "
+                          "'## Patches of third-party code':\n" + table)

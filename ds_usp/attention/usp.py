@@ -1,4 +1,4 @@
-"""USP attention: Ulysses all-to-all inside, ring across, as three differentiable custom ops.
+"""USP attention: Ulysses all-to-all inside, ring across, as differentiable custom ops.
 
     topo = ds_usp.USPTopology.build(ulysses_degree=2, ring_degree=2)
     q_loc = ds_usp.shard_sequence(q, topo, dim=1, layout="zigzag")

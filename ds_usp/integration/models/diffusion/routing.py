@@ -3,7 +3,8 @@ attention over the whole sequence (:class:`AttentionRoute`).
 
 diffusers' processors apply QK-norm and RoPE per token before they dispatch, so q and k arrive with their positions
 inside them; the route only needs to know the module's streams (their order in the local sequence) to tell the
-attention which keys are real and which the model's mask keeps (:meth:`ds_usp.integration.models.diffusion.state.DiTCall.keys`).
+attention which keys are real and which the model's mask keeps
+(:meth:`ds_usp.integration.models.diffusion.state.DiTCall.keys`).
 What the route does not implement is refused by name: causal attention, attention dropout, returning the LSE, and
 any mask other than the key mask ds-usp cut for the module's streams.
 """
@@ -34,7 +35,7 @@ class AttentionRoute(DispatchRoute):
         self.dit, self.order, self.module = dit, order, module
 
     def __repr__(self) -> str:  # diffusers' logging prints processors
-        return f"ds_usp.AttentionRoute({self.module}: {' + '.join(self.order)})"
+        return f"ds-usp AttentionRoute({self.module}: {' + '.join(self.order)})"
 
     def run(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
             is_causal: bool, scale: Optional[float], extra: dict) -> Tensor:
