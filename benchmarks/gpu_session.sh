@@ -1,27 +1,40 @@
 #!/usr/bin/env bash
-# Issue 40's run list on one lent GPU, in order of what matters most, each step with its own time limit so that
-# one step that hangs leaves the others their time. Run from the repository root on the GPU machine, with the
-# wheels of DeepSpeed 0.19.8 and what the image lacks in .whl/ (see docs/benchmarks.md, "GPU training"):
+# The GPU run list, one step per measurement, each under its own time limit so that one step that hangs leaves the
+# others their time. Run from the repository root on the GPU machine, with the wheels of DeepSpeed 0.19.8 and what the
+# image lacks in .whl/ (see docs/benchmarks.md, "GPU training"; without .whl/ the installed packages are used):
 #
 #     bash benchmarks/gpu_session.sh RESULTS_DIR [STEP...]
 #
-# STEPS (default: all, in this order): train alst128 offload hybrid pytest triton. Their limits add up to more than
-# one device call may take (10 minutes): name the steps of each call. Measured on an H100 (2026-11-26): the native
-# op builds in 43 s; train (steps 2) took 274 s; hybrid and triton did not finish inside 60 and 45 s (the first
-# compile of flash-linear-attention's and ds-usp's Triton kernels), hence their limits now.
+# Default STEPS: issue 49's first run (limits 470 s, about 8 minutes with the setup): attention alst usp alstoffload.
+#   attention    ds-usp's flash SDPA against cuDNN's SDPA with log-sum-exp, forward and backward, 16K-128K (50 s)
+#   alst         ALST full at 16K, 32K, 64K and 128K, four timed steps each, one profiled step at 16K (180 s; from
+#                the H100 rows of issue 40 about 170 s: 20 s to build, 1.98, 3.41, 8.20 and 22.2 s a step)
+#   usp          ds-usp "auto" at the same lengths, four timed steps each, one profiled step at 16K and 128K (170 s)
+#   alstoffload  ALST full with DeepSpeed's checkpoint offload (CheckpointHiddenStatesOffload) at 128K, 2 steps (70 s)
+# Every step's row is written as soon as that step is done: a step stopped by its limit keeps the steps it finished.
+# Issue 40's steps, by name: train alst128 offload hybrid pytest triton (their limits add up to more than one device
+# call may take, 10 minutes: name the steps of each call). Measured on an H100 (2026-11-26): the native op builds in
+# 43 s; train (steps 2) took 274 s; hybrid and triton did not finish inside 60 and 45 s (the first compile of
+# flash-linear-attention's and ds-usp's Triton kernels), hence their limits now.
 #
-# Writes into RESULTS_DIR: env.txt (device, driver, versions), gpu_train.json + train.log (1B shape: ds-usp, ALST
-# full, ds-usp without its memory features), gpu_offload.json (offload_activations off at the longest S),
-# gpu_hybrid.json (hybrid families on CUDA against the unsharded model), triton_softcap.json, pytest.log (the GPU
-# tests and the quick subset on the GPU host).
+# A dry run on CPU (every path of the first run on the tiny shape; no timings worth reading):
+#     SHAPE=tiny FIRST=64 LAST=256 ATTENTION_SEQS=256 bash benchmarks/gpu_session.sh /tmp/dry
+#
+# Writes into RESULTS_DIR: env.txt (device, driver, versions), session.log (every step's output), and per step:
+# gpu_attention.json, gpu_alst.json, gpu_usp.json, gpu_alst_offload.json (rows for docs/benchmarks.md; profiled
+# steps' chrome traces in traces/); issue 40's gpu_train.json + train.log, gpu_offload.json, gpu_hybrid.json,
+# triton_softcap.json, pytest.log.
 set -u
 R=${1:?results folder}
 shift
-STEPS=${*:-train alst128 offload hybrid pytest triton}
+STEPS=${*:-attention alst usp alstoffload}
 mkdir -p "$R"
+R=$(cd "$R" && pwd)
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$R/env.txt" 2>&1 || { cat "$R/env.txt"; exit 1; }
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl > "$R/env.txt" 2>&1 || { cat "$R/env.txt"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site:$PWD
 step() {  # step SECONDS NAME COMMAND...: one step under its limit, its output in session.log
     local limit=$1 name=$2; shift 2
@@ -32,19 +45,33 @@ step() {  # step SECONDS NAME COMMAND...: one step under its limit, its output i
 }
 { nvidia-smi; nvcc --version | tail -2; python3 - <<'EOF'
 import torch, triton, transformers, deepspeed, importlib.util
-print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "transformers",
-      transformers.__version__, "deepspeed", deepspeed.__version__, torch.cuda.get_device_name())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "triton",
+      triton.__version__, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__,
+      torch.cuda.get_device_name())
 print({m: importlib.util.find_spec(m) is not None for m in ("flash_attn", "fla", "mamba_ssm", "causal_conv1d")})
 EOF
 } >> "$R/env.txt" 2>&1
-# the native CUDA op JIT-built in the background while ALST (which does not use it) trains first, so that no
-# ds-usp step waits for nvcc inside its timed steps (a worker finding the build's lock waits for it)
+python3 -c "import deepspeed" 2>/dev/null || { echo "no DeepSpeed: put its wheel in .whl/"; exit 1; }
+# the native CUDA op JIT-built in the background while the attention kernels and ALST (neither uses it) run first, so
+# that no ds-usp step waits for nvcc inside its timed steps (a worker finding the build's lock waits for it)
 MAX_JOBS=8 python3 -c "import torch; from ds_usp.native import resolve_native_op as r; print('native op:', \
     r(True, torch.device('cuda')).source, r(True, torch.device('cpu')).source)" > "$R/build.log" 2>&1 &
 cd benchmarks
+# ---- issue 49's first run: the 1.5B Llama-3 shape, bf16, ZeRO-3, world size 1, 16K to 128K (the GPU otherwise idle)
+SHAPE=${SHAPE:-1b} FIRST=${FIRST:-16384} LAST=${LAST:-131072}
+step 50 attention python3 gpu_train.py --attention --shape "$SHAPE" \
+    --seqs "${ATTENTION_SEQS:-16384,32768,65536,131072}" --iters 3 --json "$R/gpu_attention.json"
+LENGTHS=(--shape "$SHAPE" --start "$FIRST" --max-seq "$LAST" --steps 4 --budget 600 --trace-dir "$R/traces")
+step 180 alst python3 gpu_train.py "${LENGTHS[@]}" --systems "ALST full" --profile-seqs "$FIRST" \
+    --json "$R/gpu_alst.json"
+step 170 usp python3 gpu_train.py "${LENGTHS[@]}" --systems "ds-usp" --profile-seqs "$FIRST,$LAST" \
+    --json "$R/gpu_usp.json"
+step 70 alstoffload python3 gpu_train.py --shape "$SHAPE" --systems "ALST full offload" --start "$LAST" \
+    --max-seq "$LAST" --steps 2 --budget 600 --json "$R/gpu_alst_offload.json"
+# ---- issue 40's steps
 # the whole training step, 1B Llama-3 shape, bf16, ZeRO-3, S doubling from 16K (the GPU otherwise idle)
-step 330 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 3 --budget 120 --profile \
-    --json "$R/gpu_train.json"
+step 330 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 3 --budget 120 \
+    --profile --json "$R/gpu_train.json"
 # DeepSpeed's ALST recipe at 128K, which the budget above may stop before
 step 100 alst128 python3 gpu_train.py --shape 1b --systems "ALST full" --start 131072 --max-seq 131072 --steps 2 \
     --budget 90 --json "$R/gpu_alst128.json"

@@ -1,37 +1,56 @@
-"""Training on one GPU (issue 27): ds-usp's whole step against DeepSpeed's ALST recipe, bf16, ZeRO-3, S doubling.
+"""Training on one GPU (issues 27, 40, 49): ds-usp's whole step against DeepSpeed's ALST recipe, bf16, ZeRO-3.
 
 Run (on a machine with one CUDA GPU; each system is one process, S doubles from ``--start`` until it runs out
 of memory, reaches ``--max-seq`` or the next length would not finish inside ``--budget`` seconds):
 
-    python benchmarks/gpu_train.py --shape 1b --json gpu_train_h100.json --plot docs/img/gpu_train.png
+    python benchmarks/gpu_train.py --shape 1b --systems "ALST full,ds-usp" --start 16384 --max-seq 131072 --steps 4 \
+        --profile-seqs 16384,131072 --json gpu_train.json
+    python benchmarks/gpu_train.py --attention --seqs 16384,131072 --json gpu_attention.json  # cuDNN vs flash SDPA
+    python benchmarks/gpu_train.py --attention --shape tiny --seqs 256 --json /tmp/dry_attention.json   # on CPU
+    python benchmarks/gpu_train.py --shape tiny --systems "ALST full,ALST full offload,ds-usp" --start 64 \
+        --max-seq 128 --steps 2 --profile-seqs 64 --json /tmp/dry.json      # the CPU dry run of every path
 
 The model: a Llama-3-shaped decoder with random weights (``--shape 1b``: hidden 2048, 16 layers, 32 heads,
 8 kv heads, intermediate 8192, vocab 128256; ``8b``: hidden 4096, 32 layers, intermediate 14336), bf16 with
 DeepSpeed's fp32 master weights, ZeRO-3, AdamW, one sequence of S random tokens per step, world size 1
 (``sequence_parallel_size: 1``: every piece of the step but the collectives). Systems (:data:`SYSTEMS`):
 
-* ``ds-usp``: ``"sequence_parallel": "usp"`` and nothing else (memory features "auto": chunked loss, tiled
-  MLP, checkpointing, offload of the checkpointed inputs as the step plan decides);
+* ``ds-usp``: ``"sequence_parallel": "usp"`` and nothing else (memory features "auto": the fastest that fit the
+  GPU's memory, as the cost model prices them);
 * ``ds-usp off``: the same with every memory feature false (only the attention path);
 * ``ds-usp offload`` / ``ds-usp no offload``: "auto" with ``offload_activations`` true / false (what offloading
   the checkpointed inputs saves and costs);
-* ``ALST full``: DeepSpeed's own pieces as its ALST tutorial wires them at sequence parallel 1: HF Llama
-  with sdpa attention, ``TiledMLP`` (``ceil(S / hidden)`` shards), ``TiledFusedLogitsLoss`` (1/8 GiB fp32
-  logits tiles) and HF gradient checkpointing (ALST's checkpoint offload lives in ArcticTraining, not in
-  DeepSpeed, and is not part of this recipe).
+* ``ALST full``: DeepSpeed's own pieces as its ALST tutorial and ArcticTraining's SFT trainer wire them at sequence
+  parallel 1: HF Llama with sdpa attention, ``TiledMLP`` (``ceil(S / hidden)`` shards), ``TiledFusedLogitsLoss``
+  (1/8 GiB fp32 logits tiles; the decoder called as ``model.model``, as ArcticTraining does, so ZeRO-3's parameter
+  trace never completes) and HF gradient checkpointing;
+* ``ALST full offload``: the same with each checkpointed layer input offloaded to host memory by DeepSpeed's
+  ``CheckpointHiddenStatesOffload`` (``get_checkpoint_hidden_states_offloading_ctx_manager``, DeepSpeed >= 0.19.8)
+  around the forward and backward.
 
-Per (system, S): the median step time over the steps after the first at that S (one step only from
-``--one-step-from`` on: then the time is that step's, marked), tokens/s, model TFLOP/s and MFU, and
-``torch.cuda.max_memory_allocated`` over the step (absolute: weights, optimizer state and activations).
+Per (system, S): every step timed (``--steps``; the median is over the steps after the first, and their spread is
+``(slowest - fastest) / fastest``), tokens/s, model TFLOP/s and MFU, ``torch.cuda.max_memory_allocated`` over each
+step (absolute: weights, optimizer state and activations) and the caching allocator's reserved memory and retries
+per step. At each S of ``--profile-seqs`` one more step runs under ``torch.profiler``: its operators by device time,
+the kernels launched, the device's busy time against the step's wall time (``--trace-dir``: the chrome trace too).
 FLOPs of a step (MFU convention, recomputation not counted): ``6 N S`` with ``N`` the parameters that multiply
 (all but the input embedding) plus causal attention ``6 L H d S^2`` (QK^T and PV, forward and backward,
 half the square). MFU divides by ``--peak-tflops`` (default: the bf16 dense peak of the device's name).
+
+``--attention``: no training; ds-usp's local attention kernel (PyTorch's flash SDPA ops, what ``attn_backend``
+"auto" runs on CUDA) against the cuDNN SDPA op with its log-sum-exp, forward and backward, causal, at the 1B shape's
+heads (32 query, 8 kv, head dim 64) for each S of ``--seqs``: milliseconds, TFLOP/s and the largest difference of the
+outputs and log-sum-exps (skipped, saying why, where the op or CUDA is missing).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +60,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from _common import save_results, table, world_of_one
+from _common import comma_list, save_results, table, world_of_one
 from long_seq import alst_full, alst_tiled_loss
 
 TAG = "[gpu_train]"
@@ -53,28 +72,45 @@ SHAPES = {
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # bf16 dense, the vendors' data sheets
+TARGET_VS_ALST = 1.3  # issue 49: ds-usp "auto" at least 1.3x ALST full's tokens/s at every S
+TARGET_SPREAD = 0.05  # steps 2 to 4 within 5% of each other
+TARGET_MFU_128K = 0.30
 Step = Callable[[], float]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=list(SHAPES), default="1b")
-    p.add_argument("--systems", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-                   default=["ds-usp", "ds-usp off", "ALST full"])
+    p.add_argument("--systems", type=comma_list(str), default=["ds-usp", "ds-usp off", "ALST full"])
     p.add_argument("--start", type=int, default=16384, help="first S")
     p.add_argument("--max-seq", type=int, default=1 << 20, help="last S tried")
-    p.add_argument("--steps", type=int, default=3, help="steps per S (the first untimed)")
+    p.add_argument("--steps", type=int, default=3, help="steps per S, each timed (the median: after the first)")
     p.add_argument("--one-step-from", type=int, default=262144, help="from this S on, one (timed) step per S")
     p.add_argument("--budget", type=float, default=240.0, help="seconds a system may spend on its steps")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 dense peak (MFU)")
     p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-3 optimizer state in host memory")
-    p.add_argument("--profile", action="store_true",
-                   help="after the timed steps at the first S, one more step under torch.profiler: its kernels by "
-                        "device time go into the row ('profile') and the log")
+    p.add_argument("--profile", action="store_true", help="--profile-seqs at the first S")
+    p.add_argument("--profile-seqs", type=comma_list(int), default=[],
+                   help="after the timed steps at each of these S, one more step under torch.profiler: its kernels "
+                        "by device time, launches and the device's busy share go into the row ('profile')")
+    p.add_argument("--trace-dir", default="", help="also write each profiled step's chrome trace here (gzipped)")
+    p.add_argument("--attention", action="store_true",
+                   help="no training: ds-usp's flash SDPA against cuDNN's (with log-sum-exp) at each of --seqs")
+    p.add_argument("--seqs", type=comma_list(int), default=[16384, 32768, 65536, 131072],
+                   help="the lengths of --attention")
+    p.add_argument("--iters", type=int, default=3, help="timed iterations of --attention (after one warm-up)")
     p.add_argument("--json", default=None, help="result file (bare name: benchmarks/results/)")
     p.add_argument("--plot", default="", help="write a plot of tokens/s and peak memory against S here")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "system|rows file"
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = [name for name in args.systems if name not in SYSTEMS]
+    if unknown:
+        p.error(f"--systems: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SYSTEMS)}")
+    if args.steps < 1 or args.iters < 1:
+        p.error("--steps and --iters must be at least 1")
+    if args.profile and args.start not in args.profile_seqs:
+        args.profile_seqs = [*args.profile_seqs, args.start]
+    return args
 
 
 def flops_per_step(shape: dict, params: int, seq: int) -> float:
@@ -145,7 +181,8 @@ def usp_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, C
 
 
 def alst_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, Callable[[int], Step]]:
-    """DeepSpeed's TiledMLP, TiledFusedLogitsLoss and HF checkpointing, as ALST's tutorial wires them."""
+    """DeepSpeed's TiledMLP, TiledFusedLogitsLoss and HF checkpointing, as ALST's tutorial wires them; ``ALST full
+    offload``: with DeepSpeed's checkpoint offload of each layer's input around the forward and backward."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if CUDA else "gloo")
@@ -153,6 +190,12 @@ def alst_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, 
     alst_full(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
     module = engine.module
+    offload = None
+    if name == "ALST full offload":  # one context for every step: its pinned host buffers are pooled across steps
+        from deepspeed.runtime.activation_checkpointing.offload_activations import (
+            get_checkpoint_hidden_states_offloading_ctx_manager)
+
+        offload = get_checkpoint_hidden_states_offloading_ctx_manager(use_pin_memory=CUDA, use_streams=CUDA)
 
     def at(seq: int) -> Step:
         ids = tokens(shape, seq)
@@ -160,9 +203,10 @@ def alst_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, 
         shift = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1).to(engine.device)
 
         def step() -> float:
-            hidden = module.model(**batch, use_cache=False).last_hidden_state
-            loss = alst_tiled_loss(module, hidden, shift, shape["vocab"]) / (seq - 1)
-            engine.backward(loss)
+            with offload if offload is not None else contextlib.nullcontext():
+                hidden = module.model(**batch, use_cache=False).last_hidden_state
+                loss = alst_tiled_loss(module, hidden, shift, shape["vocab"]) / (seq - 1)
+                engine.backward(loss)
             engine.step()
             return float(loss)
         return step
@@ -177,7 +221,7 @@ USP_SETTINGS = {"ds-usp": {},
                                "offload_activations": False},
                 "ds-usp offload": {"offload_activations": True},
                 "ds-usp no offload": {"offload_activations": False}}
-SYSTEMS = {**{name: usp_system for name in USP_SETTINGS}, "ALST full": alst_system}
+SYSTEMS = {**{name: usp_system for name in USP_SETTINGS}, "ALST full": alst_system, "ALST full offload": alst_system}
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -206,9 +250,9 @@ def run_worker(args: argparse.Namespace) -> None:
                                       f"--budget {args.budget:.0f} s"}) + "\n")
                 break
         step = at(seq)
-        times, losses, peaks, reserved, error = [], [], [], [], None
-        retries = _alloc_retries()
+        stats, losses, error, row = [], [], None, {}
         for _ in range(steps):
+            retries = _alloc_retries()
             if CUDA:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -220,45 +264,80 @@ def run_worker(args: argparse.Namespace) -> None:
                 break
             if CUDA:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - w0)
-            peaks.append(torch.cuda.max_memory_allocated() if CUDA else 0)
-            reserved.append(torch.cuda.max_memory_reserved() if CUDA else 0)
+            # the caching allocator per step: what it held, and how often it had to free its cache and retry (a step
+            # slower than the one before with the same work points there)
+            stats.append((time.perf_counter() - w0, torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0,
+                          torch.cuda.max_memory_reserved() / 2 ** 30 if CUDA else 0.0, _alloc_retries() - retries))
+            row = _row(name, seq, stats, losses[0], params, shape, args, engine)
+            out.write(json.dumps(row) + "\n")  # after every step: a run stopped from outside keeps its steps
+            out.flush()
         if error:
-            out.write(json.dumps({"system": name, "S": seq, "note": error}) + "\n")
+            out.write(json.dumps(dict(row, system=name, S=seq, note=error)) + "\n")
             break
-        timed = times[1:] or times
-        last = statistics.median(timed)
-        row = {"system": name, "S": seq, "step_s": last, "steps_timed": len(timed), "first_step_s": times[0],
-               "peak_GiB": max(peaks) / 2 ** 30, "loss": losses[0], "params": params,
-               # the caching allocator: what it held, and how often it had to free its cache and retry (a step
-               # slower after the first with the same work points there)
-               "reserved_GiB": max(reserved) / 2 ** 30, "alloc_retries": _alloc_retries() - retries,
-               "step_times_s": times, "choices": _choices(engine),
-               "tflops": flops_per_step(shape, params, seq) / last / 1e12}
-        if args.profile and seq == args.start:
-            row["profile"] = profile_step(step)
-            print(f"{TAG} {name} S={seq}, one step under torch.profiler:\n{row['profile']}", flush=True)
-        row["mfu"] = row["tflops"] / peak_tflops(args)
-        row["tokens_per_s"] = seq / last
-        out.write(json.dumps(row) + "\n")
-        out.flush()
-        print(f"{TAG} {name} S={seq}: {last:.2f} s/step, {row['tokens_per_s']:.0f} tokens/s, "
-              f"{row['tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), peak {row['peak_GiB']:.1f} GiB", flush=True)
+        if seq in args.profile_seqs:
+            row["profile"] = profile_step(step, name, seq, args.trace_dir)
+            print(f"{TAG} {name} S={seq}, one step under torch.profiler: {row['profile']['summary']}\n"
+                  f"{row['profile']['table']}", flush=True)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+        last = row["step_s"]
+        print(f"{TAG} {name} S={seq}: {last:.2f} s/step (steps {', '.join(f'{t:.2f}' for t in row['step_times_s'])}), "
+              f"{row['tokens_per_s']:.0f} tokens/s, {row['tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), peak "
+              f"{row['peak_GiB']:.1f} GiB, reserved {row['reserved_GiB']:.1f} GiB, {row['alloc_retries']} allocator "
+              f"retries", flush=True)
         seq *= 2
     out.close()
 
 
-def profile_step(step: Step) -> str:
-    """One step under torch.profiler: the table of operators by device time (CPU time without CUDA)."""
+def _row(name: str, seq: int, stats: list[tuple], loss: float, params: int, shape: dict, args: argparse.Namespace,
+         engine: Any) -> dict:
+    """One (system, S) row from its steps so far: ``(seconds, peak GiB, reserved GiB, allocator retries)`` each."""
+    times, peaks, reserved, retries = (list(x) for x in zip(*stats))
+    timed = times[1:] or times
+    step_s = statistics.median(timed)
+    tflops = flops_per_step(shape, params, seq) / step_s / 1e12
+    return {"system": name, "S": seq, "step_s": step_s, "steps_timed": len(timed), "first_step_s": times[0],
+            "spread": (max(timed) - min(timed)) / min(timed), "peak_GiB": max(peaks), "loss": loss, "params": params,
+            "reserved_GiB": max(reserved), "alloc_retries": sum(retries), "step_times_s": times,
+            "peak_GiB_per_step": peaks, "reserved_GiB_per_step": reserved, "alloc_retries_per_step": retries,
+            "choices": _choices(engine), "tflops": tflops, "mfu": tflops / peak_tflops(args),
+            "tokens_per_s": seq / step_s}
+
+
+def profile_step(step: Step, name: str, seq: int, trace_dir: str = "") -> dict:
+    """One step under torch.profiler: the operators by device time (CPU time without CUDA), and a summary: the step's
+    wall time under the profiler, the kernels launched and their summed device time (its share of the wall time: how
+    busy the host kept the device), the aten ops dispatched."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    w0 = time.perf_counter()
     with profile(activities=activities) as prof:
         step()
         if CUDA:
             torch.cuda.synchronize()
-    key = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
+    wall = time.perf_counter() - w0
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in kernels) / 1e6
+    summary = {"wall_s": wall, "kernels": len(kernels), "kernel_s": busy, "busy_share": busy / wall if CUDA else None,
+               "aten_ops": sum(1 for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")),
+               "launches": sum(1 for e in events if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC"))}
+    key = "self_device_time_total" if CUDA else "self_cpu_time_total"
+    try:
+        text = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
+    except (AttributeError, KeyError, ValueError):  # an older torch names the column after CUDA
+        text = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60)
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        raw = Path(trace_dir) / f"{name.replace(' ', '_')}_{seq}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        raw.unlink()
+        summary["trace"] = f"{raw}.gz"
+    return {"summary": summary, "table": text}
 
 
 def _alloc_retries() -> int:
@@ -277,15 +356,25 @@ def _choices(engine: Any) -> Optional[str]:
 
 
 def compare(rows: list[dict]) -> str:
-    """ds-usp against ALST full at equal S (tokens/s and peak) and each system's longest S."""
+    """Issue 49's targets: ds-usp against ALST full at equal S (tokens/s, target >= 1.3x), every system's steps after
+    the first within 5% of each other, MFU at 128K >= 30%, and each system's longest S."""
     by = {(r["system"], r["S"]): r for r in rows if r.get("step_s")}
     lines = []
     for seq in sorted({s for _, s in by}):
         usp, alst = by.get(("ds-usp", seq)), by.get(("ALST full", seq))
         if usp and alst:
-            lines.append(f"S={seq}: ds-usp {usp['tokens_per_s'] / alst['tokens_per_s']:.2f} x ALST full's tokens/s "
-                         f"(target >= 1.0), peak {usp['peak_GiB']:.1f} / {alst['peak_GiB']:.1f} GiB, first losses "
-                         f"{usp['loss']:.4f} / {alst['loss']:.4f}")
+            ratio = usp["tokens_per_s"] / alst["tokens_per_s"]
+            lines.append(f"S={seq}: ds-usp {ratio:.2f} x ALST full's tokens/s (target >= {TARGET_VS_ALST}: "
+                         f"{'met' if ratio >= TARGET_VS_ALST else 'missed'}), peak {usp['peak_GiB']:.1f} / "
+                         f"{alst['peak_GiB']:.1f} GiB, first losses {usp['loss']:.4f} / {alst['loss']:.4f}")
+        for (name, _), r in sorted((k, v) for k, v in by.items() if k[1] == seq):
+            if r["steps_timed"] > 1:
+                lines.append(f"S={seq}: {name} steps after the first within {r['spread']:.1%} of each other (target "
+                             f"<= {TARGET_SPREAD:.0%}: {'met' if r['spread'] <= TARGET_SPREAD else 'missed'}); "
+                             f"{r['alloc_retries']} allocator retries, reserved up to {r['reserved_GiB']:.1f} GiB")
+        if seq == 131072 and usp:
+            lines.append(f"S={seq}: ds-usp MFU {usp['mfu']:.1%} (target >= {TARGET_MFU_128K:.0%}: "
+                         f"{'met' if usp['mfu'] >= TARGET_MFU_128K else 'missed'})")
     for name in dict.fromkeys(r["system"] for r in rows):
         ran = [r for r in rows if r["system"] == name and r.get("step_s")]
         stop = next((r["note"] for r in rows if r["system"] == name and r.get("note")), "--max-seq reached")
@@ -294,6 +383,83 @@ def compare(rows: list[dict]) -> str:
             lines.append(f"{name}: longest S {top['S']} ({top['tokens_per_s']:.0f} tokens/s, MFU {top['mfu']:.1%}, "
                          f"peak {top['peak_GiB']:.1f} GiB); next: {stop}")
     return "\n".join(f"{TAG} {line}" for line in lines)
+
+
+# ---------------------------------------------------------------------------------------- attention kernels
+
+
+def attention_rows(args: argparse.Namespace, save: Callable[[list[dict]], Any]) -> list[dict]:
+    """``--attention``: ds-usp's flash SDPA against cuDNN's, forward and backward with the log-sum-exp, causal, bf16,
+    at the 1B shape's heads, one row per S and backend (see the module docstring); ``save`` gets the rows after each
+    S."""
+    shape = SHAPES[args.shape]
+    heads, kv, d = shape["heads"], shape["kv_heads"], shape["hidden"] // shape["heads"]
+    cudnn = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+    why = ("no CUDA device (--shape tiny runs the code on CPU, to check it)" if not CUDA and args.shape != "tiny" else
+           "this torch has no aten._scaled_dot_product_cudnn_attention" if cudnn is None else None)
+    if why:
+        print(f"{TAG} --attention: {why}; nothing measured", flush=True)
+        return [{"system": "attention", "S": None, "note": why}]
+    from ds_usp.kernels.torch_sdpa import attention_backward, attention_forward
+
+    rows, dtype = [], torch.bfloat16 if CUDA else torch.float32
+    sync = torch.cuda.synchronize if CUDA else (lambda: None)
+    for seq in args.seqs:
+        g = torch.Generator(device=DEVICE).manual_seed(seq)
+        q, k, v, dout = (torch.randn(1, seq, h, d, device=DEVICE, dtype=dtype, generator=g)
+                         for h in (heads, kv, kv, heads))  # bshd
+        scale = d ** -0.5
+        flops = 4.0 * seq * seq * heads * d / 2  # causal forward: QK^T and PV over half the square
+
+        def flash() -> tuple:
+            out, lse = attention_forward(q, k, v, True, scale)
+            return (out, lse), lambda: attention_backward(dout, q, k, v, out, lse, True, scale)
+
+        def cudnn_op(expand: bool) -> Callable[[], tuple]:
+            rep = heads // kv if expand else 1  # GQA by repeating the kv heads, where the op wants them equal
+            qh, kh, vh = (x.transpose(1, 2).detach().requires_grad_() for x in (
+                q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))  # bshd -> bhsd
+            dh = dout.transpose(1, 2)
+
+            def run() -> tuple:  # the op's backward through autograd (its attn_bias argument takes no None)
+                for x in (qh, kh, vh):
+                    x.grad = None
+                out, lse, *_ = cudnn(qh, kh, vh, None, True, 0.0, True, False, scale=scale)
+                return (out.detach().transpose(1, 2), lse.detach().reshape(1, heads, seq)), lambda: out.backward(dh)
+            return run
+
+        reference = None
+        for backend, run in (("flash", flash), ("cudnn", cudnn_op(False)), ("cudnn, kv heads repeated",
+                                                                             cudnn_op(True))):
+            row = {"system": f"attention: {backend}", "S": seq, "heads": heads, "kv_heads": kv, "head_dim": d}
+            try:
+                times = {"forward_ms": [], "backward_ms": []}
+                for i in range(args.iters + 1):
+                    sync()
+                    w0 = time.perf_counter()
+                    outs, backward = run()
+                    sync()
+                    w1 = time.perf_counter()
+                    backward()
+                    sync()
+                    if i:  # the first is a warm-up
+                        times["forward_ms"].append((w1 - w0) * 1e3)
+                        times["backward_ms"].append((time.perf_counter() - w1) * 1e3)
+            except (RuntimeError, TypeError, ValueError) as e:  # e.g. the op refuses GQA, or this device
+                rows.append(dict(row, note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+                continue
+            fwd, bwd = (statistics.median(times[key]) for key in ("forward_ms", "backward_ms"))
+            row.update(forward_ms=fwd, backward_ms=bwd, forward_tflops=flops / fwd / 1e9,
+                       backward_tflops=2.5 * flops / bwd / 1e9)
+            if reference is None:
+                reference = outs
+            else:
+                row["max_out_diff"] = float((outs[0].float() - reference[0].float()).abs().max())
+                row["max_lse_diff"] = float((outs[1].float() - reference[1].float()).abs().max())
+            rows.append(row)
+            print(f"{TAG} S={seq} {backend}: forward {fwd:.1f} ms, backward {bwd:.1f} ms", flush=True)
+        save(rows)
+    return rows
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -324,28 +490,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.worker:
         run_worker(args)
         return 0
+    if args.attention:
+        args.json = args.json or time.strftime("gpu_attention-%Y%m%d-%H%M%S.json", time.gmtime())
+        rows = attention_rows(args, lambda done: save_results(args.json, vars(args), done))
+        print(table(rows, ["system", "S", "forward_ms", "backward_ms", "forward_tflops", "backward_tflops",
+                           "max_out_diff", "max_lse_diff", "note"], {"forward_ms": ".1f", "backward_ms": ".1f",
+                                                                      "forward_tflops": ".0f", "backward_tflops": ".0f",
+                                                                      "max_out_diff": ".2e", "max_lse_diff": ".2e"}))
+        print(f"{TAG} results written to {save_results(args.json, vars(args), rows)}")
+        return 0
     if not CUDA and args.shape != "tiny":
         raise SystemExit(f"{TAG} needs a CUDA GPU (--shape tiny runs on CPU, to check the script)")
-    rows = []
+    rows: list[dict] = []
+    args.json = args.json or time.strftime("gpu_train-%Y%m%d-%H%M%S.json", time.gmtime())  # one file, saved often
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"{TAG} stopped (SIGTERM): the rows so far are saved"))
     for name in args.systems:
-        if name not in SYSTEMS:
-            raise SystemExit(f"{TAG} unknown system {name!r}: {', '.join(SYSTEMS)}")
         path = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_train_{os.getpid()}_{name.replace(' ', '_')}.jsonl"
         path.unlink(missing_ok=True)
         print(f"{TAG} {name}: running", flush=True)
+        failed: Any = [f"stopped from outside (e.g. a session step's time limit) while {name} ran"]
         try:
             proc = subprocess.run([sys.executable, __file__, *argv, "--worker", f"{name}|{path}"],
                                   timeout=args.budget + 300, stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
             failed = proc.returncode != 0 and [ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:]
         except subprocess.TimeoutExpired:
             failed = [f"timed out after {args.budget + 300:.0f} s"]
-        got = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        if failed and not any(r.get("note") for r in got):
-            got.append({"system": name, "S": None, "note": failed[0][:300]})
-        rows += got
-    print(table(rows, ["system", "S", "step_s", "tokens_per_s", "tflops", "mfu", "peak_GiB", "loss", "note"],
-                {"step_s": ".2f", "tokens_per_s": ".0f", "tflops": ".0f", "mfu": ".3f", "peak_GiB": ".1f",
-                 "loss": ".4f"}))
+        finally:  # the worker's lines so far, also when this process is stopped: a run cut short keeps them
+            lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            got = list({(r["system"], r["S"]): r for r in lines}.values())  # a row per S: its last line
+            if failed and not any(r.get("note") for r in got):
+                got.append({"system": name, "S": None, "note": (failed or ["failed"])[0][:300]})
+            rows += got
+            save_results(args.json, vars(args), rows)
+    print(table(rows, ["system", "S", "step_s", "spread", "tokens_per_s", "tflops", "mfu", "peak_GiB", "reserved_GiB",
+                       "alloc_retries", "loss", "note"],
+                {"step_s": ".2f", "spread": ".3f", "tokens_per_s": ".0f", "tflops": ".0f", "mfu": ".3f",
+                 "peak_GiB": ".1f", "reserved_GiB": ".1f", "loss": ".4f"}, markdown=True))
     print(compare(rows))
     print(f"{TAG} results written to {save_results(args.json, vars(args), rows)}")
     if args.plot:

@@ -116,7 +116,8 @@ class MemoryContext:
         if self.zero3 and not whole and dist.is_initialized() and dist.get_world_size() > 1:  # agree: gathers
             agreed = torch.tensor([tokens, -int(memory // MIB)], dtype=torch.int64, device=_group_device(device))
             all_reduce_max_(agreed, self.topo.sp_dp_group, "the tokens and memory of a step")
-            tokens, memory = int(agreed[0]), -float(agreed[1]) * MIB
+            tokens, neg_mib = agreed.tolist()  # one read of the device's values
+            memory = -float(neg_mib) * MIB
         key = (tokens, dtype, memory)
         if key not in self._known:
             self._known[key] = self._decide(tokens, device, torch.empty(0, dtype=dtype).element_size(), memory)
