@@ -2,12 +2,15 @@
 
 The layers (docs/architecture.md), data flowing down: :mod:`.config`, :mod:`.topology`, :mod:`.comm`,
 :mod:`.kernels` and :mod:`.ops`, :mod:`.attention`, :mod:`.sharding`, :mod:`.integration`. Importing the
-package registers its custom operators with torch and its config key with DeepSpeed (``deepspeed.initialize``
-given a ``"sequence_parallel"`` config is :func:`initialize`) and starts a daemon thread that names a stale JIT build
-lock instead of letting a build wait on it forever (:mod:`ds_usp.native.build_locks`), and does nothing else: no
-process groups, no compilation, no environment changes. ``ds_usp.USPTrainer`` / ``ds_usp.USPSFTTrainer`` import transformers (and
-TRL) on first use.
+package registers things and does nothing else (no process groups, no compilation, no environment changes, neither
+DeepSpeed nor transformers imported): its custom operators with torch; its config key with DeepSpeed and HF's
+Trainer (the gates of the top-level ``_ds_usp_auto``, which an installed ds-usp's ``.pth`` also installs at
+interpreter start: ``deepspeed.initialize`` given a ``"sequence_parallel"`` config is :func:`initialize`, now or when
+DeepSpeed is imported); ``attn_implementation="usp"`` with transformers (now if its modeling code is imported, else
+right after it is). ``ds_usp.USPTrainer`` / ``ds_usp.USPSFTTrainer`` import transformers (and TRL) on
+first use.
 """
+import _ds_usp_auto
 from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, usp_attention
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.integration.data import batch as data
@@ -22,7 +25,14 @@ from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks
 
 __version__ = "0.1.0"
 
-install_deepspeed_hook()
+
+def _register_attention(modeling_utils: object) -> None:
+    """``attn_implementation="usp"`` with transformers, once its modeling code (the attention registry) is imported."""
+    hf.register_usp_attention()
+
+
+install_deepspeed_hook()  # the gates: deepspeed.initialize, HF's "auto" batch size, the Trainer
+_ds_usp_auto.when_imported("transformers.modeling_utils", _register_attention)
 
 
 _RL_TRAINERS = ("USPGRPOTrainer", "USPRLOOTrainer", "USPDPOTrainer")

@@ -7,9 +7,11 @@ The user writes them in the same file they pass to ``deepspeed``::
 
 :func:`load_usp_config` turns that into a validated, frozen :class:`USPConfig`. It is a pure
 function of its arguments (no collectives, no process groups), so every rank that calls it with
-the same file raises the same :class:`USPConfigError` before any communication happens.
-DeepSpeed itself ignores ``"sequence_parallel"`` and ``"usp"`` but reads ``sequence_parallel_size``: without an
-``mpu`` it divides the world by it for the batch size, while every rank trains a batch of its own (README).
+the same file raises the same :class:`USPConfigError` before any communication happens, and it logs nothing (the
+degrees it chooses are not yet the final ones: ``ds_usp.initialize`` logs the layout it builds).
+DeepSpeed itself does not know ``"sequence_parallel"`` and ``"usp"``; with ds-usp installed, a DeepSpeed
+initialization whose config sets the key is ds-usp's or refused by name (the gates of the top-level
+``_ds_usp_auto``).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import hjson
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
                       field_validator)
 
-from ds_usp.log import log_info, log_warning
+from ds_usp.log import log_warning
 
 SP_MODES = ("usp", "ulysses", "ring")
 LAYOUTS = ("contiguous", "zigzag", "balanced")  # how a sequence is cut over the ranks (ds_usp.sharding)
@@ -272,8 +274,31 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# Where launchers say how many ranks run on this node, the first one set wins. The deepspeed launcher's LOCAL_SIZE comes
+# first: accelerate, run inside it with TrainingArguments(use_cpu=True), writes LOCAL_WORLD_SIZE=1 (its CPU default)
+# over nothing; MPI launchers' own variables next; torchrun's (and accelerate launch's) LOCAL_WORLD_SIZE last.
+LOCAL_SIZE_VARIABLES = ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE")
+
+
+def ranks_per_node_and_source(world_size: int) -> tuple[int, str]:
+    """Ranks on this node and the launcher variable that said so (:data:`LOCAL_SIZE_VARIABLES`, the first set).
+
+    Args:
+        world_size: the answer when no launcher variable is set (a single node).
+
+    Returns:
+        ``(ranks, variable)``; the variable is ``"no launcher variable"`` for the fallback.
+    """
+    for var in LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value), var
+    return world_size, "no launcher variable"
+
+
 def ranks_per_node(world_size: int) -> int:
-    """Ranks on this node, as the launcher says: ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (deepspeed).
+    """Ranks on this node, as the launcher says: ``LOCAL_SIZE`` (deepspeed), an MPI launcher's, or
+    ``LOCAL_WORLD_SIZE`` (torchrun, accelerate launch); see :func:`ranks_per_node_and_source`.
 
     Args:
         world_size: the fallback when no launcher variable is set (a single node).
@@ -281,10 +306,7 @@ def ranks_per_node(world_size: int) -> int:
     Returns:
         The number of ranks per node.
     """
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return world_size
+    return ranks_per_node_and_source(world_size)[0]
 
 
 def kv_heads_compatible(num_kv_heads: int, ulysses_degree: int) -> bool:
@@ -386,9 +408,8 @@ def load_usp_config(
     Args:
         ds_config: the DeepSpeed JSON config, as a path or an already-parsed dict.
         world_size: total number of ranks.
-        local_world_size: ranks per node; ``None`` reads the launcher's ``LOCAL_WORLD_SIZE`` or
-            ``LOCAL_SIZE`` (falling back to ``world_size``). Only used when the degrees are chosen
-            automatically.
+        local_world_size: ranks per node; ``None`` reads the launcher's (:func:`ranks_per_node`, falling back to
+            ``world_size``). Only used when the degrees are chosen automatically.
         num_heads: query heads of the model, when known (checked against ``ulysses_degree``).
         num_kv_heads: key/value heads of the model, when known.
 
@@ -459,9 +480,6 @@ def load_usp_config(
             local_world_size = ranks_per_node(world_size)
         u, r = choose_degrees(sp, local_world_size, num_heads, num_kv_heads)
         chosen = True
-        log_info(f"usp degrees chosen automatically: ulysses_degree={u} x ring_degree={r} "
-                 f"(sequence_parallel_size={sp}, ranks per node={local_world_size}, "
-                 f"heads={num_heads}, kv heads={num_kv_heads}); set usp.ulysses_degree/usp.ring_degree to override")
     elif u is None:
         u = sp // r
     elif r is None:

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from ds_usp.config import USPConfigError, choose_degrees, load_usp_config
+from ds_usp.config import (LOCAL_SIZE_VARIABLES, USPConfigError, choose_degrees, load_usp_config,
+                           ranks_per_node_and_source)
 from ds_usp.topology import group_ranks
 
 # (config, world_size, expected message fragment)
@@ -130,13 +131,17 @@ def test_modes_and_defaults():
 
 def test_ranks_per_node_from_either_launcher(monkeypatch):
     cfg = {"sequence_parallel": "usp"}
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+    for var in LOCAL_SIZE_VARIABLES:
         monkeypatch.delenv(var, raising=False)
     assert load_usp_config(cfg, 4, num_heads=8).ulysses_degree == 4  # no launcher: one node
-    monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher, 2 ranks per node
+    assert ranks_per_node_and_source(4) == (4, "no launcher variable")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun / accelerate launch, 1 rank per node
+    assert (load_usp_config(cfg, 4).ulysses_degree, ranks_per_node_and_source(4)) == (1, (1, "LOCAL_WORLD_SIZE"))
+    # the deepspeed launcher's LOCAL_SIZE wins: accelerate, inside it with TrainingArguments(use_cpu=True), writes
+    # LOCAL_WORLD_SIZE=1 (its CPU default) whatever the launcher started
+    monkeypatch.setenv("LOCAL_SIZE", "2")
     assert (load_usp_config(cfg, 4, num_heads=8).ulysses_degree, load_usp_config(cfg, 4).ring_degree) == (2, 2)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun's name wins
-    assert load_usp_config(cfg, 4).ulysses_degree == 1
+    assert ranks_per_node_and_source(4) == (2, "LOCAL_SIZE")
 
 
 def test_automatic_degrees_follow_the_paper(caplog):

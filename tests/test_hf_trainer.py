@@ -203,26 +203,33 @@ def test_losses_that_need_whole_logits_are_refused(world4, tmp_path_factory):
 
 
 def plain_trainer_refused(out: str) -> str:
-    """On every rank: HF's own Trainer given the USP config (ds_usp imported); returns the error it raises."""
+    """On every rank: HF's own Trainer given the USP config (ds_usp imported) with ds-usp's automatic switch off
+    (``DS_USP_AUTO=0``; on, the Trainer becomes ds-usp's: tests/test_json_key.py); returns the error it raises."""
+    import os
+
     from transformers import Trainer
 
     import ds_usp  # noqa: F401 - the deepspeed.initialize hook
 
     _fresh_accelerate()
     reference = _llama("sdpa").state_dict()
-    trainer = Trainer(model=_same_weights(_llama("usp"), reference), args=_args(out, _ds_config(2, 2, 2, "zigzag")),
-                      train_dataset=_dataset(4))
+    os.environ["DS_USP_AUTO"] = "0"
     try:
+        trainer = Trainer(model=_same_weights(_llama("usp"), reference),
+                          args=_args(out, _ds_config(2, 2, 2, "zigzag")), train_dataset=_dataset(4))
         trainer.train()
     except ValueError as err:
         return str(err)
+    finally:
+        del os.environ["DS_USP_AUTO"]
     return "no error"
 
 
 def test_plain_trainer_with_the_usp_config_is_refused(world4, tmp_path_factory):
-    """A plain Trainer would give every rank whole sequences: refused before any step, naming what to use."""
+    """With the automatic switch off, a plain Trainer would give every rank whole sequences: refused before any step,
+    naming the switch and what to use."""
     messages = world4.run(plain_trainer_refused, str(tmp_path_factory.mktemp("plain")))
-    assert all("Use ds_usp.USPTrainer" in m for m in messages), messages
+    assert all("Use ds_usp.USPTrainer" in m and "DS_USP_AUTO=0" in m for m in messages), messages
 
 
 # ---- TRL --------------------------------------------------------------------------------------------------------

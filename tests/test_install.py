@@ -25,6 +25,19 @@ def test_plain_install_ships_and_jit_builds_the_op(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(target),
                            str(ROOT)], env={**env, "PYTHONPATH": ""}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+    # the start-up files of the JSON key's hook (tests/test_json_key.py has the editable install's): at the top of
+    # site-packages, listed in RECORD (so pip uninstall removes them), and the .pth (processed as site.py does for
+    # site-packages) installs the finder
+    record = "\n" + next(target.glob("ds_usp-*.dist-info")).joinpath("RECORD").read_text()
+    for name, text in (("ds_usp_auto.pth", "import _ds_usp_auto; _ds_usp_auto.install()\n"),
+                       ("ds_usp_auto.start", "_ds_usp_auto:install\n"), ("_ds_usp_auto.py", None)):
+        assert f"\n{name}," in record, name
+        assert text is None or (target / name).read_text() == text, name
+    hook = subprocess.run([sys.executable, "-c", f"import site, sys; site.addsitedir({str(target)!r}); import "
+                           "_ds_usp_auto; print(_ds_usp_auto.__file__, any(getattr(f, '_ds_usp_watcher', False) "
+                           "for f in sys.meta_path))"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert hook.stdout.split() == [str(target / "_ds_usp_auto.py"), "True"], hook.stdout + hook.stderr
     where = subprocess.run([sys.executable, "-c", "import ds_usp.native.op_builder as b; print(b.CSRC)"], env=env,
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert where.returncode == 0, where.stdout + where.stderr

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from ds_usp.attention import AttentionRun
 from ds_usp.comm import barrier, group_device
+from ds_usp.cost import StepSettings
 from ds_usp.config import (USPConfig, USPConfigError, degree_split, divisors, load_usp_config, process_group_timeout,
-                           ranks_per_node, read_ds_config)
+                           ranks_per_node, ranks_per_node_and_source, read_ds_config)
 from ds_usp.integration.engine.checkpoints import AtomicCheckpoints
 from ds_usp.integration.engine.degrees import choose_degrees
 from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
@@ -42,7 +43,7 @@ from ds_usp.integration.models.multimodal import refuse_cross_attention
 from ds_usp.integration.models.safety import install_safety_net
 from ds_usp.integration.models.shape import shape_of
 from ds_usp.integration.models.vision import prepare_vision_towers
-from ds_usp.integration.step.choices import MemoryContext, MemorySettings
+from ds_usp.integration.step.choices import MemoryContext
 from ds_usp.integration.step.dit import apply_dit_memory
 from ds_usp.integration.step.forward import apply as apply_memory_features
 from ds_usp.integration.upstream import deepspeed as ds_patches
@@ -206,10 +207,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         kwargs["mpu"] = topo.mpu
         if usp_cfg.native_op is not False:  # built (or loaded) now, with a progress line, not inside step 1
             resolve_native_op(usp_cfg.native_op, group_device(topo.sp_group))
-        settings = MemorySettings(
-            chunked_loss=usp_cfg.chunked_loss, tiled_mlp=usp_cfg.tiled_mlp,
-            activation_checkpointing=usp_cfg.activation_checkpointing,
-            offload_activations=usp_cfg.offload_activations, tile_mib=usp_cfg.tile_mib)
+        settings = usp_cfg.settings  # the memory keys ("auto": the fastest features that fit usp.memory_gib)
+        offload_device = (zero.get("offload_optimizer") or {}).get("device", "none")
+        step = StepSettings(usp_cfg.ulysses_degree, usp_cfg.ring_degree, usp_cfg.data_parallel_size,
+                            zero.get("stage", 0) or 1, offload_optimizer=offload_device in ("cpu", "nvme"))
         if model is not None and diffusion:
             dit = shard_diffusion_model(model, topo, AttentionRun("contiguous", usp_cfg.attn_backend,
                                                                   usp_cfg.native_op, usp_cfg.comm_dtype))
@@ -219,15 +220,18 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
             attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
                                      native_op=usp_cfg.native_op, comm_dtype=usp_cfg.comm_dtype))
             wrap_linear_layers(model)
-            memory = apply_memory_features(model, settings, topo, usp_cfg.layout, zero3=zero.get("stage", 0) == 3)
+            memory = apply_memory_features(model, settings, topo, usp_cfg.layout, zero3=zero.get("stage", 0) == 3,
+                                           step=step)
         if model is not None:
             install_safety_net(model, usp_cfg.sequence_parallel_size)  # no SP layer in a training forward: refused
             if zero3_sp:
                 _partition_for_zero3(model, raw, topo)
         if topo.rank == 0:
+            per_node, said_by = ranks_per_node_and_source(world)
             log_info(f"sequence_parallel={usp_cfg.mode}: ulysses_degree={usp_cfg.ulysses_degree} x "
                      f"ring_degree={usp_cfg.ring_degree}, data_parallel={usp_cfg.data_parallel_size}, "
-                     f"layout={usp_cfg.layout} (world {world}, {ranks_per_node(world)} per node)")
+                     f"layout={usp_cfg.layout} (world {world}, {per_node} per node from {said_by}"
+                     f"{', degrees chosen automatically' if usp_cfg.degrees_chosen_automatically else ''})")
     engine, opt, loader, sched = deepspeed_initialize()(args=args, model=model, optimizer=optimizer,
                                                       model_parameters=model_parameters,
                                                       training_data=training_data, lr_scheduler=lr_scheduler,
@@ -246,6 +250,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
 
 def install_deepspeed_hook() -> None:
-    """Make ``deepspeed.initialize`` given a ``"sequence_parallel"`` config be :func:`initialize` (``import ds_usp``
-    calls it; see :func:`ds_usp.integration.upstream.deepspeed.install_deepspeed_hook`)."""
-    ds_patches.install_deepspeed_hook(initialize)
+    """Make ``deepspeed.initialize`` given a ``"sequence_parallel"`` config be :func:`initialize`, now or when DeepSpeed
+    is imported (``import ds_usp`` calls it; see :func:`ds_usp.integration.upstream.deepspeed.route_initialize`)."""
+    ds_patches.install_deepspeed_hook()

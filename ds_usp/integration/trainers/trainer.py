@@ -1,25 +1,30 @@
-"""HuggingFace ``Trainer`` and TRL ``SFTTrainer`` with USP: an import and a class name.
+"""HuggingFace ``Trainer`` and TRL ``SFTTrainer`` with USP: the DeepSpeed JSON's key alone, or a class name.
+
+The DeepSpeed JSON gets ``"sequence_parallel": "usp"`` (and optionally the ``"usp"`` block). With ds-usp installed,
+a stock ``Trainer`` or ``SFTTrainer`` (``trl sft`` included), or a subclass of one, becomes ds-usp's while it is
+created: the gate of ``_ds_usp_auto`` on ``Trainer.create_accelerator_and_postprocess`` calls :func:`adopt`, which
+swaps its class for ``USP<class>`` (:class:`USPTrainerMixin` first) and its model's attention for ``"usp"``;
+``DS_USP_AUTO=0`` turns that off (a plain Trainer with the key is then refused). Or by name:
 
     from ds_usp import USPTrainer                     # instead of: from transformers import Trainer
-    ds_usp.hf.register_usp_attention()                # done by the import; then attn_implementation="usp"
     trainer = USPTrainer(model=model, args=TrainingArguments(..., deepspeed="ds.json"), train_dataset=...)
 
     from ds_usp import USPSFTTrainer                  # instead of: from trl import SFTTrainer
 
-The DeepSpeed JSON gets ``"sequence_parallel": "usp"`` (and optionally the ``"usp"`` block); the model
-is built with ``attn_implementation="usp"`` (``ds_usp.hf.register_usp_attention()``; the two
-trainers register it on import). Without ``"sequence_parallel"`` they are the plain trainers. Launch
-is unchanged (``deepspeed``, ``accelerate launch``, ``torchrun``).
+(``import ds_usp`` registers ``attn_implementation="usp"``; a model built otherwise is switched to it.) Without
+``"sequence_parallel"`` they are the plain trainers. Launch is unchanged (``deepspeed``, ``accelerate launch``,
+``torchrun``); accelerate's ``parallelism_config`` (``sp_backend: deepspeed``) is taken by ds-usp when the JSON has
+the key (its ``sp_size`` must be the JSON's ``sequence_parallel_size``; DeepSpeed's own Ulysses is then not set up).
 
 What happens inside (tested with transformers 5.23 / accelerate 1.15 / TRL 1.16; any version that has every
 Trainer, accelerate and DeepSpeed-config hook used here is accepted, and one that lacks one is refused at import
 naming it, see :func:`check_hooks`):
 
 * the engine: accelerate creates it with ``deepspeed.initialize`` and offers no way to pass an
-  ``mpu``; ``import ds_usp`` makes ``deepspeed.initialize`` with a ``"sequence_parallel"`` config
-  :func:`ds_usp.initialize` (:func:`ds_usp.integration.upstream.deepspeed.install_deepspeed_hook`), which builds the
+  ``mpu``; the gate on ``deepspeed.initialize`` makes a call with a ``"sequence_parallel"`` config
+  :func:`ds_usp.initialize` (:func:`ds_usp.integration.upstream.deepspeed.route_initialize`), which builds the
   groups and hands DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks; while the
-  trainer's ``accelerator.prepare`` runs it marks the call as a USP trainer's (a plain Trainer is refused);
+  trainer's ``accelerator.prepare`` runs it marks the call as a USP trainer's (any other accelerate call is refused);
 * data: the loaders split batches over replicas only (every rank of an SP group gets the same
   batch), and each batch is sharded by :func:`ds_usp.shard_batch` (layout of ``usp.layout``,
   labels shifted before sharding, packed documents found as HF's collators describe them);
@@ -33,34 +38,41 @@ naming it, see :func:`check_hooks`):
   DeepSpeed's own.
 
 DeepSpeed's ``train_batch_size``: HF fills an ``"auto"`` one with ``world x micro x accumulation``
-while DeepSpeed counts replicas only (``world / sequence_parallel_size``); importing this module
-corrects that one value in HF's config processing (:func:`_replicas_batch`).
+while DeepSpeed counts replicas only (``world / sequence_parallel_size``); the gate on HF's config processing corrects
+that one value when the config sets the key (:func:`process_trainer_config`).
 """
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from _ds_usp_auto import SWITCH, auto_enabled, sets_key, trainer_ds_config
 from ds_usp.comm import all_reduce_sum_, barrier
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.integration.data.batch import IGNORE_INDEX, VISUAL_KEYS, packed_documents, shard_batch
 from ds_usp.integration.engine.checkpoints import complete_or_newest, write_manifest
 from ds_usp.integration.engine.preflight import installed_version
-from ds_usp.integration.models.attention import register_usp_attention
+from ds_usp.integration.models.attention import ATTN_NAME, refuse_non_interface_family, register_usp_attention
 from ds_usp.integration.upstream.accelerate import (check_accelerate_reads_deepspeed_initialize, gather_for_metrics,
-                                                    route_prepare, set_sync_gradients, shard_over_replicas)
-from ds_usp.integration.upstream.transformers import fix_trainer_batch_size
-from ds_usp.integration.upstream.transformers_trainer import rotation_held_back
+                                                    parallelism_config_for_usp, route_prepare, set_sync_gradients,
+                                                    shard_over_replicas)
+from ds_usp.integration.upstream.transformers import attention_implementation, process_with_replicas_batch
+from ds_usp.integration.upstream.transformers_trainer import become, rotation_held_back
+from ds_usp.log import log_rank0
 
 # The Trainer / accelerate / HF-DeepSpeed pieces this module overrides or calls: (module, class, method, parameters
 # the override takes). A release that renames one is refused at import, naming it, instead of silently training
 # without it; versions themselves are not gated (setup.py's dev extra pins the ones CI tests).
 HOOKS = (
     ("transformers", "Trainer", "create_accelerator_and_postprocess", ()),
+    ("transformers", "Trainer", "_build_accelerator_args", ()),
+    ("transformers", "PreTrainedModel", "set_attn_implementation", ("attn_implementation",)),
     ("transformers", "Trainer", "get_train_dataloader", ()),
     ("transformers", "Trainer", "get_eval_dataloader", ("eval_dataset",)),
     ("transformers", "Trainer", "get_test_dataloader", ("test_dataset",)),
@@ -149,20 +161,46 @@ def _replicas_batch(config: Any, args: Any) -> Optional[int]:
     ``HfTrainerDeepSpeedConfig.trainer_config_process`` runs when ``TrainingArguments`` is created and computes
     ``world x micro x accumulation``; DeepSpeed's own config divides the world by ``sequence_parallel_size``
     (``deepspeed/runtime/config.py``) and refuses the mismatch, already in ``zero.Init`` when ZeRO-3 builds the model
-    (:func:`ds_usp.integration.upstream.transformers.fix_trainer_batch_size` applies this)."""
+    (:func:`process_trainer_config` applies this)."""
+    world = job_world_size(args)
     try:
-        sp = load_usp_config(config, args.world_size).sequence_parallel_size
+        sp = load_usp_config(config, world).sequence_parallel_size
     except USPConfigError:
         return None  # ds_usp.initialize refuses it, naming the key
     if sp <= 1:
         return None
-    return args.world_size // sp * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    return world // sp * args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+
+def job_world_size(args: Any) -> int:
+    """The ranks of the job: torch.distributed's once it is up, else the launcher's ``WORLD_SIZE``, else the
+    ``TrainingArguments``' (which count one process under ``accelerate launch`` with DeepSpeed on a CPU host without
+    ``use_cpu``, where torch.distributed runs every rank).
+
+    Args:
+        args: the ``TrainingArguments``.
+
+    Returns:
+        The number of ranks.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    launcher = os.environ.get("WORLD_SIZE", "")
+    return int(launcher) if launcher.isdigit() else args.world_size
+
+
+def process_trainer_config(original: Callable[..., Any], hf_config: Any, args: tuple,
+                           kwargs: Mapping[str, Any]) -> None:
+    """HF's ``HfTrainerDeepSpeedConfig.trainer_config_process`` for a config that sets ``"sequence_parallel"`` (the
+    gate of ``_ds_usp_auto`` calls it): HF's, with an ``"auto"`` ``train_batch_size`` counted over replicas."""
+    process_with_replicas_batch(original, hf_config, args, kwargs, _replicas_batch)
 
 
 class USPTrainerBase:
     """What every USP trainer shares (SFT and RL alike): the engine through ``ds_usp.initialize``, one batch per SP
     group (loaders split over replicas only), and the step's sequence count."""
 
+    _ds_usp_trainer = True  # the gate on Trainer.create_accelerator_and_postprocess lets ds-usp's trainers through
     _usp_config: Optional[USPConfig] = None  # the DeepSpeed config's sequence-parallel keys, read once
 
     # ---- the engine ---------------------------------------------------------------------------------------
@@ -182,13 +220,30 @@ class USPTrainerBase:
         """The Trainer's accelerator, whose ``prepare`` creates the DeepSpeed engine through ``ds_usp.initialize``."""
         super().create_accelerator_and_postprocess()
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        config = self._read_usp_config(plugin.deepspeed_config if plugin is not None else {}, self.args.world_size)
+        config = self._read_usp_config(plugin.deepspeed_config if plugin is not None else {}, job_world_size(self.args))
         if not config.enabled:
             return  # a plain Trainer
         if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
             raise ValueError('USPTrainer: train_sampling_strategy="batch_rebalance" is not supported with '
                              '"sequence_parallel" (it reshuffles batches across the ranks of a sequence group)')
         route_prepare(self.accelerator)  # deepspeed.initialize, called by its prepare, becomes ds_usp.initialize
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict:
+        """The Trainer's Accelerator arguments; with ``"sequence_parallel"`` in the DeepSpeed config, accelerate's
+        ``parallelism_config`` leaves sequence parallelism to ds-usp (its ``sp_size`` checked against ds-usp's)."""
+        args = super()._build_accelerator_args(**kwargs)
+        config = trainer_ds_config(self)
+        if not sets_key(config):
+            return args
+        sp = self._read_usp_config(config, job_world_size(self.args)).sequence_parallel_size
+        given = args.get("parallelism_config")
+        pc = parallelism_config_for_usp(given, sp)
+        if pc is not None and pc is not given:
+            log_rank0(f"accelerate's parallelism_config sp_size={sp} is ds-usp's: DeepSpeed's own Ulysses (ALST) is "
+                      f"not set up")
+        if pc is not None:
+            args["parallelism_config"] = pc
+        return args
 
     @property
     def _usp(self) -> Any:
@@ -285,6 +340,8 @@ class USPTrainerMixin(USPTrainerBase):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
+        if batches:
+            self._refuse_lost_documents(batches[0])
         if len(self._usp.topo.degrees) > 1 and batches:
             return self._dynamic_step([self._prepare_inputs(b) for b in batches], device)
         shards = [self._shard(self._prepare_inputs(b)) for b in batches]
@@ -292,6 +349,16 @@ class USPTrainerMixin(USPTrainerBase):
         # the shards partition a group's targets, the replicas hold different ones
         all_reduce_sum_(count, None, "targets of the step")
         return shards, count
+
+    def _refuse_lost_documents(self, batch: Mapping[str, Any]) -> None:
+        """Padding-free rows (several documents each, TRL's ``padding_free`` / ``packing``) whose collator gave no
+        ``position_ids`` (nor ``seq_lens`` / ``cu_seq_lens_q``): the documents' boundaries are lost."""
+        padding_free = getattr(self, "padding_free", None) or getattr(self.args, "padding_free", False)
+        if padding_free and not any(batch.get(k) is not None for k in ("position_ids", "seq_lens", "cu_seq_lens_q")):
+            raise ValueError(f"USPTrainer: the rows are padding-free (several documents each), but the data collator "
+                             f"({type(self.data_collator).__name__}) gives the batch no position_ids (nor seq_lens or "
+                             f"cu_seq_lens_q), so the documents' boundaries are lost and each would attend to the ones "
+                             f"before it. Use TRL's collator, or make yours keep position_ids")
 
     # ---- dynamic SP: each optimizer step's documents on the degrees their lengths need -------------------------
     def _dynamic_step(self, batches: list, device: Any) -> tuple[list, Tensor]:
@@ -366,6 +433,9 @@ class USPTrainerMixin(USPTrainerBase):
         shard = self._shard(inputs)
         with torch.no_grad():
             out = model(**shard, return_logits=not prediction_loss_only)
+        # the Trainer gathers right after this call: over the replicas only (also where accelerate's own count of
+        # processes is not torch.distributed's: accelerate launch with DeepSpeed on a host without accelerators)
+        self.gather_function = self._gather_over_replicas
         if prediction_loss_only:
             return out.loss.detach(), None, None
         from ds_usp.sharding import gather_sequence
@@ -374,7 +444,6 @@ class USPTrainerMixin(USPTrainerBase):
         seq = int(shard["cu_seq_lens_q"][-1]) // shard["input_ids"].shape[0]
         logits = gather_sequence(out.logits, usp.topo, dim=1, layout=usp.layout, seq_len=seq,
                                  doc_lens=_doc_lens(shard))  # (b, S, V): the same on every rank of the group
-        self.gather_function = self._gather_over_replicas  # the Trainer gathers right after this call
         return out.loss.detach(), logits, inputs.get("labels")
 
     def _gather_over_replicas(self, tensor: Any) -> Any:
@@ -403,7 +472,6 @@ def _doc_lens(shard: dict) -> Optional[list[list[int]]]:
 
 
 check_hooks()
-fix_trainer_batch_size(_replicas_batch)  # before TrainingArguments, which fills the DeepSpeed config's "auto" values
 check_accelerate_reads_deepspeed_initialize()
 register_usp_attention()
 
@@ -414,6 +482,9 @@ class USPTrainer(USPTrainerMixin, Trainer):
     """``transformers.Trainer`` with USP when the DeepSpeed JSON sets ``"sequence_parallel"``."""
 
 
+USP_CLASSES: dict[type, type] = {Trainer: USPTrainer}  # ds-usp's class of each HF trainer class it has one for
+
+
 if installed_version("trl") is not None:
     from trl import SFTTrainer  # noqa: E402
 
@@ -421,3 +492,124 @@ if installed_version("trl") is not None:
         """``trl.SFTTrainer`` with USP (packed rows are exact; TRL's token accuracy and entropy metrics are not
         logged under sequence parallelism: they need the whole logits of each rank, which the chunked loss
         never builds)."""
+
+    USP_CLASSES[SFTTrainer] = USPSFTTrainer
+
+
+# ---- the DeepSpeed config's key alone: a Trainer made ds-usp's while it is created -----------------------------------
+
+# What USPTrainerMixin does instead of the class's own under sequence parallelism (never calling it): a subclass that
+# overrides one of them would silently lose its version, so it is refused by name. The mixin's other methods call the
+# class's through super(), so a subclass's versions of those run.
+REPLACED = ("compute_loss", "prediction_step", "get_batch_samples")
+# TRL trainers that have a ds-usp class of their own (made by name: they set things up before the Trainer's __init__).
+BY_NAME = {"GRPOTrainer": "USPGRPOTrainer", "RLOOTrainer": "USPRLOOTrainer", "DPOTrainer": "USPDPOTrainer"}
+
+
+def _project(cls: type) -> str:
+    return cls.__module__.split(".")[0]
+
+
+@functools.cache
+def usp_trainer_class(cls: type) -> type:
+    """ds-usp's trainer class for an HF trainer class: ``USPTrainer`` / ``USPSFTTrainer`` for transformers' ``Trainer``
+    / TRL's ``SFTTrainer``, ``USP<name>`` (:class:`USPTrainerMixin` first) for a subclass of either.
+
+    Args:
+        cls: the trainer's class.
+
+    Returns:
+        The class.
+
+    Raises:
+        ValueError: naming a class of the lineage ds-usp cannot take by the config alone (another transformers or TRL
+            trainer: the one to use instead where ds-usp has one) or a subclass's override of a method ds-usp's
+            trainer replaces (:data:`REPLACED`).
+    """
+    from transformers import Trainer as HFTrainer
+
+    adoptable = {c for hf_class in USP_CLASSES for c in hf_class.__mro__}  # TRL's base trainer included
+    for c in cls.__mro__[:cls.__mro__.index(HFTrainer) + 1]:
+        if _project(c) in ("transformers", "trl"):
+            if c not in adoptable:
+                instead = BY_NAME.get(c.__name__)
+                raise ValueError(f'{c.__module__}.{c.__name__} was given a DeepSpeed config with "sequence_parallel": '
+                                 f"ds-usp makes transformers' Trainer and TRL's SFTTrainer (and subclasses of them) "
+                                 f"sequence-parallel from the config alone, not {c.__name__}; "
+                                 + (f"use ds_usp.{instead} instead of {c.__name__}" if instead else
+                                    f'ds-usp has no sequence-parallel {c.__name__}: remove "sequence_parallel" from '
+                                    f"the DeepSpeed config"))
+            continue
+        overridden = [name for name in REPLACED if name in vars(c)]
+        if overridden:
+            raise ValueError(f"{c.__qualname__} overrides {', '.join(overridden)}, which ds-usp's trainer does itself "
+                             f'under "sequence_parallel" (every rank holds a shard of each sequence: the batch '
+                             f"preparation, the loss over the group and the prediction step are ds-usp's), so your "
+                             f"version would not run. Remove the override, or train without \"sequence_parallel\"")
+    if cls in USP_CLASSES:
+        return USP_CLASSES[cls]
+    return type(f"USP{cls.__name__}", (USPTrainerMixin, cls),
+                {"__module__": __name__, "__doc__": f"{cls.__name__} with USP (made from the DeepSpeed config's "
+                                                     f"\"sequence_parallel\" by ds-usp)"})
+
+
+def switch_attention(model: Any) -> Optional[str]:
+    """Make a transformers model's attention ``"usp"`` (``set_attn_implementation``, after refusing a family whose
+    attention does not go through transformers' attention interface).
+
+    Args:
+        model: the model given to the Trainer (a PEFT model's base model is switched); None (``model_init``: the model
+            comes later, and ``ds_usp.initialize`` refuses it by name unless it was built with ``"usp"``).
+
+    Returns:
+        The implementation the model had (None: no model).
+
+    Raises:
+        ValueError: not a transformers model, or a family ds-usp cannot shard (named).
+    """
+    if model is None:
+        return None
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    was = attention_implementation(getattr(inner, "config", None))
+    if was is None or not callable(getattr(inner, "set_attn_implementation", None)):
+        raise ValueError(f'{type(model).__name__} is not a transformers model, so ds-usp cannot make its attention '
+                         f'sequence-parallel from the DeepSpeed config\'s "sequence_parallel": with a model of your '
+                         f"own, use ds_usp.initialize, ds_usp.USPAttention and ds_usp.shard_batch in a loop of your "
+                         f"own")
+    if was != ATTN_NAME:
+        register_usp_attention()
+        refuse_non_interface_family(type(inner))
+        inner.set_attn_implementation(ATTN_NAME)
+    return was
+
+
+def adopt(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+    """A Trainer (or TRL ``SFTTrainer``, or a subclass of either) whose DeepSpeed config sets ``"sequence_parallel"``,
+    inside its ``create_accelerator_and_postprocess`` (the gate of ``_ds_usp_auto`` calls this): its class becomes
+    ds-usp's (:func:`usp_trainer_class`), its model's attention ``"usp"`` (:func:`switch_attention`), and ds-usp's
+    ``create_accelerator_and_postprocess`` runs (accelerate's engine then comes from ``ds_usp.initialize``). Logged on
+    rank 0.
+
+    Args:
+        trainer: the Trainer being created.
+        *args: the call's arguments.
+        **kwargs: the call's keyword arguments.
+
+    Returns:
+        What ``create_accelerator_and_postprocess`` returns.
+
+    Raises:
+        ValueError: ``DS_USP_AUTO=0`` (a plain Trainer would give every rank whole sequences), or what
+            :func:`usp_trainer_class` and :func:`switch_attention` refuse.
+    """
+    cls = type(trainer)
+    if not auto_enabled():
+        raise ValueError(f'{cls.__name__} was given a DeepSpeed config with "sequence_parallel", but ds-usp\'s '
+                         f"automatic switch is off ({SWITCH}=0): this Trainer would give every rank whole sequences. "
+                         f"Use ds_usp.USPTrainer (ds_usp.USPSFTTrainer for TRL's SFTTrainer), or unset {SWITCH}")
+    usp_cls = usp_trainer_class(cls)
+    was = switch_attention(trainer.model)
+    become(trainer, usp_cls)
+    log_rank0(f"{cls.__name__} -> {usp_cls.__name__}, attention {was!r} -> {ATTN_NAME!r}: the DeepSpeed config sets "
+              f'"sequence_parallel" ({SWITCH}=0 turns this off)')
+    return trainer.create_accelerator_and_postprocess(*args, **kwargs)

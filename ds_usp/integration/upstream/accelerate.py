@@ -1,11 +1,13 @@
 """ds-usp's changes to accelerate (and the accelerate functions TRL's trainer modules import): the Trainer route's
 ``deepspeed.initialize`` lookup and its marked ``prepare``, the prepared loaders split over the data-parallel replicas,
-the gradient boundary of a dynamic-SP step, and accelerate's processes seen as the data-parallel replicas."""
+the gradient boundary of a dynamic-SP step, accelerate's processes seen as the data-parallel replicas, and the
+sequence-parallel part of accelerate's ``parallelism_config`` taken by ds-usp."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import os
 from typing import Any, Mapping
 
 import torch
@@ -208,7 +210,9 @@ def shard_over_replicas(loader: Any, size: int, index: int) -> Any:
     """Make an accelerate-prepared ``loader`` split its batches over ``size`` replicas, this rank being ``index``.
 
     Args:
-        loader: a loader from ``Accelerator.prepare`` (its ``batch_sampler`` a ``BatchSamplerShard``).
+        loader: a loader from ``Accelerator.prepare`` (its ``batch_sampler`` a ``BatchSamplerShard``, or, for one
+            replica, a loader accelerate prepared for one process: ``accelerate launch`` with DeepSpeed on a host
+            without accelerators and without ``use_cpu``, where accelerate counts one process).
         size: the data-parallel replicas.
         index: this rank's replica.
 
@@ -216,7 +220,7 @@ def shard_over_replicas(loader: Any, size: int, index: int) -> Any:
         ``loader``.
 
     Raises:
-        ValueError: ``loader`` has no accelerate batch sampler.
+        ValueError: ``loader`` has no accelerate batch sampler and there is more than one replica.
         UpstreamChanged: ``BatchSamplerShard`` takes no ``num_processes`` / ``process_index``.
     """
     from accelerate.data_loader import BatchSamplerShard
@@ -224,8 +228,10 @@ def shard_over_replicas(loader: Any, size: int, index: int) -> Any:
     require_parameters("replicas_sampler", BatchSamplerShard.__init__, ("num_processes", "process_index"))
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, BatchSamplerShard):
+        if size == 1 and type(loader).__module__.startswith("accelerate."):
+            return loader  # prepared for one process (not split): every rank gets every batch, as one replica needs
         raise ValueError(f"unexpected data loader {type(loader).__name__} (no accelerate batch sampler to split over "
-                         f"replicas)")
+                         f"the {size} data-parallel replicas)")
     sampler.num_processes, sampler.process_index = size, index
     return loader
 
@@ -247,3 +253,59 @@ def set_sync_gradients(accelerator: Any, sync: bool) -> None:
 @functools.cache
 def _source(fn: Any) -> str:
     return inspect.getsource(fn)
+
+
+register("parallelism_config_sp", Patch(
+    "the ParallelismConfig a ds-usp trainer's Accelerator is given (TrainingArguments.parallelism_config, or the one "
+    "accelerate builds from an accelerate YAML's parallelism_config): its sequence-parallel part taken by ds-usp",
+    "Accelerator building a ParallelismConfig from the PARALLELISM_CONFIG_* variables when "
+    "ACCELERATE_USE_PARALLELISM_CONFIG is true and none is passed, and setting up DeepSpeed's own Ulysses (ALST) when "
+    "its sp_size is above 1",
+    "accelerate and the Trainer would run DeepSpeed's ALST beside ds-usp: its attention wrapper and loader adapter, "
+    "and transformers' deepspeed_sp_compute_loss, which takes ds-usp's loss (already the group's token-weighted mean, "
+    "each rank's gradient its tokens' share) for a per-rank mean and would rescale each rank's gradient by sp times "
+    "its share of the tokens",
+    "accelerate taking other sequence-parallel backends (its ParallelismConfig accepts only sp_backend deepspeed)"))
+
+
+def parallelism_config_for_usp(given: Any, sp_size: int) -> Any:
+    """The ParallelismConfig a ds-usp trainer's Accelerator gets when the DeepSpeed config sets
+    ``"sequence_parallel"``: ``given`` (TrainingArguments'), else the one accelerate would build from an accelerate
+    YAML's ``parallelism_config``; when that asks for sequence parallelism, the same without it (ds-usp's instead).
+
+    Args:
+        given: ``TrainingArguments.parallelism_config`` (None: read accelerate's variables as it would).
+        sp_size: ds-usp's sequence-parallel size (the DeepSpeed config's ``sequence_parallel_size``).
+
+    Returns:
+        The config to give the Accelerator; None when there is none.
+
+    Raises:
+        ValueError: its ``sp_size`` is not ``sp_size``, or it also asks for tensor, context or sharded data
+            parallelism (each named).
+        UpstreamChanged: accelerate no longer builds it from its variables, or it has no such sizes.
+    """
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+
+    if given is None:
+        if "ACCELERATE_USE_PARALLELISM_CONFIG" not in _source(Accelerator.__init__):
+            refuse("parallelism_config_sp", "Accelerator.__init__ does not read ACCELERATE_USE_PARALLELISM_CONFIG")
+        if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+            return None
+        given = ParallelismConfig()
+    sizes = {name: getattr(given, name, None) for name in ("sp_size", "tp_size", "cp_size", "dp_shard_size")}
+    if not all(isinstance(v, int) for v in sizes.values()):
+        refuse("parallelism_config_sp", f"ParallelismConfig holds {sizes}")
+    if sizes["sp_size"] <= 1:
+        return given
+    others = [f"{name}={size}" for name, size in sizes.items() if name != "sp_size" and size > 1]
+    if others:
+        raise ValueError(f"accelerate's parallelism_config asks for {', '.join(others)} beside sp_size="
+                         f"{sizes['sp_size']}: ds-usp's sequence parallelism under DeepSpeed does not combine with "
+                         f"them; leave them out")
+    if sizes["sp_size"] != sp_size:
+        raise ValueError(f"accelerate's parallelism_config sets sp_size={sizes['sp_size']}, but the DeepSpeed config's "
+                         f"sequence_parallel_size is {sp_size} (the world size where it is left out): ds-usp runs the "
+                         f"sequence parallelism and takes its size from the DeepSpeed config; make them equal")
+    return ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1)

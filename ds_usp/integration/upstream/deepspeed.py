@@ -1,7 +1,8 @@
 """ds-usp's changes to DeepSpeed: ``deepspeed.initialize`` honouring ``"sequence_parallel"``, ZeRO-3's gradient
 scaling under sequence parallelism, its CPU shared-memory buffer's name, its deprecation warnings, and the engine
 ``ds_usp.initialize`` returns (``engine.usp``, errors noting the rank and step, checkpoints complete or absent, the
-asynchronous save's per-rank state without DeepSpeed's collectives)."""
+asynchronous save's per-rank state without DeepSpeed's collectives, ZeRO-3's start-of-forward hook paused while a
+rollout generates with the parameters gathered)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,24 +10,23 @@ import contextvars
 import functools
 import inspect
 import os
-import sys
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from ds_usp.config import USPConfigError, read_ds_config
 from ds_usp.integration.upstream.registry import (Patch, innermost, lacking_parameters, refuse, register,
                                                   require_parameters)
 from ds_usp.topology import USPMpu
 
 register("deepspeed_initialize", Patch(
-    "deepspeed.initialize",
+    "deepspeed.initialize (wrapped once, by the gate _ds_usp_auto installs when deepspeed is imported)",
     "its keyword parameters (args, model, ..., mpu, config, config_params) and accelerate's "
     "Accelerator._prepare_deepspeed reading deepspeed.initialize when it runs",
     "DeepSpeed ignores the \"sequence_parallel\" key: a plain deepspeed.initialize (or the HF Trainer through "
-    "accelerate) given a USP config would silently train plain data parallelism",
+    "accelerate) given a USP config would silently train plain data parallelism, or fail in DeepSpeed's batch-size "
+    "assertion",
     "a DeepSpeed extension point for config keys it does not know (or DeepSpeed refusing unknown top-level keys)"))
 
 
@@ -91,22 +91,11 @@ TRAINER_ROUTE: contextvars.ContextVar[bool] = contextvars.ContextVar("ds_usp_tra
 
 
 def deepspeed_initialize() -> Any:
-    """DeepSpeed's own ``deepspeed.initialize`` (the one :func:`install_deepspeed_hook` wraps)."""
+    """DeepSpeed's own ``deepspeed.initialize`` (the one the gate of ``_ds_usp_auto`` wraps)."""
     import deepspeed
 
     fn = deepspeed.initialize
     return getattr(fn, "__wrapped__", fn) if getattr(fn, "_ds_usp", False) else fn
-
-
-def _config_of_call(args: Any, kwargs: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
-    """The DeepSpeed config a ``deepspeed.initialize`` call was given (None when it cannot be read here)."""
-    source = kwargs.get("config") if kwargs.get("config") is not None else kwargs.get("config_params")
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None)
-    try:
-        return read_ds_config(source) if source is not None else None
-    except USPConfigError:
-        return None  # deepspeed.initialize reports its own config errors
 
 
 def _called_from_accelerate() -> bool:
@@ -114,44 +103,60 @@ def _called_from_accelerate() -> bool:
     return any(frame.frame.f_globals.get("__name__", "").startswith("accelerate.") for frame in inspect.stack()[2:])
 
 
-def install_deepspeed_hook(initialize: Callable[..., Any]) -> None:
-    """Make ``deepspeed.initialize`` honour ``"sequence_parallel"`` (idempotent).
+_PARAMETERS = ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "mpu", "config",
+               "config_params", "dist_init_required", "collate_fn")
 
-    A call whose config sets the key is ``initialize`` (ds-usp's, same arguments, same engine), except under an HF
-    Trainer that is not ds-usp's (the Trainer would feed every rank whole sequences), which is refused before
-    anything is built. Calls without the key, or with a ds-usp ``mpu`` built by the caller, reach DeepSpeed unchanged.
+
+def route_initialize(original: Callable[..., Any], call: Mapping[str, Any], initialize: Callable[..., Any]) -> Any:
+    """A ``deepspeed.initialize`` call whose config sets ``"sequence_parallel"`` (the gate found the key):
+    ``initialize`` (:func:`ds_usp.initialize`, same arguments, same engine), or refused before anything is built.
+
+    A call that carries a ds-usp ``mpu`` (a topology the caller built with ``USPTopology.build``) reaches DeepSpeed
+    unchanged.
 
     Args:
+        original: DeepSpeed's ``deepspeed.initialize``.
+        call: the call's arguments by name.
         initialize: :func:`ds_usp.initialize`.
 
+    Returns:
+        What ``initialize`` (or DeepSpeed) returns.
+
     Raises:
-        UpstreamChanged: ``deepspeed.initialize`` lost a parameter the hook relies on.
+        ValueError: another ``mpu`` (accelerate's ``parallelism_config`` setting up DeepSpeed's own Ulysses, or the
+            caller's), or an HF Trainer / accelerate loop that is not ds-usp's (it would feed every rank whole
+            sequences).
+        UpstreamChanged: ``deepspeed.initialize`` lost a parameter the route relies on.
     """
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time notices: never on a program's stdout
-        import deepspeed
-
-    if getattr(deepspeed.initialize, "_ds_usp", False):
-        return
-    original = deepspeed.initialize
-    require_parameters("deepspeed_initialize", original, ("args", "model", "optimizer", "model_parameters",
-                                                           "training_data", "lr_scheduler", "mpu", "config",
-                                                           "config_params", "dist_init_required", "collate_fn"))
-
-    @functools.wraps(original)
-    def initialize_with_usp(args: Any = None, **kwargs: Any) -> Any:
-        config = _config_of_call(args, kwargs)
-        if config is None or config.get("sequence_parallel") is None or isinstance(kwargs.get("mpu"), USPMpu):
-            return original(args=args, **kwargs)
-        if _called_from_accelerate() and not TRAINER_ROUTE.get():
-            raise ValueError('the DeepSpeed config sets "sequence_parallel", but this HF Trainer is not ds-usp\'s: '
-                             "it would give every rank whole sequences. Use ds_usp.USPTrainer (or ds_usp.USPSFTTrainer "
-                             "for TRL's SFTTrainer) instead of Trainer")
-        return initialize(args=args, **kwargs)
-
-    initialize_with_usp._ds_usp = True
-    deepspeed.initialize = initialize_with_usp
+    require_parameters("deepspeed_initialize", original, _PARAMETERS)
+    mpu = call.get("mpu")
+    if isinstance(mpu, USPMpu):
+        return original(**call)
+    if mpu is not None:
+        alst = type(mpu).__module__.startswith("deepspeed.runtime.sequence_parallel")
+        raise ValueError('the DeepSpeed config sets "sequence_parallel" (ds-usp) and the call brings an mpu of '
+                         + ("DeepSpeed's own Ulysses (ALST), which accelerate's parallelism_config (sp_backend "
+                            "deepspeed) set up: one sequence parallelism at a time. The HF Trainer and TRL's trainers "
+                            "take the parallelism config's sp_size for ds-usp by themselves; in an accelerate loop of "
+                            "your own, remove parallelism_config's sp settings to use ds-usp, or remove "
+                            '"sequence_parallel" from the DeepSpeed config to use ALST' if alst else
+                            f"its own ({type(mpu).__name__}): ds-usp provides the mpu; do not pass mpu="))
+    if _called_from_accelerate() and not TRAINER_ROUTE.get():
+        raise ValueError('the DeepSpeed config sets "sequence_parallel", but accelerate is creating this engine '
+                         "outside a ds-usp trainer (an accelerate loop of your own, or a Trainer subclass whose "
+                         "create_accelerator_and_postprocess does not call the Trainer's): it would give every rank "
+                         "whole sequences. Use ds_usp.USPTrainer (or ds_usp.USPSFTTrainer for TRL's SFTTrainer), or "
+                         "ds_usp.initialize with ds_usp.shard_batch in a loop of your own")
+    return initialize(**call)
 
 
+def install_deepspeed_hook() -> None:
+    """Make ``deepspeed.initialize`` given a ``"sequence_parallel"`` config be ``ds_usp.initialize``, now or when
+    DeepSpeed is imported (idempotent; DeepSpeed is not imported here): the gates of ``_ds_usp_auto``, which the
+    ``.pth`` of an installed ds-usp also installs at interpreter start."""
+    import _ds_usp_auto
+
+    _ds_usp_auto.install()
 
 
 def quiet_deepspeed_deprecations() -> None:
@@ -383,3 +388,46 @@ def set_grad_ready(params: tuple, ready: bool) -> None:
     """Let ZeRO reduce ``params``' gradients after this backward contribution (``ready``) or not yet."""
     for p in params:
         p.ds_grad_is_ready = ready
+
+
+register("start_of_forward_hook_off", Patch(
+    "a ZeRO-3 engine's module's forward pre-hooks (DeepSpeed's start-of-forward hook taken out while a rollout "
+    "generates with the parameters gathered, and put back in its place)",
+    "DeepSpeedZeRoOffload keeping the hook's handle as fwd_pre_hook, registered on the engine's module, and "
+    "calling the parameter coordinator's reset_step, which checks the recorded trace over every rank "
+    "(assert_ints_same_as_other_ranks) while the trace is not complete",
+    "TRL's add_hooks invalidates the trace after each generation, so each rank's first two forwards of a generation "
+    "are collectives over every rank: ranks that generate a different share (or none) would wait forever",
+    "DeepSpeed leaving the trace alone while hooks are removed (or a public way to pause the coordinator)"))
+
+
+def _parameter_offload(engine: Any) -> Any:
+    optimizer = getattr(engine, "optimizer", None)
+    return getattr(optimizer, "parameter_offload", optimizer)
+
+
+@contextlib.contextmanager
+def start_of_forward_hook_off(engine: Any) -> Iterator[None]:
+    """While the block runs, a ZeRO-3 engine's module runs without DeepSpeed's start-of-forward hook (its
+    ``reset_step``); the hook is put back where it was among the module's pre-hooks. Without an optimizer yet (TRL's
+    ``remove_hooks`` does nothing then either) the block runs as it is.
+
+    Raises:
+        UpstreamChanged: the offload keeps no ``fwd_pre_hook`` registered on its module.
+    """
+    offload = _parameter_offload(engine)
+    if offload is None:
+        yield
+        return
+    handle, module = getattr(offload, "fwd_pre_hook", None), getattr(offload, "module", None)
+    hooks = getattr(module, "_forward_pre_hooks", None)
+    if handle is None or hooks is None or getattr(handle, "id", None) not in hooks:
+        refuse("start_of_forward_hook_off", "the ZeRO-3 offload keeps no fwd_pre_hook registered on its module")
+    order = list(hooks)
+    hook = hooks.pop(handle.id)
+    try:
+        yield
+    finally:
+        hooks[handle.id] = hook
+        for key in [k for k in order if k in hooks] + [k for k in list(hooks) if k not in order]:
+            hooks.move_to_end(key)  # the original order, any hook added meanwhile last

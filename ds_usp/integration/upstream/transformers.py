@@ -17,7 +17,9 @@ register("attn_implementation_check", Patch(
 
 
 register("trainer_batch_size", Patch(
-    "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig.trainer_config_process",
+    "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig.trainer_config_process (wrapped once, by the gate "
+    "_ds_usp_auto installs when that module is imported; ds-usp's part runs when the config sets "
+    "\"sequence_parallel\")",
     "the method taking (self, args, auto_find_batch_size) and filling an \"auto\" train_batch_size as "
     "world x micro x accumulation",
     "with sequence parallelism DeepSpeed counts world / sequence_parallel_size replicas and refuses HF's value",
@@ -60,34 +62,31 @@ def wrap_attn_implementation_check(refuse: Callable[[type], None], name: str) ->
     PreTrainedModel._check_and_adjust_attn_implementation = check_usp_is_possible
 
 
-def fix_trainer_batch_size(replicas_batch: Callable[[Mapping[str, Any], Any], Optional[int]]) -> None:
-    """Make HF fill an ``"auto"`` ``train_batch_size`` with ``replicas_batch(config, args)`` when that is not None
-    (idempotent). ``trainer_config_process`` runs when ``TrainingArguments`` is created, before any trainer exists.
+def process_with_replicas_batch(original: Callable[..., Any], hf_config: Any, args: tuple, kwargs: Mapping[str, Any],
+                                replicas_batch: Callable[[Mapping[str, Any], Any], Optional[int]]) -> None:
+    """HF's ``trainer_config_process`` (``original``) on ``hf_config``, then an ``"auto"`` ``train_batch_size`` it
+    filled becomes ``replicas_batch(config, training_args)`` when that is not None. It runs when ``TrainingArguments``
+    is created, before any trainer exists (the gate of ``_ds_usp_auto`` calls it for a config with the key).
 
     Args:
+        original: HF's method.
+        hf_config: the ``HfTrainerDeepSpeedConfig``.
+        args: the call's positional arguments after ``self``.
+        kwargs: its keyword arguments.
         replicas_batch: the batch size over replicas (None: keep HF's).
 
     Raises:
         UpstreamChanged: the method is gone or takes other parameters.
     """
-    from transformers.integrations import deepspeed as hf_deepspeed
+    import inspect
 
-    cls = hf_deepspeed.HfTrainerDeepSpeedConfig
-    original = getattr(cls, "trainer_config_process", None)
-    if getattr(original, "_ds_usp", False):
-        return
     require_parameters("trainer_batch_size", original, ("args", "auto_find_batch_size"))
-
-    @functools.wraps(original)
-    def trainer_config_process(self: Any, args: Any, auto_find_batch_size: bool = False) -> None:
-        was_auto = self.config.get("train_batch_size") == "auto"
-        original(self, args, auto_find_batch_size)
-        fixed = replicas_batch(self.config, args) if was_auto else None
-        if fixed is not None:
-            self.config["train_batch_size"] = fixed
-
-    trainer_config_process._ds_usp = True
-    cls.trainer_config_process = trainer_config_process
+    was_auto = hf_config.config.get("train_batch_size") == "auto"
+    original(hf_config, *args, **kwargs)
+    training_args = inspect.signature(original).bind(hf_config, *args, **kwargs).arguments["args"]
+    fixed = replicas_batch(hf_config.config, training_args) if was_auto else None
+    if fixed is not None:
+        hf_config.config["train_batch_size"] = fixed
 
 
 def replace_family_functions(family: Any, replacements: Mapping[str, Callable[[Callable], Callable]],
