@@ -283,6 +283,7 @@ class ModelShape:
         active_params: the parameters one token uses (MoE: only its experts); embeddings excluded.
         linear_layers: linear-attention (Gated DeltaNet) layers.
         linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim, conv_kernel: their heads and dims.
+        causal: the attention is causal (a language model: half the pairs); False for a diffusion transformer.
     """
 
     name: str
@@ -302,6 +303,7 @@ class ModelShape:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     conv_kernel: int = 4
+    causal: bool = True
 
     @property
     def layers(self) -> int:
@@ -660,13 +662,13 @@ def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_
     Returns:
         The :class:`StepTime`.
     """
-    flops = step_flops(shape, seq, micro_batch, doc_lens=doc_lens) / s.sp
+    flops = step_flops(shape, seq, micro_batch, shape.causal, doc_lens=doc_lens) / s.sp
     rate = hw.peak_tflops * 1e12 * hw.efficiency
     compute = flops / rate
     padded = tokens_per_rank(seq, 1, s.sp) * s.sp
     tokens = tokens_per_rank(seq, micro_batch, s.sp)
     extra = feature_seconds(shape, tokens, features_of(shape, tokens, s), hw, elem_bytes,
-                            attention_forward_flops(shape, padded, micro_batch, True, doc_lens) / s.sp)
+                            attention_forward_flops(shape, padded, micro_batch, shape.causal, doc_lens) / s.sp)
 
     def bw(span: int) -> float:  # GB/s between ranks ``span`` apart
         return (hw.intra_bw if span < hw.gpus_per_node else hw.inter_bw) * 1e9
@@ -684,7 +686,7 @@ def step_time(shape: ModelShape, s: StepSettings, seq: int, hw: Hardware, micro_
                               shape.linear_v_dim, shape.conv_kernel, s.ulysses, s.ring, elem_bytes, 2)
         a2a += shape.linear_layers * (lf.all_to_all + lb.all_to_all) / bw(s.ulysses)
         ring += shape.linear_layers * (lf.other + lb.other) / bw(s.ulysses * s.ring if s.ring > 1 else 1)
-    attn_flops = 3 * attention_forward_flops(shape, padded, micro_batch, True, doc_lens)
+    attn_flops = 3 * attention_forward_flops(shape, padded, micro_batch, shape.causal, doc_lens)
     hidden = shape.attention_layers * attn_flops / s.sp / rate * (s.ring - 1) / s.ring if s.ring > 1 else 0.0
     per_param = elem_bytes * (3 if s.zero == 3 else 1) * (s.world - 1) / s.world
     zero = shape.params * per_param / bw(s.world) if s.world > 1 else 0.0

@@ -5,6 +5,7 @@
     python -m ds_usp.plan --hidden 4096 --layers 32 --heads 32 --kv-heads 8 --vocab 128256 --intermediate 14336 \\
         --seq 262144 --nodes 4
     python -m ds_usp.plan --model config.json --seq 65536 --lengths lengths.txt    # static vs dynamic SP
+    python -m ds_usp.plan --model wan/transformer/config.json --frames 21 --height 90 --width 160   # a diffusers DiT
 
 Every split of the ranks into ``(U, R, dp)``, ZeRO stage and memory-feature preset is priced by the one cost model
 of :mod:`ds_usp.cost` (memory per rank by part, step time by part); the feasible plans are ranked by predicted
@@ -13,6 +14,11 @@ writes: ``"sequence_parallel": "usp"`` and the ``"usp"`` block). The model's sha
 local folder or JSON file, a model id whose config is in the local HF cache (nothing is downloaded), or the sizes
 given by hand; its parameters are counted on the meta device (no memory), MoE experts split into total and active,
 Gated DeltaNet layers counted apart, and a family ds-usp cannot shard refused by name. Instant, no progress.
+
+A diffusers transformer's config (``_class_name``: Wan, Flux, HunyuanVideo, LTX-Video, CogVideoX, SD3, QwenImage) is
+priced per block with bidirectional attention; its tokens come from the latent grid the transformer is given
+(``--frames --height --width``, e.g. 21 x 90 x 160 for a 720p 81-frame clip through Wan's VAE) over its patch size,
+plus ``--text-tokens`` in the joint-attention families (:func:`ds_usp.integration.models.diffusion.shape.dit_tokens`).
 
 ``--lengths FILE`` (document lengths, one per line or a JSON list; or a histogram, lines ``length count`` or JSON
 ``{"lengths": [...], "counts": [...]}``) predicts, for the split of the fastest feasible plan with sequence parallelism, the tokens per second of static SP (every
@@ -35,6 +41,7 @@ from ds_usp.cost import (GIB, FeatureModes, Hardware, ModelShape, StepMemory, St
                          step_memory, step_time, tokens_per_rank)
 from ds_usp.integration.step.choices import HEADROOM
 from ds_usp.integration.data.dynamic import plan_step
+from ds_usp.integration.models.diffusion.shape import dit_shape, dit_tokens, model_on_meta, read_diffusers_config
 from ds_usp.integration.models.shape import model_shape, split_refusal
 
 # the memory-feature presets the planner tries: name -> (checkpointing, tiled feed-forward, chunked loss, offloaded
@@ -294,7 +301,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="HF config: a folder, a config JSON, or a model id in the local HF cache")
     for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--vocab", "--intermediate"):
         p.add_argument(flag, type=int, help="the model's size by hand (instead of --model)")
-    p.add_argument("--seq", type=int, required=True, help="sequence length")
+    p.add_argument("--seq", type=int, help="sequence length (a diffusers model's: from --frames --height --width)")
+    for flag, what in (("--frames", "latent frames (1 for an image model)"), ("--height", "latent height"),
+                       ("--width", "latent width")):
+        p.add_argument(flag, type=int, help=f"a diffusers model's {what}, as its transformer's hidden_states has it")
+    p.add_argument("--text-tokens", type=int, default=0,
+                   help="text tokens of a joint-attention diffusers model (Flux, HunyuanVideo, SD3, ...)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
@@ -321,6 +333,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print (and optionally write) the plans; returns the exit code (1: nothing fits or bad input)."""
     p = _parser()
     args = p.parse_args(argv)
+    dit = read_diffusers_config(args.model) if args.model else None
+    if dit is not None:  # a diffusion transformer: its tokens from the latent grid
+        if args.height is None or args.width is None:
+            p.error("a diffusers model's tokens come from its latent grid: give --height and --width (and --frames "
+                    "for a video model) as its transformer's hidden_states has them")
+        try:
+            tokens = dit_tokens(dit, args.frames or 1, args.height, args.width, args.text_tokens)
+        except (ValueError, KeyError) as e:
+            print(f"ds_usp.plan: {e}", file=sys.stderr)
+            return 1
+        args = argparse.Namespace(**{**vars(args), "seq": tokens})
+    elif args.seq is None:
+        p.error("--seq is required (or --model with a diffusers config and its latent grid)")
     by_hand = [args.hidden, args.layers, args.heads, args.vocab, args.intermediate]
     for name, value in (("--seq", args.seq), ("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
                         ("--micro-batch", args.micro_batch)):
@@ -333,7 +358,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.gpu_mem <= 0:
         p.error(f"--gpu-mem ({args.gpu_mem}) must be positive")
     try:
-        if args.model:
+        if dit is not None:
+            shape = dit_shape(model_on_meta(dit))
+        elif args.model:
             shape = model_shape(load_config(args.model))
         elif all(v is not None for v in by_hand):
             if args.hidden % args.heads:

@@ -149,10 +149,12 @@ class DiTForward:
                  if isinstance(value, (Tensor, int, float, str, bool))}
         differ = disagreements(facts, self.dit.topo.sp_group, "the inputs of a sharded diffusion transformer")
         if differ:
-            holders = "; ".join(f"{name}: ranks {' vs '.join(map(str, ranks.values()))}" for name, ranks in differ.items())
+            holders = "; ".join(f"{name}: ranks {' vs '.join(map(str, ranks.values()))}"
+                                for name, ranks in differ.items())
             raise ValueError(f"{self.name} is called with different {', '.join(sorted(differ))} on the ranks of one "
-                             f"sequence-parallel group ({holders}): every rank of a group must give the same whole inputs (the same batch, noise and "
-                             f"timesteps: seed them per data-parallel replica, and draw samples with "
+                             f"sequence-parallel group ({holders}): every rank of a group must give the same whole "
+                             f"inputs (the same batch, noise and timesteps: seed them per data-parallel replica, and "
+                             f"draw samples with "
                              f"DistributedSampler(num_replicas=engine.usp.topo.dp_size, rank=engine.usp.topo.dp_rank))")
         self.dit.checked_inputs()
 

@@ -48,7 +48,8 @@ class Role:
         order: the streams its processor concatenates, in that order (one stream: self-attention).
         processor: the class name of the family's processor that ds-usp knows (any other is refused).
         usp_processor: ds-usp's processor for it (:mod:`.processors`), for families whose processor calls torch's
-            SDPA itself; None: the family's processor, routed (:func:`~ds_usp.integration.upstream.diffusers.give_route`).
+            SDPA itself; None: the family's processor, routed
+            (:func:`~ds_usp.integration.upstream.diffusers.give_route`).
     """
 
     order: tuple[str, ...]
@@ -109,7 +110,7 @@ FAMILIES: dict[str, FamilyPlan] = {p.name: p for p in (
         "FluxTransformer2DModel", "joint attention over [text, image] (3-axis RoPE over both), dual- then "
         "single-stream blocks",
         inputs={"": {"hidden_states": Cut(IMAGE, 1), "encoder_hidden_states": Cut(TEXT, 1),
-                     "img_ids": Cut(IMAGE, 0, ndim=2), "txt_ids": Cut(TEXT, 0, ndim=2)}},
+                     "img_ids": Cut(IMAGE, -2), "txt_ids": Cut(TEXT, -2)}},  # (tokens, 3), or (1, tokens, 3)
         roles={"transformer_blocks.*.attn": Role((TEXT, IMAGE), "FluxAttnProcessor"),
                "single_transformer_blocks.*.attn": Role((TEXT, IMAGE), "FluxAttnProcessor")},
         blocks=("transformer_blocks", "single_transformer_blocks"),

@@ -94,8 +94,12 @@ def dit_tokens(raw: Mapping[str, Any], frames: int, height: int, width: int, tex
     joint-attention families (whose attention sees them; Wan and LTX-Video only cross-attend to the text).
 
     Raises:
-        ValueError: a grid smaller than one patch.
+        ValueError: a class ds-usp has no plan for, or a grid smaller than one patch.
     """
+    plan = FAMILIES.get(raw.get("_class_name"))
+    if plan is None:
+        raise ValueError(f"{raw.get('_class_name')} is not a diffusion transformer ds-usp shards "
+                         f"({', '.join(sorted(FAMILIES))}): it has no sharding plan")
     patch = raw.get("patch_size", 1) or 1
     patch_t = raw.get("patch_size_t", 1) or 1
     if isinstance(patch, (list, tuple)):  # Wan: (t, h, w)
@@ -106,6 +110,5 @@ def dit_tokens(raw: Mapping[str, Any], frames: int, height: int, width: int, tex
     if grid < 1:
         raise ValueError(f"a latent of {frames} x {height} x {width} is smaller than one patch "
                          f"({patch_t} x {ph} x {pw})")
-    plan = FAMILIES[raw["_class_name"]]
     joint = any(TEXT in role.order for role in plan.roles.values())
     return grid + (text if joint else 0)

@@ -126,6 +126,8 @@ class DiTCall:
         if known is not None and not torch.equal(known, mask):
             raise ValueError(f"{self.model_name}: its blocks are given different {name} key masks in one forward, "
                              f"which ds-usp does not shard (it records one per forward)")
+        if known is None:
+            self._keys.clear()  # valid keys worked out before this mask was known
         self.masks[name] = mask
 
     def local_length(self, order: tuple[str, ...]) -> int:
