@@ -11,6 +11,10 @@ model keeps its parameters and its own kernels, and its forward becomes
     (Ulysses all-to-all for heads, the short convolution with its halo, the delta rule with the state passed
     across the ring) -> the layer's gated norm and output projection (this rank's tokens)
 
+While the model runs whole sequences on each rank (:func:`ds_usp.integration.models.attention.unsharded`, which the
+RL trainers' generation uses), every wrapped layer runs its own forward instead: the cache's convolution and recurrent
+state are read and updated as in one process, and nothing is communicated.
+
 The softmax layers of the same model use ``attn_implementation="usp"`` with their output gate (it is applied by
 the model, after the attention). The family's own delta-rule function is called: transformers' torch chunked
 rule on CPU, flash-linear-attention's when it is installed (GPUs). A layer is recognized by what it holds:
@@ -143,6 +147,16 @@ def is_wrapped_mixer(module: nn.Module) -> bool:
     return _wrapper(module) is not None
 
 
+def mixer_family(module: nn.Module) -> Optional[str]:
+    """Which kind of sequence mixer ds-usp wraps ``module`` as: ``"gated_deltanet"``, ``"kimi_delta"``, ``"mamba2"``,
+    ``"mamba1"``, ``"short_conv"`` or ``"rglru"`` (None: not one, see :func:`is_wrapped_mixer`)."""
+    for kind, name in ((is_short_conv, "short_conv"), (is_selective_ssm, "mamba1"), (is_rglru_block, "rglru"),
+                       (is_mamba2, "mamba2"), (is_kimi_delta, "kimi_delta"), (is_gated_deltanet, "gated_deltanet")):
+        if kind(module):
+            return name
+    return None
+
+
 def linear_dims(module: nn.Module) -> tuple[int, int, int, int]:
     """``(key heads, value heads, key head dim, value head dim)`` of a layer :func:`is_linear_attention` accepts
     (Mamba-2: groups, heads, state size, head dim)."""
@@ -261,8 +275,9 @@ def _refuse_cache(cache: Any, module: nn.Module, ctx: USPContext) -> None:
     for getter in ("get_recurrent_state", "get_conv_state"):
         get = getattr(cache, getter, None)
         if callable(get) and layer is not None and get(layer, state_idx=0) is not None:
-            raise ValueError(f"{ctx.model_name}: decoding from a cache is not supported under sequence parallelism "
-                             f"(training and prefill are); generate without ds_usp")
+            raise ValueError(f"{ctx.model_name}: decoding from a cache is not supported on sequence shards "
+                             f"(training and prefill are); generate on whole sequences inside "
+                             f"ds_usp.hf.unsharded(model)")
 
 
 def _short_conv_forward(module: nn.Module, ctx: USPContext) -> Callable:
@@ -297,8 +312,11 @@ def _rglru_block_forward(module: nn.Module, ctx: USPContext) -> Callable:
 
     def sharded(scan: Callable) -> Callable:  # the family's scan, bound: run on each segment from zero
         def sharded_scan(hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor, recurrent_states: Any = None,
-                         **kwargs: Any) -> tuple[Tensor, None]:
-            _, seq_len, docs = _RUNNING.get()
+                         **kwargs: Any) -> tuple[Tensor, Any]:
+            running = _RUNNING.get()
+            if running is None:  # the family's own block forward (whole sequences, generation): the family's scan
+                return scan(hidden_states, recurrent_gate, reset, recurrent_states, **kwargs)
+            _, seq_len, docs = running
             none = torch.zeros_like(reset)
             out = sharded_linear_recurrence(lambda u, a: scan(u, a, none[:, :u.shape[1]], None, **kwargs)[0],
                                             hidden_states, recurrent_gate * ~reset, ctx.topo, layout=ctx.layout,
@@ -433,6 +451,19 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
 _WRAPPED = "_usp_wrapped"  # on a mixer whose forward wrap_linear_layers replaced
 
 
+def _whole_or_sharded(own: Callable, sharded: Callable, ctx: USPContext) -> Callable:
+    """A mixer's forward: ``sharded`` (its shard of the sequence, state passed over the SP group), or, while the model
+    runs whole sequences on each rank (:func:`ds_usp.integration.models.attention.unsharded`: generation), the layer's
+    ``own`` forward, which reads and updates the cache's convolution and recurrent state as in one process and
+    communicates nothing (the family functions ds-usp swapped pass through outside a sharded forward)."""
+
+    @functools.wraps(sharded)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return own(*args, **kwargs) if ctx.unsharded else sharded(*args, **kwargs)
+
+    return forward
+
+
 def _wrapper(module: nn.Module) -> Optional[Callable[[nn.Module, USPContext], Callable]]:
     """What makes ``module``'s forward run under the USP topology, by the kind of mixer it is (None: not one)."""
     for kind, wrap in ((is_short_conv, _short_conv_forward), (is_selective_ssm, _selective_forward),
@@ -458,7 +489,7 @@ def wrap_linear_layers(model: nn.Module) -> int:
     wrapped = 0
     for module in model.modules():
         if is_wrapped_mixer(module) and not getattr(module, _WRAPPED, False):
-            replace_forward(module, _wrapper(module)(module, ctx))
+            replace_forward(module, _whole_or_sharded(module.forward, _wrapper(module)(module, ctx), ctx))
             set_module_attribute(module, _WRAPPED, True)
             wrapped += 1
     return wrapped

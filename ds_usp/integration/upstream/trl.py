@@ -1,13 +1,15 @@
-"""ds-usp's changes to TRL's objects: a GRPO / RLOO config's generation batch counted per sequence-parallel group, and
-the settings of TRL's fused LM head kept on the model (accelerate's processes seen as the replicas while TRL's code
-runs are :mod:`.accelerate`'s)."""
+"""ds-usp's changes to TRL's objects: a GRPO / RLOO config's generation batch counted per sequence-parallel group, the
+settings of TRL's fused LM head kept on the model, the arguments TRL's generate call gets during a rollout (the keyed
+sampler, ``synced_gpus``) and, under ZeRO-3, the parameters gathered once per rollout instead of per generation call
+(accelerate's processes seen as the replicas while TRL's code runs are :mod:`.accelerate`'s)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any
+from typing import Any, Iterator
 
-from ds_usp.integration.upstream.registry import Patch, refuse, register, require_parameters
+from ds_usp.integration.upstream.registry import Patch, innermost, refuse, register, require_parameters
 from ds_usp.integration.upstream.torch import set_module_attribute
 
 register("generation_batch_per_group", Patch(
@@ -70,3 +72,110 @@ def record_fused_head(model: Any, attr: str, settings: Any) -> None:
 
     require_parameters("fused_head_settings", add_fused_lm_head, ("model", "temperature", "cast_lm_head_to_fp32"))
     set_module_attribute(model, attr, settings)
+
+
+register("generate_arguments", Patch(
+    "the model TRL's _generate_single_turn generates with (an instance attribute generate: the class's generate "
+    "with ds-usp's arguments bound, for the duration of a rollout or of one generation call)",
+    "TRL's GRPO / RLOO _generate_single_turn calling unwrapped_model.generate(**inputs, "
+    "generation_config=self.generation_config) on the model accelerate unwraps, and GenerationMixin.generate taking "
+    "logits_processor and synced_gpus",
+    "TRL passes generate no logits processor and no synced_gpus: the keyed sampler (a row's completion the same "
+    "whichever rank generates it) could not be given, and under ZeRO-3 HF's default synced_gpus would all-reduce "
+    "over every rank at each decoding step, waiting forever for ranks whose share is shorter or empty",
+    "TRL taking logits processors and generate keyword arguments in its configs (it takes generation_kwargs, which "
+    "become a GenerationConfig that holds neither)"))
+
+
+register("rollout_gathered_once", Patch(
+    "a ZeRO-3 TRL trainer's args.ds3_gather_for_generation (False while a ds-usp rollout runs with the parameters "
+    "gathered once, TRL's remove_hooks / add_hooks around it)",
+    "TRL's unwrap_model_for_generation entering deepspeed.zero.GatheredParameters per generation call when "
+    "gather_deepspeed3_params is true (so that a gather around the whole rollout must turn it off: nested gathers "
+    "raise), and trl.models.utils.remove_hooks / add_hooks",
+    "TRL gathers the parameters over every rank in each generation call: ranks of a sequence-parallel group that "
+    "generate different shares (or run a different number of tool turns, replicas of different prompts) would wait "
+    "on each other forever",
+    "TRL gathering once per rollout (or per _generate) instead of per generation call"))
+
+
+_GENERATE_CALL = ("unwrapped_model.generate(", "generation_config=self.generation_config")
+
+
+def _calls_generate(trainer_class: type) -> bool:
+    return _source_calls_generate(innermost(trainer_class._generate_single_turn))
+
+
+@functools.cache
+def _source_calls_generate(fn: Any) -> bool:
+    return all(part in inspect.getsource(fn) for part in _GENERATE_CALL)
+
+
+@contextlib.contextmanager
+def generate_arguments(model: Any, trainer_class: type, **arguments: Any) -> Iterator[None]:
+    """While the block runs, ``model.generate(...)`` (TRL's call in ``trainer_class._generate_single_turn``) gets
+    ``arguments`` too (``logits_processor``, ``synced_gpus``); the instance's previous ``generate`` (an enclosing
+    block's) comes back after.
+
+    Args:
+        model: the model TRL generates with (``accelerator.unwrap_model(model_wrapped)``).
+        trainer_class: the TRL trainer class whose ``_generate_single_turn`` calls it.
+        **arguments: keyword arguments of ``GenerationMixin.generate``.
+
+    Raises:
+        UpstreamChanged: ``generate`` takes none of these, or TRL calls it otherwise.
+    """
+    from transformers import GenerationMixin
+
+    require_parameters("generate_arguments", GenerationMixin.generate, tuple(arguments))
+    if not _calls_generate(trainer_class):
+        refuse("generate_arguments", f"{trainer_class.__name__}._generate_single_turn does not call "
+                                     f"{' ... '.join(_GENERATE_CALL)}")
+    previous = model.__dict__.get("generate")
+    model.generate = functools.partial(type(model).generate, model, **arguments)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del model.generate
+        else:
+            model.generate = previous
+
+
+@contextlib.contextmanager
+def rollout_gathered_once(engine: Any, args: Any) -> Iterator[None]:
+    """While the block runs, a ZeRO-3 engine's parameters are whole on every rank (one gather over the partition
+    group on entry, as TRL's per-call gather does), its hooks off (TRL's ``remove_hooks``, and DeepSpeed's
+    start-of-forward hook: :func:`ds_usp.integration.upstream.deepspeed.start_of_forward_hook_off`) and TRL's own
+    per-call gather off (``args.ds3_gather_for_generation``): nothing in generation is collective.
+
+    Args:
+        engine: the trainer's ``model_wrapped`` (a ZeRO-3 DeepSpeed engine).
+        args: the trainer's config.
+
+    Raises:
+        UpstreamChanged: TRL does not gather per call, or has no ``remove_hooks`` / ``add_hooks``.
+    """
+    import deepspeed
+    import trl.models.utils as trl_models
+
+    from ds_usp.integration.upstream.deepspeed import start_of_forward_hook_off
+
+    unwrap = getattr(trl_models, "_unwrap_model_for_generation", None)
+    if not hasattr(args, "ds3_gather_for_generation") or unwrap is None or \
+            "GatheredParameters" not in inspect.getsource(unwrap):
+        refuse("rollout_gathered_once", "TRL's unwrap_model_for_generation does not gather the parameters per call "
+                                        "under ds3_gather_for_generation")
+    for name in ("remove_hooks", "add_hooks"):
+        if not callable(getattr(trl_models, name, None)):
+            refuse("rollout_gathered_once", f"trl.models.utils has no {name}")
+    with deepspeed.zero.GatheredParameters(list(engine.parameters())):
+        trl_models.remove_hooks(engine)
+        saved = args.ds3_gather_for_generation
+        args.ds3_gather_for_generation = False
+        try:
+            with start_of_forward_hook_off(engine):
+                yield
+        finally:
+            args.ds3_gather_for_generation = saved
+            trl_models.add_hooks(engine)
