@@ -1,4 +1,4 @@
-"""Shared fixtures: one gloo world per test module (see dist_harness.py).
+"""Shared fixtures: gloo worlds started once per session and shared by the test modules (see dist_harness.py).
 
 The same suite runs on CPU machines and on GPU hosts:
 
@@ -124,26 +124,47 @@ def gpu_visible(visible: bool) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = CUDA_VISIBLE if visible else ""
 
 
-def _world(request, size: int):
-    """A world of ``size`` ranks; a module may set ``WORLD_TIMEOUT`` (seconds a case may take, default 180)."""
-    w = World(size, timeout=getattr(request.module, "WORLD_TIMEOUT", 180.0))
+_SHARED: dict[int, World] = {}  # world size -> the world every module of this session that asks for it shares
+
+
+def _world(request, size: int, shared: bool = True):
+    """A world of ``size`` ranks; a module may set ``WORLD_TIMEOUT`` (seconds a case may take, default 180).
+
+    Starting a world costs each rank its imports of torch, DeepSpeed and transformers (about 10 s of CPU a rank, 20
+    modules ask for 4 ranks), so the 2- and 4-rank worlds are started once per session and shared by the modules in
+    turn (a case that hangs restarts the world, as before); the 8-rank one lives for its module only (its memory)."""
+    timeout = getattr(request.module, "WORLD_TIMEOUT", 180.0)
+    w = _SHARED.get(size) if shared else None
+    if w is None:
+        w = World(size, timeout=timeout)
+        if shared:
+            _SHARED[size] = w
+    w.timeout = timeout
     yield w
-    w.close()
+    if not shared:
+        w.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_shared_worlds():
+    yield
+    for w in _SHARED.values():
+        w.close()
 
 
 @pytest.fixture(scope="module")
 def world2(request):
-    """A 2-rank gloo world shared by every test of the module."""
+    """A 2-rank gloo world (shared by the session's modules, one module at a time)."""
     yield from _world(request, 2)
 
 
 @pytest.fixture(scope="module")
 def world4(request):
-    """A 4-rank gloo world shared by every test of the module."""
+    """A 4-rank gloo world (shared by the session's modules, one module at a time)."""
     yield from _world(request, 4)
 
 
 @pytest.fixture(scope="module")
 def world8(request):
-    """An 8-rank gloo world shared by every test of the module."""
-    yield from _world(request, 8)
+    """An 8-rank gloo world for one module."""
+    yield from _world(request, 8, shared=False)

@@ -1,7 +1,8 @@
-"""A gloo world of N CPU processes that lives for a whole test module and runs many cases.
+"""A gloo world of N CPU processes that lives for a whole test session (or module) and runs many cases.
 
-Spawning a world costs seconds (each rank imports torch); a case costs milliseconds. So a module
-starts one :class:`World` (see the ``world4``/``world8`` fixtures in ``conftest.py``) and calls
+Spawning a world costs seconds (each rank imports torch, DeepSpeed, transformers); a case costs milliseconds. So
+the session starts one :class:`World` per size (see the ``world2``/``world4``/``world8`` fixtures in
+``conftest.py``) and a module calls
 ``world.run(fn, *args)`` per case: ``fn(*args)`` runs on every rank and the per-rank return values
 come back as a list. A rank that raises fails the case with that rank's traceback; a case that
 does not finish within ``timeout`` seconds is reported as a hang and the world is restarted.
