@@ -69,7 +69,8 @@ FAST: dict[str, object] = {
     "test_linear.py": {
         "test_segments_combine_to_the_recurrence", "test_response_and_transition_are_the_affine_map",
         "test_other_recurrent_families_are_refused_by_name", "test_linear_heads_the_degree_cannot_split_are_refused"},
-    "test_memory.py": {"test_chunked_loss_equals_cross_entropy", "test_auto_takes_the_fastest_features_that_fit_the_budget",
+    "test_memory.py": {"test_chunked_loss_equals_cross_entropy",
+                       "test_auto_takes_the_fastest_features_that_fit_the_budget",
                        "test_only_dense_mlp_blocks_become_zero3_leaves"},
     "test_plan.py": {  # the cost model and its command line; not the measured 4-rank steps
         "test_cli_ranks_plans_and_writes_the_json", "test_cli_answers_impossible_requests",
@@ -125,30 +126,45 @@ def gpu_visible(visible: bool) -> None:
 
 
 _SHARED: dict[int, World] = {}  # world size -> the world every module of this session that asks for it shares
+_LIVE: list[World] = []  # every world not closed yet
+# a world whose ranks run more threads than this after a test (the gloo groups its cases built, each with threads that
+# poll while idle; see World.threads) is restarted before the next test
+MAX_WORLD_THREADS = 250
 
 
 def _world(request, size: int, shared: bool = True):
     """A world of ``size`` ranks; a module may set ``WORLD_TIMEOUT`` (seconds a case may take, default 180).
 
     Starting a world costs each rank its imports of torch, DeepSpeed and transformers (about 10 s of CPU a rank, 20
-    modules ask for 4 ranks), so the 2- and 4-rank worlds are started once per session and shared by the modules in
-    turn (a case that hangs restarts the world, as before); the 8-rank one lives for its module only (its memory)."""
+    modules ask for 4 ranks), so the 2- and 4-rank worlds are shared by the modules in turn; a case that hangs
+    restarts the world, as before; the 8-rank one lives for its module only (its memory)."""
     timeout = getattr(request.module, "WORLD_TIMEOUT", 180.0)
     w = _SHARED.get(size) if shared else None
     if w is None:
         w = World(size, timeout=timeout)
+        _LIVE.append(w)
         if shared:
             _SHARED[size] = w
     w.timeout = timeout
     yield w
     if not shared:
         w.close()
+        _LIVE.remove(w)
+
+
+@pytest.fixture(autouse=True)
+def _restart_crowded_worlds():
+    """After each test, a world crowded with the idle threads of the process groups its cases built is restarted."""
+    yield
+    for w in _LIVE:
+        if w.threads() > MAX_WORLD_THREADS:
+            w.restart()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_shared_worlds():
     yield
-    for w in _SHARED.values():
+    for w in _LIVE:
         w.close()
 
 

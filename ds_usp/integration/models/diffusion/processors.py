@@ -32,6 +32,13 @@ def _heads(x: Tensor, heads: int) -> Tensor:
     return x.view(x.shape[0], x.shape[1], heads, x.shape[2] // heads)
 
 
+def _projected(x: Tensor, heads: int, to_q: nn.Module, to_k: nn.Module, to_v: nn.Module, norm_q: Optional[nn.Module],
+               norm_k: Optional[nn.Module]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q, k, v)`` of ``x`` in heads, ``(b, s, h, d)`` each, q and k normalized where the module has a norm."""
+    q, k, v = (_heads(proj(x), heads) for proj in (to_q, to_k, to_v))
+    return (q if norm_q is None else norm_q(q)), (k if norm_k is None else norm_k(k)), v
+
+
 class CogVideoXUSPProcessor:
     """``CogVideoXAttnProcessor2_0`` over the rank's ``[text, video]`` tokens.
 
@@ -63,13 +70,8 @@ class CogVideoXUSPProcessor:
         _no_mask(self.route, attention_mask, extra)
         text = encoder_hidden_states.size(1)
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)  # (b, t + n, c)
-        query = _heads(attn.to_q(hidden_states), attn.heads)
-        key = _heads(attn.to_k(hidden_states), attn.heads)
-        value = _heads(attn.to_v(hidden_states), attn.heads)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = _projected(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v, attn.norm_q,
+                                       attn.norm_k)
         if image_rotary_emb is not None:
             query = torch.cat([query[:, :text], apply_rotary_emb(query[:, text:], image_rotary_emb, sequence_dim=1)],
                               dim=1)
@@ -111,21 +113,12 @@ class JointUSPProcessor:
         """
         _no_mask(self.route, attention_mask, {**extra, **({"positional arguments": args} if args else {})})
         image = hidden_states.shape[1]
-        query = _heads(attn.to_q(hidden_states), attn.heads)
-        key = _heads(attn.to_k(hidden_states), attn.heads)
-        value = _heads(attn.to_v(hidden_states), attn.heads)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = _projected(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v, attn.norm_q,
+                                       attn.norm_k)
         if encoder_hidden_states is not None:
-            text_query = _heads(attn.add_q_proj(encoder_hidden_states), attn.heads)
-            text_key = _heads(attn.add_k_proj(encoder_hidden_states), attn.heads)
-            text_value = _heads(attn.add_v_proj(encoder_hidden_states), attn.heads)
-            if attn.norm_added_q is not None:
-                text_query = attn.norm_added_q(text_query)
-            if attn.norm_added_k is not None:
-                text_key = attn.norm_added_k(text_key)
+            text_query, text_key, text_value = _projected(encoder_hidden_states, attn.heads, attn.add_q_proj,
+                                                          attn.add_k_proj, attn.add_v_proj, attn.norm_added_q,
+                                                          attn.norm_added_k)
             query = torch.cat([query, text_query], dim=1)
             key = torch.cat([key, text_key], dim=1)
             value = torch.cat([value, text_value], dim=1)
