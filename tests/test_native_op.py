@@ -398,6 +398,7 @@ def test_builders_load_from_a_source_checkout(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     shutil.copytree(repo / "ds_usp", tmp_path / "ds_usp", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(repo / "ops", tmp_path / "ops", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(repo / "_ds_usp_auto.py", tmp_path)  # the JSON key's gates, top-level beside the package in a checkout
     code = "import ds_usp.native as n; print(n._op_builders().CSRC); print(type(n._builder('cpu')).__name__)"
     done = _source_checkout_python(tmp_path, code)
     assert done.returncode == 0, done.stderr[-2000:]
