@@ -515,7 +515,13 @@ def _check_shares(name: str, results: list) -> None:
     assert any(0 in _shares(n, sp, gens) for n in results[0]["calls"]) == lockstep  # the empty shares ran
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# open (issue 51): with tools the completions differ from one process's, split or not (the tool-turn keys are the
+# suspect); strict, so that the fix shows
+_OPEN = {"tools-zero3-2x1-2-replicas": "open (issue 51): with tools the completions differ from one process's"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_OPEN[n]))
+                                  if n in _OPEN else n for n in CASES])
 def test_split_rollouts_equal_one_process(world4, model_dirs, tmp_path_factory, name):
     path = model_dirs[CASES[name][1]]
     results = world4.run(train_split, name, path, str(tmp_path_factory.mktemp("usp")))
