@@ -15,9 +15,12 @@ seeing this one's packages, as a user's would be):
   both trainers become ds-usp's (the layout line logged, the engine's mpu ds-usp's, DeepSpeed's own Ulysses not set
   up), and their train and eval losses equal the reference's.
 
-One launch each, both at once (every process imports torch, DeepSpeed, transformers and TRL: the module's cost). The
-``deepspeed`` launcher and ``trl sft`` take the same gates (docs/json_key.md has the commands and what they logged);
-the layout's per-node count under the ``deepspeed`` launcher with ``use_cpu`` is tests/test_config_topology.py's.
+* TRL's own command line, ``trl sft ... --deepspeed usp.json --use_deepspeed --num_processes 2`` (accelerate's
+  launcher, 2 processes): its ``SFTTrainer`` becomes ds-usp's and its train and eval losses equal the reference's.
+
+One launch each, all three at once (every process imports torch, DeepSpeed, transformers and TRL: the module's cost).
+The ``deepspeed`` launcher takes the same gates (docs/json_key.md has the command and what it logged); the layout's
+per-node count under the ``deepspeed`` launcher with ``use_cpu`` is tests/test_config_topology.py's.
 TRL's ``SFTConfig`` gets ``bf16=False`` in the script (its default needs an accelerator). Also here: the
 gates one by one in this process, the editable install shipping the ``.pth`` (the plain install's is
 tests/test_install.py's), and the start-up cost of a program that does not use DeepSpeed. Ports 29700-29709.
@@ -44,6 +47,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 TRL_TOL = dict(rtol=5e-5, atol=1e-6)  # TRL's own loss in one process (its fused LM head) vs ds-usp's
 OFF = "ds-usp's automatic switch is off (DS_USP_AUTO=0)"
 ACCELERATE = "import sys; from accelerate.commands.accelerate_cli import main; sys.exit(main())"
+TRL_CLI = "import sys; from trl.cli import main; sys.exit(main())"  # the `trl` console script's entry point
 START_FILES = {"ds_usp_auto.pth": "import _ds_usp_auto; _ds_usp_auto.install()\n",
                "ds_usp_auto.start": "_ds_usp_auto:install\n"}
 
@@ -152,7 +156,9 @@ def _finish(started: tuple) -> dict:
     log.close()
     text = (out / "log.txt").read_text()
     assert job.returncode == 0, text[-6000:]
-    return {"log": text, "result": json.loads((out / "result.json").read_text()), "wall_s": time.time() - t}
+    result = out / "result.json"
+    return {"log": text, "result": json.loads(result.read_text()) if result.exists() else None, "out": out,
+            "wall_s": time.time() - t}
 
 
 def _accelerate_yaml(where: Path, ds_json: str, processes: int, port: int) -> str:
@@ -178,16 +184,26 @@ parallelism_config:
 
 @pytest.fixture(scope="module")
 def runs(python, assets) -> dict:
-    """Both runs of the script, at the same time (2 + 1 ranks on 2 cores: the launcher mostly waits).
+    """The three runs, at the same time (2 + 2 + 1 ranks on 2 cores: the launchers mostly wait).
 
-    * ``reference``: one rank (the launcher's variables set here), plain DeepSpeed, the switch off;
+    * ``reference``: the script as one rank (the launcher's variables set here), plain DeepSpeed, the switch off;
     * ``accelerate``: ``accelerate launch --config_file sp.yaml stock_trainer_job.py ...``, 2 processes, only the
-      JSON has the key."""
+      JSON has the key;
+    * ``trl_cli``: TRL's own ``trl sft`` command line, 2 processes (accelerate's launcher with DeepSpeed), the key's
+      JSON; it evaluates and saves at its last step, so its trainer_state.json holds the unrounded losses."""
     root = assets["root"]
     (root / "accelerate").mkdir()
     yaml = _accelerate_yaml(root / "accelerate", assets["usp"], 2, 29701)
     accelerate = _start([python, "-c", ACCELERATE, "launch", "--config_file", yaml, JOB, assets["model"],
                          assets["data"], root / "accelerate"], _env(), root / "accelerate")
+    sft = ["--model_name_or_path", assets["model"], "--dataset_name", assets["data"], "--dataset_train_split", "train",
+           "--dataset_test_split", "test", "--max_length", "32", "--per_device_train_batch_size", "2",
+           "--per_device_eval_batch_size", "2", "--max_steps", "3", "--logging_steps", "1", "--learning_rate", "1e-3",
+           "--max_grad_norm", "1.0", "--seed", "0", "--report_to", "none", "--bf16", "False", "--eval_strategy",
+           "steps", "--eval_steps", "3", "--save_strategy", "steps", "--save_steps", "3", "--use_cpu",
+           "--output_dir", root / "trl_cli", "--deepspeed", assets["usp"]]
+    trl_cli = _start([python, "-c", TRL_CLI, "sft", *sft, "--use_deepspeed", "--num_processes", "2",
+                      "--main_process_port", "29702"], _env(), root / "trl_cli")
     one_rank = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT="29700")
     try:
@@ -196,8 +212,11 @@ def runs(python, assets) -> dict:
                            _env(DS_USP_AUTO="0", **one_rank), root / "reference")
         reference = _finish(reference)
     finally:
-        accelerate = _finish(accelerate)
-    return {"reference": reference, "accelerate": accelerate}
+        try:
+            accelerate = _finish(accelerate)
+        finally:
+            trl_cli = _finish(trl_cli)
+    return {"reference": reference, "accelerate": accelerate, "trl_cli": trl_cli}
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +262,20 @@ def test_stock_trainers_under_accelerate_with_a_parallelism_config_train_with_us
         assert (got[name]["trainer"], got[name]["attention"], got[name]["mpu"]) == (cls, "usp", "USPMpu"), got
     _same(got["trainer"], reference["result"]["trainer"], TOL)
     _same(got["sft"], reference["result"]["sft"], TRL_TOL)
+
+
+def test_trls_own_command_line_trains_with_usp(runs):
+    """``trl sft ... --deepspeed usp.json --use_deepspeed --num_processes 2``: TRL's script, only the JSON has the key;
+    its train and eval losses (from the checkpoint's trainer_state.json, unrounded) equal the reference's SFTTrainer."""
+    log = runs["trl_cli"]["log"]
+    layouts = [x for x in log.splitlines() if "sequence_parallel=usp: ulysses_degree=" in x]
+    assert len(layouts) == 1 and "ulysses_degree=2 x ring_degree=1, data_parallel=1" in layouts[0], log[-6000:]
+    assert "SFTTrainer -> USPSFTTrainer" in log, log[-6000:]
+    state = json.loads((runs["trl_cli"]["out"] / "checkpoint-3" / "trainer_state.json").read_text())
+    got = {"loss": [h["loss"] for h in state["log_history"] if "loss" in h],
+           "eval_loss": [h["eval_loss"] for h in state["log_history"] if "eval_loss" in h]}
+    assert len(got["eval_loss"]) == 1, state["log_history"]
+    _same({**got, "eval_loss": got["eval_loss"][0]}, runs["reference"]["result"]["sft"], TRL_TOL)
 
 
 # ---- the gates themselves: fast, one process ------------------------------------------------------------------------
