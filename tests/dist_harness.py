@@ -61,14 +61,24 @@ def _process_groups() -> list:
 
 
 def _release_groups(before: set) -> None:
-    """Destroy the process groups a case built (its engines', its own topologies'), keeping :func:`get_topo`'s.
+    """Destroy the process groups a case built (its engines', its own topologies'), keeping :func:`get_topo`'s, and
+    empty DeepSpeed's module-level group globals (``deepspeed.utils.groups``: the mpu it was last given, the groups it
+    made), so that the next case finds DeepSpeed as it is after its import.
 
     Each gloo group keeps three threads, one of them an event loop that wakes every 10 ms while idle: undestroyed, a
     4-rank world ran 800 threads a rank after 30 cases of tests/test_checkpoint.py and its idle ranks took most of two
     cores in system time. Every rank has finished the case when the barrier returns, so no message is in flight on a
-    group being destroyed. DeepSpeed's module-level group caches are emptied with them."""
+    group being destroyed."""
+    import sys
+
     import torch.distributed as dist
 
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name, value in list(vars(groups).items()):
+            if name in ("mpu", "mesh_device") or (name.startswith("_") and name.isupper() and
+                                                  ("GROUP" in name or name.startswith("_MPU_"))):
+                setattr(groups, name, {} if isinstance(value, dict) else None)
     kept = {id(g) for topo in _TOPOS.values() for g in vars(topo).values()}
     doomed = [g for g in _process_groups() if g not in before and id(g) not in kept]
     if not doomed:
@@ -76,13 +86,6 @@ def _release_groups(before: set) -> None:
     dist.barrier()
     for g in doomed:
         dist.destroy_process_group(g)
-    import sys
-
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None:
-        for name, value in list(vars(groups).items()):
-            if name.isupper() and name.startswith("_") and name.endswith("GROUP"):
-                setattr(groups, name, {} if isinstance(value, dict) else None)
 
 
 class World:

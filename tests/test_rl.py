@@ -362,6 +362,7 @@ def _tool_turn(original):
         for row, ids in zip(self.rollout_rows, prompt_ids, strict=True):
             turns = self.processing_class.decode(ids).count("<tool_response>")
             if turns == 0:
+                row += self._usp_rollout.offset  # the row of the batch one process generates (this replica's first)
                 call = (sum(ids) + row) % 3 == 0
                 text = _CALL.format(a=len(ids) % 7, b=row % 4) if call else f"no {row % 4}<|im_end|>"
             elif turns == 1 and sum(ids) % 2 == 0:
@@ -394,13 +395,15 @@ def _trainer(name: str, model_dir: str, out: str, use_usp: bool):
         type("OneProcess", (KeyedRolloutMixin, RLOOTrainer if rloo else GRPOTrainer), {})
     seen: list = []
 
-    def keep(self, inputs):  # the completions of each rollout, as trained on
-        batch = super(cls, self)._generate_and_score_completions(inputs)
-        seen.append(batch["completion_ids"].tolist())
+    def keep(self, inputs):  # the completions of each rollout, as trained on, without the right padding (a replica
+        batch = super(cls, self)._generate_and_score_completions(inputs)  # pads to its own longest row)
+        pad = self.processing_class.pad_token_id
+        seen.append([row[:len(row) - next((i for i, t in enumerate(reversed(row)) if t != pad), len(row))]
+                     for row in batch["completion_ids"].tolist()])
         return batch
 
     def count(self, prompt_ids, *args, **kwargs):  # above ds-usp's split: every call with all of its rows
-        self._test_calls.append(len(prompt_ids))
+        self._test_calls.append((len(prompt_ids), self._usp_rollout is None or self._usp_rollout.calls == 0))
         return super(cls, self)._generate_single_turn(prompt_ids, *args, **kwargs)
 
     cls = type(base.__name__, (base,), {"_generate_and_score_completions": keep, "_generate_single_turn": count})
@@ -493,7 +496,9 @@ def _check(name: str, results: list, want: dict) -> None:
         assert all(res["completions"] == results[k]["completions"] for res in results[k:k + u * r])
         assert all(res["logs"] == results[k]["logs"] for res in results[k:k + u * r])
     got = _replicas_completions(results, u * r)
-    assert got == want["completions"], "the completions differ from one process's"
+    assert got == want["completions"], "the completions differ from one process's: (rollout, row) " + ", ".join(
+        f"({i}, {j}): {a} != {b}" for i, (x, y) in enumerate(zip(got, want["completions"]))
+        for j, (a, b) in enumerate(zip(x, y)) if a != b)
     assert any(len({tuple(c) for c in rows}) > 1 for rows in want["completions"])  # really sampled
     _same(results[0], want)
     _check_shares(name, results)
@@ -504,24 +509,17 @@ def _check_shares(name: str, results: list) -> None:
     kind, _, _, u, r, _, _, gens, extra = CASES[name]
     sp = u * r
     assert all(res["calls"] == results[k - k % sp]["calls"] for k, res in enumerate(results))  # the group's calls
-    if kind == "tools":  # not split (USPRolloutMixin._splits_rollouts): every rank generated every row of its calls
-        for res in results:
-            assert res["below"] == res["calls"], (res["below"], res["calls"])
-        return
     lockstep = extra.get("ds3_gather_for_generation") is False  # an empty share generates one row, discarded
-    for k, res in enumerate(results):
-        want = [_shares(n, sp, gens)[k % sp] or int(lockstep) for n in res["calls"]]
+    for k, res in enumerate(results):  # a first turn's prompt groups stay together; a tool turn's rows are shared
+        want = [_shares(n, sp, gens if first else 1)[k % sp] or int(lockstep) for n, first in res["calls"]]
         assert res["below"] == [w for w in want if w], (k, res["below"], res["calls"])
-    assert any(0 in _shares(n, sp, gens) for n in results[0]["calls"]) == lockstep  # the empty shares ran
+    if lockstep:  # the empty shares ran
+        assert any(0 in _shares(n, sp, gens if first else 1) for n, first in results[0]["calls"])
+    if kind == "tools":  # tool turns ran, and were split
+        assert any(not first and n > 1 for n, first in results[0]["calls"]), results[0]["calls"]
 
 
-# open (issue 51): with tools the completions differ from one process's, split or not (the tool-turn keys are the
-# suspect); strict, so that the fix shows
-_OPEN = {"tools-zero3-2x1-2-replicas": "open (issue 51): with tools the completions differ from one process's"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_OPEN[n]))
-                                  if n in _OPEN else n for n in CASES])
+@pytest.mark.parametrize("name", CASES)
 def test_split_rollouts_equal_one_process(world4, model_dirs, tmp_path_factory, name):
     path = model_dirs[CASES[name][1]]
     results = world4.run(train_split, name, path, str(tmp_path_factory.mktemp("usp")))

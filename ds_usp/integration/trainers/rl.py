@@ -13,8 +13,8 @@ changes, in one place for the three trainers (:class:`USPRLMixin`); each TRL tra
   sequences without USP (:func:`ds_usp.hf.unsharded`; hybrid layers run their own forward with the cache) and the
   shares are gathered in group-rank order, the order one process has them (:class:`USPRolloutMixin`). A
   ``rollout_func`` is called on the rank's share of the prompts; TRL's metrics run on every rank on the gathered
-  completions. With ``tools`` or environments the rollout is not split (every rank generates the group's whole
-  batch, the first rank's kept: split tool turns did not reproduce one process's completions). Each row is sampled with
+  completions, and TRL's tool loop too (each rank runs every row's tools; the tool turns' generation calls are split
+  again, row by row). Each row is sampled with
   noise keyed by its row (:class:`~ds_usp.integration.trainers.rollout.KeyedSampler`): a completion does not depend
   on the rank that made it. Under ZeRO-3 the parameters are gathered once per rollout with the hooks off and
   ``synced_gpus`` off, so that no generation step waits on another rank (equal, unequal or empty shares, any number
@@ -347,15 +347,9 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
 
     def _rollout_group(self) -> tuple[int, int, Any]:
         usp = self._usp
-        if usp is None or self._usp_sp == 1 or not self._splits_rollouts():
+        if usp is None or self._usp_sp == 1 or not self.split_rollouts:
             return 1, 0, None
         return usp.topo.sp_size, usp.topo.sp_rank, usp.topo.sp_group
-
-    def _splits_rollouts(self) -> bool:
-        """Whether the group's rollouts are split: ``split_rollouts``, and no tools or environments (TRL's tool loop
-        over split turns did not reproduce one process's completions in tests/test_rl.py: with tools every rank
-        generates the group's whole batch, as with ``split_rollouts = False``)."""
-        return self.split_rollouts and not (getattr(self, "tools", None) or getattr(self, "environments", None))
 
     def _gathers_once(self) -> bool:
         """ZeRO-3 with TRL's parameter gather for generation (its default): gathered once per split rollout."""
@@ -389,7 +383,7 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
         batch and keeps its first rank's."""
         result = super()._generate(prompts)
         usp = self._usp
-        if usp is None or self._usp_sp == 1 or self._splits_rollouts():
+        if usp is None or self._usp_sp == 1 or self.split_rollouts:
             return result
         return all_gather_objects(result, usp.topo.sp_group, "rollouts of the SP group's first rank")[0]
 
