@@ -143,17 +143,16 @@ def tokens(args: argparse.Namespace, seq: int) -> torch.Tensor:
     return torch.randint(0, args.vocab, (args.batch, seq), generator=torch.Generator().manual_seed(args.seed + seq))
 
 
-def usp_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Callable[[], str]]:
-    """A ds-usp system's step (``ds_usp.initialize``, ``shard_batch``, the engine's own SP loss) and its plan."""
+def usp_engine(args: argparse.Namespace, usp: dict, seq: int) -> tuple[Any, Step]:
+    """``ds_usp.initialize`` with these ``usp`` keys, and a step on its shard of ``seq`` tokens (``shard_batch``, the
+    engine's own SP loss)."""
     import ds_usp
 
     ds_usp.hf.register_usp_attention()
-    usp = dict(usp_keys(name, args.ranks), layout=args.layout, native_op=NATIVE_OP[args.native_op])
     model = build_model(args, "usp")
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(),
                                    config=dict(ds_config(args), sequence_parallel="usp", usp=usp))
-    topo = engine.usp.topo
-    shard = ds_usp.shard_batch({"input_ids": tokens(args, seq)}, topo, layout=engine.usp.layout)
+    shard = ds_usp.shard_batch({"input_ids": tokens(args, seq)}, engine.usp.topo, layout=engine.usp.layout)
     batch = {k: shard[k].to(engine.device) for k in ("input_ids", "position_ids", "shift_labels")}
 
     def step() -> float:
@@ -161,6 +160,15 @@ def usp_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Cal
         engine.backward(loss)
         engine.step()
         return float(loss)
+
+    return engine, step
+
+
+def usp_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Callable[[], str]]:
+    """A ds-usp system's step (:func:`usp_engine`) and its plan."""
+    usp = dict(usp_keys(name, args.ranks), layout=args.layout, native_op=NATIVE_OP[args.native_op])
+    engine, step = usp_engine(args, usp, seq)
+    topo = engine.usp.topo
 
     def describe() -> str:  # the memory plan is made at the first forward
         memory = engine.usp.memory.choices if engine.usp.memory else "no memory features"

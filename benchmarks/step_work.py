@@ -147,23 +147,11 @@ def engine_phases(meter: StepMeter, engine: Any) -> Iterator[None]:
 def usp_system(name: str, seq: int, margs: argparse.Namespace, memory_gib: float) -> tuple[Callable[[], float],
                                                                                          Callable[[], str]]:
     """A ds-usp system's step, as benchmarks/long_seq.py's ``usp_system`` with this benchmark's ``usp`` keys."""
-    import ds_usp
-    from long_seq import build_model, ds_config, tokens
+    from long_seq import usp_engine
 
-    ds_usp.hf.register_usp_attention()
     usp = dict(USP_KEYS[name], memory_gib=memory_gib, layout=margs.layout, native_op=False)
-    model = build_model(margs, "usp")
-    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(),
-                                   config=dict(ds_config(margs), sequence_parallel="usp", usp=usp))
+    engine, step = usp_engine(margs, usp, seq)
     topo = engine.usp.topo
-    shard = ds_usp.shard_batch({"input_ids": tokens(margs, seq)}, topo, layout=engine.usp.layout)
-    batch = {k: shard[k].to(engine.device) for k in ("input_ids", "position_ids", "shift_labels")}
-
-    def step() -> float:
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-        return float(loss)
 
     def describe() -> str:
         choices = engine.usp.memory.choices if engine.usp.memory else None
