@@ -50,7 +50,10 @@ def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "
         except BaseException:  # noqa: BLE001 - any failure is reported to the test
             answer = (case_id, rank, False, traceback.format_exc())
         if answer[2]:
-            _release_groups(before)
+            try:
+                _release_groups(before)
+            except Exception:  # noqa: BLE001 - the case's answer stands; a crowded world is restarted by the fixture
+                traceback.print_exc()
         results.put(answer)
 
 
@@ -93,7 +96,7 @@ def _release_groups(before: set) -> None:
     engines = sys.modules.get("deepspeed.runtime.engine")
     if engines is not None:
         for obj in gc.get_objects():
-            if isinstance(obj, engines.DeepSpeedEngine):
+            if issubclass(type(obj), engines.DeepSpeedEngine):  # (isinstance would ask a dead weak proxy)
                 try:
                     obj.destroy()
                 except Exception:  # noqa: BLE001 - a half-built engine: its groups stay until the world restarts
