@@ -127,8 +127,9 @@ def gpu_visible(visible: bool) -> None:
 
 _SHARED: dict[int, World] = {}  # world size -> the world every module of this session that asks for it shares
 _LIVE: list[World] = []  # every world not closed yet
-# a world whose ranks run more threads than this after a test (the gloo groups its cases built, each with threads that
-# poll while idle; see World.threads) is restarted before the next test
+# a world whose ranks run more threads than this after a test is restarted before the next test: a case that succeeds
+# releases the gloo groups it built (dist_harness._release_groups), a failed one leaves them, each with threads that
+# poll while idle (see World.threads)
 MAX_WORLD_THREADS = 250
 
 
@@ -154,7 +155,7 @@ def _world(request, size: int, shared: bool = True):
 
 @pytest.fixture(autouse=True)
 def _restart_crowded_worlds():
-    """After each test, a world crowded with the idle threads of the process groups its cases built is restarted."""
+    """After each test, a world crowded with the idle threads of process groups its failed cases left is restarted."""
     yield
     for w in _LIVE:
         if w.threads() > MAX_WORLD_THREADS:
