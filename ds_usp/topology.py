@@ -26,6 +26,26 @@ import torch.distributed as dist
 Ranks = tuple[int, ...]
 
 
+_SOLO: dict = {}
+
+
+def _solo_group(me: int, timeout: Optional[datetime.timedelta]) -> Any:
+    """This rank's group of itself alone (its model-parallel group: the model is replicated, not split), built once per
+    rank and timeout and reused while it is registered.
+
+    Only this rank takes part in creating it (``use_local_synchronization``), and torch names such a group by hashing its
+    ranks with the number of groups alive: once any group has been destroyed, a second one for the same rank can get the
+    name of the first and ``new_group`` refuses it ("The specified group name has already been created"). So
+    a topology built after another (a new SP size, a re-initialized engine) reuses the first one's."""
+    from torch.distributed import distributed_c10d
+
+    group = _SOLO.get((me, timeout))
+    if group is None or group not in distributed_c10d._world.pg_map:
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        group = _SOLO[(me, timeout)] = dist.new_group([me], use_local_synchronization=True, **kwargs)
+    return group
+
+
 @dataclass(frozen=True)
 class GroupRanks:
     """Every group of every kind, as tuples of global ranks (a pure function of the degrees).
@@ -223,8 +243,7 @@ class USPTopology:
             return found
 
         groups = {kind: mine(kind) for kind in ("ulysses", "ring", "sp", "dp", "sp_dp")}
-        # Only this rank is in its model-parallel group, so only it needs to take part in creating it.
-        solo = dist.new_group([me], use_local_synchronization=True, **kwargs)
+        solo = _solo_group(me, timeout)
         return cls(ranks=ranks, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
                    sp_group=groups["sp"], dp_group=groups["dp"], sp_dp_group=groups["sp_dp"],
                    model_parallel_group=solo)

@@ -232,6 +232,29 @@ def test_groups_world8(world8):
     _check_layouts(8, world8.run(build_all_layouts, 8))
 
 
+def rebuild_after_groups_are_destroyed():
+    """A topology built after groups were destroyed (a new SP size, a re-initialized engine) still builds: torch names a
+    locally synchronized group by its ranks and the number of groups alive, so a second one-rank group would get the
+    first's name here; the first is reused instead."""
+    import torch.distributed as dist
+
+    from ds_usp.topology import USPTopology
+
+    extra = dist.new_group(list(range(dist.get_world_size())))
+    first = USPTopology.build(2, 2)
+    for g in (extra, first.ulysses_group, first.ring_group, first.sp_group, first.dp_group, first.sp_dp_group):
+        dist.destroy_process_group(g)
+    second = USPTopology.build(2, 2)
+    assert second.model_parallel_group is first.model_parallel_group
+    t = torch.ones(1)
+    dist.all_reduce(t, group=second.sp_group)
+    return t.item()
+
+
+def test_rebuild_after_groups_are_destroyed(world4):
+    assert world4.run(rebuild_after_groups_are_destroyed) == [4.0] * 4
+
+
 def bad_inputs_fail_on_every_rank_before_any_collective():
     """Every rank raises the same error; the world is still healthy afterwards (no half-done collective)."""
     import torch.distributed as dist
