@@ -31,18 +31,19 @@ _SOLO: dict = {}
 
 def _solo_group(me: int, timeout: Optional[datetime.timedelta]) -> Any:
     """This rank's group of itself alone (its model-parallel group: the model is replicated, not split), built once per
-    rank and timeout and reused while it is registered.
+    rank and reused while it is registered, whatever the timeout of the topology asking (a one-rank group's
+    collectives never wait on another rank).
 
     Only this rank takes part in creating it (``use_local_synchronization``), and torch names such a group by hashing its
     ranks with the number of groups alive: once any group has been destroyed, a second one for the same rank can get the
-    name of the first and ``new_group`` refuses it ("The specified group name has already been created"). So
-    a topology built after another (a new SP size, a re-initialized engine) reuses the first one's."""
+    name of one still alive and ``new_group`` refuses it ("The specified group name has already been created"). So
+    every topology of this rank (a new SP size, a re-initialized engine, another timeout) shares the first one's."""
     from torch.distributed import distributed_c10d
 
-    group = _SOLO.get((me, timeout))
+    group = _SOLO.get(me)
     if group is None or group not in distributed_c10d._world.pg_map:
         kwargs = {} if timeout is None else {"timeout": timeout}
-        group = _SOLO[(me, timeout)] = dist.new_group([me], use_local_synchronization=True, **kwargs)
+        group = _SOLO[me] = dist.new_group([me], use_local_synchronization=True, **kwargs)
     return group
 
 

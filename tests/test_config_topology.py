@@ -1,6 +1,7 @@
 """Config validation, group layout for every factorization, and DeepSpeed accepting the config and mpu."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 
@@ -245,7 +246,10 @@ def rebuild_after_groups_are_destroyed():
     for g in (extra, first.ulysses_group, first.ring_group, first.sp_group, first.dp_group, first.sp_dp_group):
         dist.destroy_process_group(g)
     second = USPTopology.build(2, 2)
-    assert second.model_parallel_group is first.model_parallel_group
+    third = USPTopology.build(1, 4, timeout=datetime.timedelta(seconds=600))  # another timeout: the same group
+    for g in (third.ulysses_group, third.ring_group, third.sp_group, third.dp_group, third.sp_dp_group):
+        dist.destroy_process_group(g)
+    assert second.model_parallel_group is first.model_parallel_group is third.model_parallel_group
     t = torch.ones(1)
     dist.all_reduce(t, group=second.sp_group)
     return t.item()
