@@ -27,13 +27,23 @@ ROWS = [  # (S, U, R, ZeRO, usp memory keys)
 ]
 
 
+@pytest.fixture(scope="module")
+def fresh_world4(world4):
+    """The shared 4-rank world, restarted once for this module: a peak is measured in ranks whose heap holds nothing of
+    the cases other modules ran before (as benchmarks/plan_calibration.py's jobs, which fitted the constants). In a
+    clean-clone run of the whole suite, after 500 cases in the same ranks, the three rows measured 0.05 to 0.40 of their
+    predictions (8 MiB against 180) and failed; alone, in fresh ranks, they pass."""
+    world4.restart()
+    return world4
+
+
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: f"S{r[0]}-{r[1]}x{r[2]}-zero{r[3]}")
-def test_predicted_peak_within_20_percent(world4, row):
+def test_predicted_peak_within_20_percent(fresh_world4, row):
     from meters import predicted_peak, step_peak
 
     seq, u, r, zero, keys = row
     shape = (LAYERS, VOCAB, HIDDEN, INTER)
-    results = world4.run(step_peak, seq, u, r, zero, keys, *shape)
+    results = fresh_world4.run(step_peak, seq, u, r, zero, keys, *shape)
     measured, plan = max(peak for peak, _ in results), results[0][1]
     predicted = predicted_peak(seq, u, r, zero, plan, *shape)
     ratio = predicted / measured
