@@ -34,10 +34,11 @@ def _solo_group(me: int, timeout: Optional[datetime.timedelta]) -> Any:
     rank and reused while it is registered, whatever the timeout of the topology asking (a one-rank group's
     collectives never wait on another rank).
 
-    Only this rank takes part in creating it (``use_local_synchronization``), and torch names such a group by hashing its
-    ranks with the number of groups alive: once any group has been destroyed, a second one for the same rank can get the
-    name of one still alive and ``new_group`` refuses it ("The specified group name has already been created"). So
-    every topology of this rank (a new SP size, a re-initialized engine, another timeout) shares the first one's."""
+    Only this rank takes part in creating it (``use_local_synchronization``), and torch names such a group by hashing
+    its ranks with the number of groups alive: once any group has been destroyed, a second one for the same rank can
+    get the name of one still alive and ``new_group`` refuses it ("The specified group name has already been
+    created"). So every topology of this rank (a new SP size, a re-initialized engine, another timeout) shares the
+    first one's."""
     from torch.distributed import distributed_c10d
 
     group = _SOLO.get(me)
