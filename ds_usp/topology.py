@@ -26,10 +26,10 @@ import torch.distributed as dist
 Ranks = tuple[int, ...]
 
 
-_SOLO: dict = {}
+_SOLO: dict[int, Any] = {}  # rank -> its one-rank group (see _solo_group)
 
 
-def _solo_group(me: int, timeout: Optional[datetime.timedelta]) -> Any:
+def _solo_group(me: int, **kwargs: Any) -> Any:
     """This rank's group of itself alone (its model-parallel group: the model is replicated, not split), built once per
     rank and reused while it is registered, whatever the timeout of the topology asking (a one-rank group's
     collectives never wait on another rank).
@@ -43,7 +43,6 @@ def _solo_group(me: int, timeout: Optional[datetime.timedelta]) -> Any:
 
     group = _SOLO.get(me)
     if group is None or group not in distributed_c10d._world.pg_map:
-        kwargs = {} if timeout is None else {"timeout": timeout}
         group = _SOLO[me] = dist.new_group([me], use_local_synchronization=True, **kwargs)
     return group
 
@@ -245,7 +244,7 @@ class USPTopology:
             return found
 
         groups = {kind: mine(kind) for kind in ("ulysses", "ring", "sp", "dp", "sp_dp")}
-        solo = _solo_group(me, timeout)
+        solo = _solo_group(me, **kwargs)
         return cls(ranks=ranks, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
                    sp_group=groups["sp"], dp_group=groups["dp"], sp_dp_group=groups["sp_dp"],
                    model_parallel_group=solo)

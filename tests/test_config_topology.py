@@ -241,14 +241,17 @@ def rebuild_after_groups_are_destroyed():
 
     from ds_usp.topology import USPTopology
 
-    extra = dist.new_group(list(range(dist.get_world_size())))
+    def destroy_all_but_the_one_rank_group(topo):
+        for g in (topo.ulysses_group, topo.ring_group, topo.sp_group, topo.dp_group, topo.sp_dp_group):
+            dist.destroy_process_group(g)
+
+    extra = dist.new_group(list(range(dist.get_world_size())))  # alive when first's one-rank group is made
     first = USPTopology.build(2, 2)
-    for g in (extra, first.ulysses_group, first.ring_group, first.sp_group, first.dp_group, first.sp_dp_group):
-        dist.destroy_process_group(g)
+    dist.destroy_process_group(extra)
+    destroy_all_but_the_one_rank_group(first)
     second = USPTopology.build(2, 2)
     third = USPTopology.build(1, 4, timeout=datetime.timedelta(seconds=600))  # another timeout: the same group
-    for g in (third.ulysses_group, third.ring_group, third.sp_group, third.dp_group, third.sp_dp_group):
-        dist.destroy_process_group(g)
+    destroy_all_but_the_one_rank_group(third)
     assert second.model_parallel_group is first.model_parallel_group is third.model_parallel_group
     t = torch.ones(1)
     dist.all_reduce(t, group=second.sp_group)
