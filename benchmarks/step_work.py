@@ -63,7 +63,9 @@ FACTORIES = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.zeros"
              "aten.new_full", "aten.new_ones"}
 OWNERS = (("ds_usp/", "ds-usp"), ("deepspeed/", "DeepSpeed"), ("transformers/", "transformers"),
           ("benchmarks/", "benchmark"))
-COUNTS = (("ops", "aten ops", "d"), ("ops_max", "aten ops, busiest rank", "d"), ("kernels", "kernels", "d"),
+COUNTS = (("ops", "aten ops", "d"), ("zero3_param_ops", "of them ZeRO-3 gathering/releasing parameters", "d"),
+          ("ops_net", "aten ops, less those", "d"), ("ops_max", "aten ops, busiest rank", "d"),
+          ("kernels", "kernels", "d"),
           ("matmuls", "matmuls", "d"), ("matmul_min_dim", "smallest matmul dim", "d"), ("tflop", "TFLOP", ".3f"),
           ("tflop_max", "TFLOP, busiest rank", ".3f"), ("syncs", "host syncs", "d"),
           ("own_syncs", "syncs in the system's own code", "d"), ("layer_syncs", "syncs inside a decoder layer", "d"),
@@ -264,7 +266,9 @@ def figures(row: dict, system: str) -> dict:
     total = report["total"]
     mine = "ds-usp" if system.startswith("ds-usp") else "DeepSpeed"  # ALST's recipe is DeepSpeed's code
     ranks = [r["total"] for r in row.get("ranks") or [report]]
-    return dict(total, tflop=total["flops"] / 1e12, big_gib=total["big_alloc_bytes"] / 2 ** 30,
+    zero3 = total.get("zero3_param_ops", 0)  # DeepSpeed's, varying from run to run (work_meter's docstring)
+    return dict(total, zero3_param_ops=zero3, ops_net=total["ops"] - zero3,
+                tflop=total["flops"] / 1e12, big_gib=total["big_alloc_bytes"] / 2 ** 30,
                 ops_max=max(r["ops"] for r in ranks), flops_max=max(r["flops"] for r in ranks),
                 tflop_max=max(r["flops"] for r in ranks) / 1e12,
                 own_syncs=sum(s["count"] for s in report["syncs"] if owner(s["site"]) == mine),

@@ -31,7 +31,11 @@ What it counts (:class:`Counts`, in total and per phase):
   a ``*DecoderLayer.forward`` is on the stack;
 * ``big_allocs``: op outputs over ``big_bytes`` (64 MiB) in new storage (factories included; in-place and ``out=``
   results are not new), by op and call site;
-* ``sac_ops``: ops that torch's selective-checkpointing dispatch modes handled first (Python code per op).
+* ``sac_ops``: ops that torch's selective-checkpointing dispatch modes handled first (Python code per op);
+* ``zero3_param_ops`` / ``zero3_param_kernels``: those of the ops and kernels that DeepSpeed's ZeRO-3 ran to gather
+  or release parameters (a frame of ``deepspeed/runtime/zero/partition_parameters.py`` on the stack: the narrow /
+  cat / view that put a parameter's gathered partitions together, the release's empty tensors): DeepSpeed's work,
+  apart from the system's own (``ops - zero3_param_ops``).
 
 Phases: ``fwd``, ``bwd`` (autograd's engine running: checkpoint recomputation included), or a name given with
 :meth:`StepMeter.phase`. Call sites are paths relative to the repository, ``site-packages`` or ``sys.path``; with
@@ -67,6 +71,7 @@ _TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
 _STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
 _PACKAGES = tuple(os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "platlib"))
 _HERE = os.path.abspath(__file__)
+_ZERO3_PARAMS = os.path.join("deepspeed", "runtime", "zero", "partition_parameters.py")
 
 _MATMUL_NAMES = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "_scaled_mm", "_int_mm")
 MATMULS = {getattr(aten, n) for n in _MATMUL_NAMES if hasattr(aten, n)}
@@ -150,6 +155,16 @@ def short_path(path: str) -> str:
     return full
 
 
+def _in_zero3_params() -> bool:
+    """Whether DeepSpeed's ZeRO-3 parameter gathering or release is on the stack (see ``zero3_param_ops``)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename.endswith(_ZERO3_PARAMS):
+            return True
+        f = f.f_back
+    return False
+
+
 @dataclass
 class Counts:
     """What the meter counted (a whole step or one phase)."""
@@ -164,12 +179,15 @@ class Counts:
     syncs: int = 0
     big_allocs: int = 0
     big_alloc_bytes: int = 0
+    zero3_param_ops: int = 0
+    zero3_param_kernels: int = 0
 
     def describe(self) -> str:
         """One line."""
         return (f"{self.ops} ops ({self.kernels} kernels, {self.custom_ops} custom, {self.sac_ops} through SAC), "
                 f"{self.matmuls} matmuls (smallest dim {self.matmul_min_dim}), {self.flops / 1e12:.4f} TFLOP, "
-                f"{self.syncs} syncs, {self.big_allocs} outputs > 64 MiB ({self.big_alloc_bytes / 2 ** 30:.2f} GiB)")
+                f"{self.syncs} syncs, {self.big_allocs} outputs > 64 MiB ({self.big_alloc_bytes / 2 ** 30:.2f} GiB), "
+                f"{self.zero3_param_ops} ops gathering or releasing ZeRO-3 parameters")
 
 
 @dataclass(frozen=True)
@@ -273,11 +291,14 @@ class StepMeter(TorchDispatchMode):
         name = str(packet)
         phase = self._current()
         kernel = not custom and not func.is_view and packet not in NO_KERNEL
+        zero3 = _in_zero3_params()
         for c in (self.total, phase):
             c.ops += 1
             c.kernels += kernel
             c.custom_ops += custom
             c.sac_ops += self._in_sac > 0
+            c.zero3_param_ops += zero3
+            c.zero3_param_kernels += zero3 and kernel
         self.ops_by_name[name] += 1
         flops = None if custom else matmul_flops(func, args, kwargs, out)
         if flops:
@@ -424,8 +445,10 @@ class StepMeter(TorchDispatchMode):
 class ZeroCompute(TorchDispatchMode):
     """Matmuls and fused attention write zeros instead of computing (every other op runs): warm-up steps that only
     have to leave the state a metered step needs (optimizer states made, ZeRO-3's trace recorded) at a fraction of
-    their time. Outputs keep the shapes, dtypes and strides the kernels give (from their meta kernels); in-place and
-    ``out=`` forms leave the tensors they write as they are. tests/test_step_work.py checks that a step metered after
+    their time. Outputs keep the shapes, dtypes and strides the kernels give (from their meta kernels); in-place forms
+    leave the tensors they add to as they are, ``out=`` forms zero theirs (left as they were, an uninitialized buffer
+    made a warm-up's gradients non-finite now and then: the step was skipped as an overflow, and the metered step
+    then counted the optimizer's state being made). tests/test_step_work.py checks that a step metered after
     such warm-ups counts exactly what it counts after real ones.
     """
 
@@ -433,8 +456,10 @@ class ZeroCompute(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.overloadpacket not in HEAVY:
             return func(*args, **kwargs)
-        if func._schema.is_mutable:  # addmm_ / mm.out: the tensor written is returned as it is
-            return kwargs["out"] if "out" in kwargs else args[0]
+        if func._schema.is_mutable:  # addmm_ keeps what it adds to; mm.out's buffer (often torch.empty) is zeroed
+            if "out" in kwargs:
+                return kwargs["out"].zero_()
+            return args[0]
         meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
         return tree_map(lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype).zero_()
                         if isinstance(m, torch.Tensor) else m, meta)

@@ -176,6 +176,7 @@ def test_ds_usp_step_is_at_or_under_its_recorded_counts(world2):
     fast, real = world2.run(count, record["args"], False), world2.run(count, record["args"], True)
     got = fast[0]["counted"]
     assert fast[0]["plan"] == want["plan"]
+    assert got["total"]["zero3_param_ops"] > 0  # ZeRO-3 gathered the parameters, and the meter saw where
     for name in HELD:
         assert got["total"][name] <= want["counted"]["total"][name], (name, got["total"][name])
     for name in ("ops", "flops"):  # the busiest rank too
