@@ -266,7 +266,7 @@ def figures(row: dict, system: str) -> dict:
     total = report["total"]
     mine = "ds-usp" if system.startswith("ds-usp") else "DeepSpeed"  # ALST's recipe is DeepSpeed's code
     ranks = [r["total"] for r in row.get("ranks") or [report]]
-    zero3 = total.get("zero3_param_ops", 0)  # DeepSpeed's, varying from run to run (work_meter's docstring)
+    zero3 = total.get("zero3_param_ops", 0)  # (not in rows counted before the meter counted it)
     return dict(total, zero3_param_ops=zero3, ops_net=total["ops"] - zero3,
                 tflop=total["flops"] / 1e12, big_gib=total["big_alloc_bytes"] / 2 ** 30,
                 ops_max=max(r["ops"] for r in ranks), flops_max=max(r["flops"] for r in ranks),

@@ -149,6 +149,16 @@ def test_zero_compute_keeps_every_count():
     assert float(loss) == pytest.approx(torch.log(torch.tensor(float(VOCAB))).item())  # zero logits: uniform
 
 
+def test_zero_compute_zeroes_what_out_forms_write_and_keeps_what_in_place_forms_add_to():
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    out = torch.full((4, 5), float("nan"))  # an uninitialized buffer may hold anything
+    acc = torch.ones(4, 5)
+    with ZeroCompute():
+        torch.mm(a, b, out=out)
+        acc.addmm_(a, b)
+    assert torch.equal(out, torch.zeros(4, 5)) and torch.equal(acc, torch.ones(4, 5))
+
+
 # ------------------------------------------------------------------------------------ ds-usp's step, recorded
 
 
