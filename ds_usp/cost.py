@@ -758,10 +758,13 @@ class _Pricer:
         return (self.one[tiles > 0] if k else 0.0), max(self.attention, tile)
 
     def loss(self, chunk: int) -> float:
-        """The loss's buffers: the whole fp32 logits, or one chunk's, an fp32 ``lm_head`` gradient and ``dx``."""
+        """The loss's buffers: the whole fp32 logits, or one chunk's (its fp32 logits, and in a 2-byte dtype the
+        logits' matmul output and the gradient cast back to it: 6 bytes per row and vocabulary entry), an fp32
+        ``lm_head`` gradient (in a 2-byte dtype also the fp32 product added into it) and ``dx``."""
         if chunk:
-            return min(chunk, self.t) * self.shape.vocab * 4 + self.shape.vocab * self.shape.hidden * 4 \
-                + self.t * self.shape.hidden * self.e
+            low = self.e != 4  # the chunk's matmuls run in a low-precision dtype (ds_usp.integration.step.loss)
+            return min(chunk, self.t) * self.shape.vocab * (4 + (self.e if low else 0)) \
+                + self.shape.vocab * self.shape.hidden * 4 * (2 if low else 1) + self.t * self.shape.hidden * self.e
         return self.t * self.shape.vocab * self.cal.logits
 
     def memory(self, f: Features) -> tuple[float, float, float]:

@@ -148,6 +148,32 @@ def test_chunked_loss_peaks_below_half_of_whole_logits():
     assert c < 0.5 * w, f"chunked loss peak {c / 2**20:.0f} MiB vs whole logits {w / 2**20:.0f} MiB"
 
 
+@pytest.mark.parametrize("grad_in_forward", [True, False], ids=["grads-in-forward", "recomputed"])
+def test_chunked_loss_in_bf16_peaks_within_what_the_planner_predicts(grad_in_forward):
+    """The cost model's loss bytes (what ``"auto"`` plans a chunk size into) hold the chunked loss's real peak in a
+    2-byte dtype, and not by much: in bf16 a chunk holds its fp32 logits and, beside them, the matmul's bf16 output
+    or the bf16 gradient (6 bytes per row and vocabulary entry). A model counting only the fp32 logits chose 32768-row
+    chunks at 128K tokens on an H200 whose bf16 gradient then did not fit (docs/benchmarks.md)."""
+    from ds_usp.cost import Calibration, Hardware, ModelShape, _Pricer
+    from ds_usp.integration.step.loss import chunked_lm_loss
+
+    tokens, hidden_size, vocab, chunk = 4096, 64, 32000, 1024
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(1, tokens, hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+
+    def run() -> None:
+        chunked_lm_loss(hidden, head, labels, None, chunk=chunk, grad_in_forward=grad_in_forward).backward()
+        hidden.grad = head.weight.grad = None
+
+    run()  # warm-up
+    measured = _peak_growth(run)
+    shape = ModelShape("toy", hidden=hidden_size, attention_layers=1, heads=1, kv_heads=1, head_dim=64,
+                       v_head_dim=64, vocab=vocab, mlp_width=256, params=0, active_params=0)
+    predicted = _Pricer(shape, tokens, 2, 0.0, 0.0, Hardware(), Calibration()).loss(chunk)
+    assert measured <= predicted <= 1.3 * measured, (measured / 2**20, predicted / 2**20)
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_loss_equals_cross_entropy(dtype):
     """Value and gradients (hidden, weight, bias) of the chunked loss against autograd through the whole logits, for
