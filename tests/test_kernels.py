@@ -384,6 +384,33 @@ def test_flash_attn_matches_reference(causal, hq, hkv, d):
     _check_cuda(backend, q, k, v, causal, CUDA_TOL[torch.bfloat16])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8)], ids=["gqa", "mha"])
+def test_cudnn_attention_is_taken_where_it_agrees_and_matches_flash_at_length(causal, hq, hkv, monkeypatch):
+    """On a GPU whose torch has cuDNN's attention, the torch backend takes it for bf16 (its first call checked it
+    against the flash op) from 16K tokens on, and there its output, lse and gradients equal the flash op's to bf16
+    rounding; ``DS_USP_CUDNN_ATTENTION=0`` turns it off, and shorter calls keep the flash op (faster there)."""
+    from ds_usp.kernels import torch_sdpa
+
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        pytest.skip("this torch has no cuDNN attention op")
+    q, k, v = make_qkv(1, 16384, 16384, hq, hkv, 64, torch.bfloat16, device=torch.device("cuda"))
+    dout = torch.randn_like(q)
+    assert torch_sdpa._cuda_use_cudnn(q, k, v, causal)
+    assert not torch_sdpa._cuda_use_cudnn(q[:, :8192], k[:, :8192], v[:, :8192], causal)
+    got = torch_sdpa.attention_forward(q, k, v, causal, 0.125)
+    got_grads = torch_sdpa.attention_backward(dout, q, k, v, *got, causal, 0.125)
+    monkeypatch.setenv("DS_USP_CUDNN_ATTENTION", "0")
+    assert not torch_sdpa._cuda_use_cudnn(q, k, v, causal)
+    want = torch_sdpa.attention_forward(q, k, v, causal, 0.125)
+    want_grads = torch_sdpa.attention_backward(dout, q, k, v, *want, causal, 0.125)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got, *got_grads), (*want, *want_grads)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        diff, size = float((a.float() - b.float()).abs().max()), float(b.float().abs().max())
+        assert diff <= 2e-2 * size + 1e-3, (name, diff, size)
+
+
 def _check_cuda(backend: AttnBackend, q: Tensor, k: Tensor, v: Tensor, causal: bool, tol: float) -> None:
     """Forward + backward of a CUDA backend vs the fp64 reference with one tolerance."""
     out, lse = backend.forward(q, k, v, causal)

@@ -18,6 +18,15 @@ Facts about the ops that this module relies on (checked on torch 2.13, see tests
   so on those versions kv heads are expanded before the call and dk/dv summed after.
 * CUDA ``_scaled_dot_product_flash_attention`` (fp16/bf16, head_dim % 8 == 0, head_dim <= 256,
   sm80+) supports GQA natively and needs lse as a contiguous (b, h, sq) fp32 tensor in backward.
+* CUDA ``_scaled_dot_product_cudnn_attention`` (+ ``_backward``; fp16/bf16, equal q/k/v head dims that are a
+  multiple of 8, at most 128) is taken before the flash op where it is there and agrees with it: the first call of
+  each dtype, head size, GQA-or-not and causal-or-not runs both ops on a small random problem, forward and
+  backward, and compares (:func:`_cudnn_agrees`; ``DS_USP_CUDNN_ATTENTION=0`` turns it off). It takes GQA
+  natively, returns its lse as (b, h, sq, 1) fp32, wants it back in that shape, and a None ``attn_bias`` /
+  ``cum_seq`` in its backward (an undefined tensor: the dense kernel). It is taken for calls of at least
+  :data:`_CUDNN_MIN_PAIRS` query-key pairs: measured on an H200 (torch 2.11, cuDNN 9.19, heads 32/8 x 64, bf16,
+  causal; docs/benchmarks.md), it ran 1.5x the flash op's speed forward and backward at 32K to 128K tokens, as fast
+  at 8K and 16K, and slower below (2K: 0.4 ms forward against 0.2).
 * CUDA ``_scaled_dot_product_efficient_attention`` (used for everything else, notably fp32)
   requires hq == hkv, returns lse padded along seq to a multiple of 32 (unpadded on ROCm), and
   its backward wants ``out`` packed bshd-contiguous and lse in the padded layout.
@@ -26,6 +35,9 @@ Facts about the ops that this module relies on (checked on torch 2.13, see tests
   launch``, torch 2.11), and zero columns change neither ``q.k`` nor the output's real columns.
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +101,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
         if d % _CUDA_HEAD_DIM_ALIGN:
             out, lse = attention_forward(*(_pad_head_dim(x) for x in (q, k, v)), causal, scale)
             return out[..., :d].contiguous(), lse
+        if _cuda_use_cudnn(q, k, v, causal):
+            return _cuda_cudnn_forward(q, k, v, causal, scale)
         if _cuda_use_flash(q):
             return _cuda_flash_forward(q, k, v, causal, scale)
         return _cuda_efficient_forward(q, k, v, causal, scale)
@@ -128,6 +142,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         if d % _CUDA_HEAD_DIM_ALIGN:
             grads = attention_backward(*(_pad_head_dim(x) for x in (dout, q, k, v, out)), lse, causal, scale)
             return tuple(g[..., :d].contiguous() for g in grads)  # type: ignore[return-value]
+        if _cuda_use_cudnn(q, k, v, causal):
+            return _cuda_cudnn_backward(dout, q, k, v, out, lse, causal, scale)
         if _cuda_use_flash(q):
             return _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale)
         return _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale)
@@ -226,6 +242,67 @@ def _cuda_flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
         _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.to(torch.float32).contiguous(), None, None,
         q.shape[1], k.shape[1], 0.0, causal, rng, rng, scale=scale)
     return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+_CUDNN_MAX_HEAD_DIM = 128
+_CUDNN_MIN_PAIRS = 16384 * 16384  # query x key lengths from which cuDNN's op is taken (below it, the flash op's)
+
+
+def _cuda_use_cudnn(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
+    """Whether cuDNN's attention op runs this call: it is long enough, applies (see the module docstring) and agreed
+    with the flash op on this device for these dtypes, head size, GQA and mask (:func:`_cudnn_agrees`, once per
+    kind)."""
+    d = q.shape[-1]
+    if (q.shape[1] * k.shape[1] < _CUDNN_MIN_PAIRS or q.dtype not in _FLASH_DTYPES
+            or k.shape[-1] != d or v.shape[-1] != d or d % 8 or d > _CUDNN_MAX_HEAD_DIM
+            or os.environ.get("DS_USP_CUDNN_ATTENTION", "1") == "0"
+            or not hasattr(_aten, "_scaled_dot_product_cudnn_attention") or not _cuda_use_flash(q)):
+        return False
+    return _cudnn_agrees(q.device.index or 0, q.dtype, d, q.shape[2] != k.shape[2], causal)
+
+
+def _cuda_cudnn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    res = _aten._scaled_dot_product_cudnn_attention(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False,
+                                                     scale=scale)
+    out, lse = res[0], res[1]  # (b, hq, sq, d), (b, hq, sq, 1) fp32
+    b, sq, h, _ = q.shape
+    return _bshd(out), lse.reshape(b, h, sq).contiguous()
+
+
+def _cuda_cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                         scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    rng = _unused_rng_state(q.device)
+    # attn_bias and cum_seq_q/k None: undefined tensors, the dense kernel without a bias; GQA is handled inside
+    dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.to(torch.float32).contiguous().unsqueeze(-1),
+        rng, rng, None, None, None, q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+    return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_agrees(device: int, dtype: torch.dtype, head_dim: int, gqa: bool, causal: bool) -> bool:
+    """Whether cuDNN's op gives the flash op's output, lse and gradients (to the dtype's rounding) on a small random
+    problem of this kind: 2 x 320 queries against 320 keys, 4 query heads on 2 or 4 kv heads. An op that raises or
+    differs is not used (the flash op is)."""
+    g = torch.Generator(device=f"cuda:{device}").manual_seed(0)
+    q, dout = (torch.randn(2, 320, 4, head_dim, device=f"cuda:{device}", dtype=dtype, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 320, 2 if gqa else 4, head_dim, device=f"cuda:{device}", dtype=dtype, generator=g)
+            for _ in range(2))
+    scale = head_dim ** -0.5
+    try:
+        out, lse = _cuda_cudnn_forward(q, k, v, causal, scale)
+        grads = _cuda_cudnn_backward(dout, q, k, v, out, lse, causal, scale)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    ref_out, ref_lse = _cuda_flash_forward(q, k, v, causal, scale)
+    ref_grads = _cuda_flash_backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
+
+    def close(a: Tensor, b: Tensor, rel: float) -> bool:
+        a, b = a.float(), b.float()
+        return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= rel * float(b.abs().max()) + 1e-3
+
+    return (close(lse, ref_lse, 1e-3) and close(out, ref_out, 2e-2)
+            and all(close(x, y, 3e-2) for x, y in zip(grads, ref_grads)))
 
 
 def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
