@@ -23,7 +23,8 @@ Backends, selected with :func:`get_backend` (``usp.attn_backend``):
   CUDA/ROCm tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests); band and document
   masks computed in the kernel, the ring's LSE merge fused into the forward (``band_forward_merge_``), and a band
   backward in one call.
-* "auto": "torch" (on CUDA, PyTorch's own FlashAttention-2 kernels, measured on an H100); never "flash_attn", which
+* "auto": "torch" (on CUDA, cuDNN's attention op for long calls where it agrees with PyTorch's own
+  FlashAttention-2 op, that op otherwise; measured on an H100 and an H200); never "flash_attn", which
   has not run on a GPU of this project (docs/config.md says why), nor "triton".
 
 :func:`available_backends` says which of the three can run on a device, and why not.
