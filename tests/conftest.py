@@ -75,7 +75,7 @@ FAST: dict[str, object] = {
     "test_plan.py": {  # the cost model and its command line; not the measured 4-rank steps
         "test_cli_ranks_plans_and_writes_the_json", "test_cli_answers_impossible_requests",
         "test_cli_prices_one_split", "test_model_shapes_from_hf_configs",
-        "test_auto_degrees_are_priced_at_the_models_length", "test_predicted_peak_within_15_percent_of_the_h100_rows",
+        "test_auto_degrees_are_priced_at_the_models_length", "test_predicted_peak_within_15_percent_of_the_h200_rows",
         "test_auto_takes_no_feature_the_gpu_does_not_need"},
     "test_usp_attention.py": {"test_fp8_codec_error_bound"},
     "test_packed.py": {"test_balanced_layout_balances_packed_rows", "test_reference_masks_documents"},

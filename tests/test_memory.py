@@ -174,6 +174,33 @@ def test_chunked_loss_in_bf16_peaks_within_what_the_planner_predicts(grad_in_for
     predicted = _Pricer(shape, tokens, 2, 0.0, 0.0, Hardware(), Calibration()).loss(chunk)
     assert measured <= predicted <= 1.3 * measured, (measured / 2**20, predicted / 2**20)
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tiled_mlp_peaks_within_what_the_planner_predicts(dtype):
+    """One tile of a gated MLP (forward and backward, as a tiled block's backward recomputes it) holds at most
+    :data:`ds_usp.cost.MLP_LIVE` tokens x intermediate tensors, and not by much (measured: 7.1-7.2)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from ds_usp.cost import MLP_LIVE
+    from ds_usp.integration.step.tiling import gated_parts, tiled_mlp
+
+    tokens, hidden_size, width = 4096, 256, 4096
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=hidden_size, intermediate_size=width)).to(dtype)
+    x = torch.randn(1, tokens, hidden_size, dtype=dtype, requires_grad=True)
+    parts = gated_parts(mlp, mlp.forward)
+    assert parts is not None
+
+    def run() -> None:
+        y = tiled_mlp(x, mlp.forward, 1, tuple(mlp.parameters()), parts)
+        y.backward(torch.ones_like(y))
+
+    run()
+    run()  # gradients allocated: the steady state
+    measured = _peak_growth(run) / (tokens * width * x.element_size())
+    assert 0.8 * MLP_LIVE <= measured <= MLP_LIVE, measured
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_loss_equals_cross_entropy(dtype):
     """Value and gradients (hidden, weight, bias) of the chunked loss against autograd through the whole logits, for
