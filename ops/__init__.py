@@ -82,6 +82,12 @@ class _USPBuilderMixin:
         # -ffp-contract=off: a*b + c*d rounds like the PyTorch twin's separate mul/add, no fused FMA.
         return ["-fopenmp", "-ffp-contract=off"]
 
+    @staticmethod
+    def _without_debug_info(args: list[str]) -> list[str]:
+        """DeepSpeed's host flags less ``-g``: debug information for torch's and pybind11's templates took 40% of the
+        frontend's compile (108 s -> 64 s at -O3 on 2 cores) and most of the module's 12 MB."""
+        return [a for a in args if a != "-g"]
+
 
 class USPCPUBuilder(_USPBuilderMixin, CPUOpBuilder):
     """CPU variant: C++ kernels with OpenMP and vectorized inner loops."""
@@ -100,8 +106,8 @@ class USPCPUBuilder(_USPBuilderMixin, CPUOpBuilder):
         return self._common_sources()
 
     def cxx_args(self) -> list[str]:
-        """DeepSpeed's CPU flags (-O3, -march, SIMD width, -fopenmp) plus ours."""
-        return super().cxx_args() + ["-ffp-contract=off"]
+        """DeepSpeed's CPU flags (-O3, -march, SIMD width, -fopenmp; not -g) plus ours."""
+        return self._without_debug_info(super().cxx_args()) + ["-ffp-contract=off"]
 
     def is_compatible(self, verbose: bool = False) -> bool:
         """A C++ compiler is present (``error_log`` says which is missing otherwise)."""
@@ -129,8 +135,8 @@ class USPCUDABuilder(_USPBuilderMixin, CUDAOpBuilder):
         return self._common_sources() + [str(CSRC / "cuda" / "usp_cuda.cu")]
 
     def cxx_args(self) -> list[str]:
-        """DeepSpeed's CUDA-op host flags plus OpenMP, no FP contraction and ``USP_WITH_CUDA``."""
-        return super().cxx_args() + self._extra_cxx() + ["-DUSP_WITH_CUDA"]
+        """DeepSpeed's CUDA-op host flags (not -g) plus OpenMP, no FP contraction and ``USP_WITH_CUDA``."""
+        return self._without_debug_info(super().cxx_args()) + self._extra_cxx() + ["-DUSP_WITH_CUDA"]
 
     def nvcc_args(self) -> list[str]:
         """DeepSpeed's nvcc flags without ``--use_fast_math`` (the merge must round like the twin)."""
