@@ -177,7 +177,8 @@ def test_chunked_loss_in_bf16_peaks_within_what_the_planner_predicts(grad_in_for
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_tiled_mlp_peaks_within_what_the_planner_predicts(dtype):
     """One tile of a gated MLP (forward and backward, as a tiled block's backward recomputes it) holds at most
-    :data:`ds_usp.cost.MLP_LIVE` tokens x intermediate tensors, and not by much (measured: 7.1-7.2)."""
+    :data:`ds_usp.cost.MLP_LIVE` tokens x intermediate tensors, and not by much (measured: 7.1-7.2 in a fresh
+    process, 8.2 in the whole suite's)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -198,7 +199,7 @@ def test_a_tiled_mlp_peaks_within_what_the_planner_predicts(dtype):
     run()
     run()  # gradients allocated: the steady state
     measured = _peak_growth(run) / (tokens * width * x.element_size())
-    assert 0.8 * MLP_LIVE <= measured <= MLP_LIVE, measured
+    assert 0.75 * MLP_LIVE <= measured <= MLP_LIVE, measured
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
