@@ -174,6 +174,7 @@ def test_chunked_loss_in_bf16_peaks_within_what_the_planner_predicts(grad_in_for
     predicted = _Pricer(shape, tokens, 2, 0.0, 0.0, Hardware(), Calibration()).loss(chunk)
     assert measured <= predicted <= 1.3 * measured, (measured / 2**20, predicted / 2**20)
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_tiled_mlp_peaks_within_what_the_planner_predicts(dtype):
     """One tile of a gated MLP (forward and backward, as a tiled block's backward recomputes it) holds at most
