@@ -214,3 +214,8 @@ def test_interpreter_is_chosen_per_tensor_not_per_process():
     assert isinstance(compiled.fwd, JITFunction)
     assert not isinstance(compiled.fwd, InterpretedFunction)
     assert os.environ.get("TRITON_INTERPRET") == before
+    # the interpreted copy's helpers are the interpreter's plain functions (no re-patching of triton.language at each
+    # call from a kernel); the compiled copy keeps them as @triton.jit functions for the compiler to inline
+    for name in ("_dot", "_scores", "_keep", "_tile_docs", "_query_tile"):
+        assert not isinstance(getattr(interpreted, name), InterpretedFunction), name
+        assert isinstance(getattr(compiled, name), JITFunction), name

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ds_usp.integration.upstream.triton import interpreted
+from ds_usp.integration.upstream.triton import inline_interpreted_helpers, interpreted
 
 __all__ = ["unavailable_reason", "attention_forward", "attention_backward", "band_forward", "band_forward_merge_",
            "band_backward"]
@@ -223,4 +223,6 @@ def _kernels(interpret: bool) -> Any:
     module = importlib.util.module_from_spec(spec)
     with interpreted(interpret):
         spec.loader.exec_module(module)
+    if interpret:
+        inline_interpreted_helpers(module)
     return module

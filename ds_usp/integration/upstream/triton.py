@@ -34,3 +34,36 @@ def interpreted(interpret: bool) -> Iterator[None]:
     with runtime.scope():  # restores TRITON_INTERPRET as it was
         runtime.interpret = interpret
         yield
+
+
+register("triton_interpreted_helpers", Patch(
+    "the @triton.jit helpers of ds-usp's own interpreted kernel module (ds_usp.kernels._triton_kernels)",
+    "triton.runtime.interpreter.InterpretedFunction.rewrite() returning the plain function the interpreter runs, "
+    "and kernels finding their helpers in their module's globals",
+    "each call of a @triton.jit helper from an interpreted kernel patches triton.language again "
+    "(InterpretedFunction.__call__ runs _patch_lang, about 4 ms, though the kernel's launch has already patched it): "
+    "a quarter of the time of tests/test_packed.py's Triton cases went there",
+    "InterpretedFunction.__call__ patching only when triton.language is not patched yet"))
+
+
+def inline_interpreted_helpers(module: Any) -> int:
+    """Replace each interpreted ``@triton.jit`` helper of ``module`` (one that is not launched itself, its name
+    starting with ``_``) by the plain function the interpreter runs for it: called from an interpreted kernel, whose
+    launch has already patched ``triton.language``, it then runs without patching it again. Where Triton's interpreter
+    is not what this was written for, the helpers are left as they are (correct, slower).
+
+    Returns:
+        how many helpers were replaced.
+    """
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return 0
+    if not callable(getattr(InterpretedFunction, "rewrite", None)):
+        return 0
+    replaced = 0
+    for name, value in list(vars(module).items()):
+        if name.startswith("_") and isinstance(value, InterpretedFunction):
+            setattr(module, name, value.rewrite())
+            replaced += 1
+    return replaced
