@@ -29,6 +29,7 @@ from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 BUILD_VAR = "DS_BUILD_USP"
+_PROBED: dict[str, str] = {}  # DeepSpeed's CPU flag probes (cpu_arch, simd_width), answered once per process
 
 
 def _cxx_problem() -> str | None:
@@ -65,6 +66,17 @@ class _USPBuilderMixin:
             version = "unknown"
         key = "\n".join([str(CSRC), os.environ.get("CXX", "c++"), " ".join(self.cxx_args()), ninja, version])
         return f"{self.NAME}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+    def cpu_arch(self) -> str:
+        """DeepSpeed's ``-march`` flag, asked once per process (see :meth:`simd_width`)."""
+        return _PROBED.get("cpu_arch") or _PROBED.setdefault("cpu_arch", super().cpu_arch())
+
+    def simd_width(self) -> str:
+        """DeepSpeed's SIMD flag, asked once per process: each of DeepSpeed's probes asks py-cpuinfo, which runs a
+        Python subprocess (1.3 s of CPU), and loading an already built op read the flags 4 times (its build
+        directory's name, the progress message's cache check, DeepSpeed's jit_load): 8 subprocesses, 10 of the
+        14 s a rank took to load the op."""
+        return _PROBED.get("simd_width") or _PROBED.setdefault("simd_width", super().simd_width())
 
     def jit_load(self, verbose: bool = True) -> object:
         """DeepSpeed's JIT build, into the build directory of :meth:`build_name`."""

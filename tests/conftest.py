@@ -55,7 +55,7 @@ FAST: dict[str, object] = {
         "test_twin_packing_matches_a_hand_written_layout", "test_native_op_true_without_compiler_is_an_error",
         "test_native_op_auto_without_compiler_warns_once", "test_native_op_false_never_builds",
         "test_native_op_bad_setting", "test_unsupported_device_type", "test_cuda_builder_takes_arch_specific_entries",
-        "test_builders_load_from_a_source_checkout"},
+        "test_builders_load_from_a_source_checkout", "test_the_cpu_flags_are_probed_once_per_process"},
     "test_triton.py": {  # the kernels in Triton's interpreter on small shapes; not the sm_90 compile (a subprocess)
         "test_matches_exact_attention_cpu", "test_half_precision_cpu",
         "test_plain_entries_are_the_causal_and_full_bands", "test_unavailable_reason_on_cpu",

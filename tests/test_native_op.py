@@ -408,3 +408,22 @@ def test_builders_load_from_a_source_checkout(tmp_path):
                                              "n.NativeOpUnavailable as e:\n    print('unavailable:', e)")
     assert done.returncode == 0 and "unavailable: ds_usp.native.op_builder is not installed" in done.stdout, \
         done.stdout + done.stderr[-2000:]
+
+
+def test_the_cpu_flags_are_probed_once_per_process(monkeypatch):
+    """DeepSpeed's -march and SIMD probes each run py-cpuinfo (a Python subprocess, about 1.3 s of CPU): the builder
+    asks each once per process, however often its flags are read (loading a built op read them 4 times)."""
+    import cpuinfo
+
+    import ds_usp.native as native
+
+    builders = native._op_builders()
+    real, calls = cpuinfo.get_cpu_info, []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or real())
+    monkeypatch.setattr(builders, "_PROBED", {})
+    builder = builders.USPCPUBuilder()
+    first = builder.cxx_args()
+    for _ in range(3):
+        assert builder.cxx_args() == first
+        builder.build_name()
+    assert len(calls) == 2, len(calls)
