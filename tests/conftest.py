@@ -133,24 +133,29 @@ _LIVE: list[World] = []  # every world not closed yet
 MAX_WORLD_THREADS = 250
 
 
-def _world(request, size: int, shared: bool = True):
+def _last_user(session, fixture: str):
+    """The last collected module whose tests ask for ``fixture`` (None if none does)."""
+    users = [item.module for item in session.items if fixture in getattr(item, "fixturenames", ())]
+    return users[-1] if users else None
+
+
+def _world(request, size: int):
     """A world of ``size`` ranks; a module may set ``WORLD_TIMEOUT`` (seconds a case may take, default 180).
 
     Starting a world costs each rank its imports of torch, DeepSpeed and transformers (about 10 s of CPU a rank, 20
-    modules ask for 4 ranks), so the 2- and 4-rank worlds are shared by the modules in turn; a case that hangs
-    restarts the world, as before; the 8-rank one lives for its module only (its memory)."""
+    modules ask for 4 ranks, 3 for 8: 22 s to start 8 ranks), so each world is shared by the modules in turn and closed
+    after the last module that asks for it (an idle rank holds about 270 MB); a case that hangs restarts the world."""
     timeout = getattr(request.module, "WORLD_TIMEOUT", 180.0)
-    w = _SHARED.get(size) if shared else None
+    w = _SHARED.get(size)
     if w is None:
-        w = World(size, timeout=timeout)
+        w = _SHARED[size] = World(size, timeout=timeout)
         _LIVE.append(w)
-        if shared:
-            _SHARED[size] = w
     w.timeout = timeout
     yield w
-    if not shared:
+    if request.module is _last_user(request.session, f"world{size}"):
         w.close()
         _LIVE.remove(w)
+        del _SHARED[size]
 
 
 @pytest.fixture(autouse=True)
@@ -183,5 +188,5 @@ def world4(request):
 
 @pytest.fixture(scope="module")
 def world8(request):
-    """An 8-rank gloo world for one module."""
-    yield from _world(request, 8, shared=False)
+    """An 8-rank gloo world (shared by the session's modules, one module at a time)."""
+    yield from _world(request, 8)
