@@ -908,6 +908,7 @@ def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget:
         ckpts = [(mode, layers)] if mode in ("selective", "full") else [("", 0)]
     offloads = _allowed(modes.offload_activations, [False, True], [True], [False]) if offload_possible else [False]
 
+    smallest_loss = min(b for _, b, _ in losses)
     best = least = None  # (seconds, bytes, features)
     for ckpt, k in ckpts:
         for offload in offloads:
@@ -916,9 +917,15 @@ def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget:
             for n in tile_opts:
                 kept = p.kept(ckpt, k, offload, n > 0)
                 one, transient = p.backward(k, n)
+                layers_part = one + transient
+                # a row's losses are looked at only where they can fit, or hold less than the least so far: the
+                # planner's "nothing fits" searches price thousands of rows that can do neither
+                fits = kept + max(smallest_loss, layers_part) <= budget
+                if not fits and least is not None and kept + max(smallest_loss, layers_part) >= least[1]:
+                    continue
                 layers_s = p.layers_seconds(ckpt, k, offload, n)
                 for loss_s, loss_b, chunk in losses:
-                    mem = kept + max(loss_b, one + transient)
+                    mem = kept + max(loss_b, layers_part)
                     option = (layers_s + loss_s, mem, chunk, n, ckpt, k, offload)
                     if least is None or mem < least[1]:
                         least = option

@@ -54,8 +54,25 @@ def test_predicted_peak_within_20_percent(fresh_world4, row):
 # ------------------------------------------------------------------------------------------------ the CLI
 
 
-def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ds_usp.plan", *args], capture_output=True, text=True, timeout=300)
+def _plan(*args: str, process: bool = False) -> subprocess.CompletedProcess:
+    """``python -m ds_usp.plan ARGS``: its exit code, stdout and stderr. Run in this process (its ``main``, as the module
+    runs it) unless ``process``: a fresh interpreter costs 5 s of imports a call, and the tests make 20 of them; one
+    call goes through a real ``python -m`` to check the entry point."""
+    if process:
+        return subprocess.run([sys.executable, "-m", "ds_usp.plan", *args], capture_output=True, text=True,
+                              timeout=300)
+    import contextlib
+    import io
+
+    from ds_usp.plan import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's errors (exit code 2)
+            code = e.code
+    return subprocess.CompletedProcess(["ds_usp.plan", *args], code, out.getvalue(), err.getvalue())
 
 
 LLAMA8B = ["--hidden", "4096", "--layers", "32", "--heads", "32", "--kv-heads", "8", "--vocab", "128256",
@@ -98,7 +115,7 @@ def test_cli_answers_impossible_requests():
     assert refused == {"3 heads not divisible by U=2", "3 heads not divisible by U=4"}
     short = _plan(*LLAMA8B, "--seq", "8", "--gpus-per-node", "8", "--top", "1", "--json")
     assert any("shorter than 2 x U x R" in (p["problem"] or "") for p in json.loads(short.stdout)["plans"])
-    bad = _plan("--hidden", "64", "--seq", "1024")
+    bad = _plan("--hidden", "64", "--seq", "1024", process=True)
     assert bad.returncode == 2 and "give --model, or all of" in bad.stderr
     split = _plan(*LLAMA8B, "--seq", "8192", "--gpus-per-node", "8", "--ulysses", "3")
     assert split.returncode == 2 and "must divide the 8 GPUs" in split.stderr
