@@ -56,8 +56,8 @@ def test_predicted_peak_within_20_percent(fresh_world4, row):
 
 def _plan(*args: str, process: bool = False) -> subprocess.CompletedProcess:
     """``python -m ds_usp.plan ARGS``: its exit code, stdout and stderr. Run in this process (its ``main``, as the
-    module runs it) unless ``process``: a fresh interpreter costs 5 s of imports a call, and the tests make 20 of them; one
-    call goes through a real ``python -m`` to check the entry point."""
+    module runs it) unless ``process``: a fresh interpreter costs 5 s of imports a call, and the tests make 20 of
+    them; one call goes through a real ``python -m`` to check the entry point."""
     if process:
         return subprocess.run([sys.executable, "-m", "ds_usp.plan", *args], capture_output=True, text=True,
                               timeout=300)
