@@ -325,3 +325,29 @@ def test_trl_generation_batch_is_divided_once_and_checked(monkeypatch):
     monkeypatch.setattr(trl.trainer.utils, "add_fused_lm_head", lambda model, temperature: None)
     with pytest.raises(UpstreamChanged, match="takes no cast_lm_head_to_fp32"):
         trl_patches.record_fused_head(model, "_ds_usp_fused_head", (0.7, True))
+
+
+def test_zero_optimizer_check_looks_in_the_list_before_importing_muon(monkeypatch):
+    """DeepSpeed's check imports Muon (torch.compile: torch's inductor, seconds a rank) before it looks in its list:
+    after the patch a listed optimizer is answered from the list, an unlisted one by DeepSpeed's own check; a check
+    that is not DeepSpeed's is refused."""
+    from deepspeed.runtime import engine as engine_module
+    from deepspeed.runtime.zero import utils
+
+    asked = []
+
+    def original(optimizer):
+        asked.append(type(optimizer).__name__)
+        return False
+
+    monkeypatch.setattr(utils, "is_zero_supported_optimizer", original)
+    monkeypatch.setattr(engine_module, "is_zero_supported_optimizer", original)
+    deepspeed_patches.check_zero_optimizers_first()
+    deepspeed_patches.check_zero_optimizers_first()  # idempotent
+    check = engine_module.is_zero_supported_optimizer
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    assert type(adamw) in utils.ZERO_SUPPORTED_OPTIMIZERS and check(adamw) and asked == []
+    assert not check(types.SimpleNamespace()) and asked == ["SimpleNamespace"]
+    monkeypatch.setattr(engine_module, "is_zero_supported_optimizer", lambda optimizer: True)  # not DeepSpeed's
+    with pytest.raises(UpstreamChanged, match="is_zero_supported_optimizer"):
+        deepspeed_patches.check_zero_optimizers_first()

@@ -47,7 +47,7 @@ from ds_usp.integration.step.choices import MemoryContext
 from ds_usp.integration.step.dit import apply_dit_memory
 from ds_usp.integration.step.forward import apply as apply_memory_features
 from ds_usp.integration.upstream import deepspeed as ds_patches
-from ds_usp.integration.upstream.deepspeed import (attach_state, deepspeed_initialize,
+from ds_usp.integration.upstream.deepspeed import (attach_state, check_zero_optimizers_first, deepspeed_initialize,
                                                    fix_zero3_sequence_parallel_scaling, note_failures,
                                                    quiet_deepspeed_deprecations, replace_checkpointing,
                                                    unlink_shm_buffer)
@@ -141,6 +141,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     import deepspeed
 
     quiet_deepspeed_deprecations()
+    check_zero_optimizers_first()
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "deepspeed_config", None)

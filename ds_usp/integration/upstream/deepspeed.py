@@ -173,6 +173,46 @@ def quiet_deepspeed_deprecations() -> None:
 
 
 
+register("zero_optimizer_check", Patch(
+    "deepspeed.runtime.engine.is_zero_supported_optimizer (the name DeepSpeedEngine's optimizer check calls, wrapped "
+    "once)",
+    "deepspeed.runtime.zero.utils.is_zero_supported_optimizer(optimizer) answering type(optimizer) in its list "
+    "ZERO_SUPPORTED_OPTIMIZERS after importing DeepSpeed's Muon optimizer (which it then adds to the list)",
+    "importing the Muon module compiles its kernels with torch.compile: every ZeRO engine's start imported torch's "
+    "inductor to check an optimizer the list holds without it (6 s of CPU a rank on a 2-core machine, in each "
+    "launched rank)",
+    "is_zero_supported_optimizer looking in its list before importing Muon"))
+
+
+def check_zero_optimizers_first() -> None:
+    """Make DeepSpeed's check that ZeRO supports the optimizer look in its list before importing Muon (the same
+    answers; Muon is still imported for an optimizer the list does not hold). Idempotent.
+
+    Raises:
+        UpstreamChanged: the engine's check is not the one in ``deepspeed.runtime.zero.utils``, or that module has no
+            list ``ZERO_SUPPORTED_OPTIMIZERS``.
+    """
+    from deepspeed.runtime import engine as engine_module
+    from deepspeed.runtime.zero import utils
+
+    current = getattr(engine_module, "is_zero_supported_optimizer", None)
+    if getattr(current, "_ds_usp_listed_first", False):
+        return
+    listed = getattr(utils, "ZERO_SUPPORTED_OPTIMIZERS", None)
+    if current is None or current is not getattr(utils, "is_zero_supported_optimizer", None) \
+            or not isinstance(listed, list) or lacking_parameters(current, ("optimizer",)):
+        refuse("zero_optimizer_check", "deepspeed.runtime.engine's is_zero_supported_optimizer is not "
+                                       "deepspeed.runtime.zero.utils' taking (optimizer), or that module has no list "
+                                       "ZERO_SUPPORTED_OPTIMIZERS")
+
+    @functools.wraps(current)
+    def listed_first(optimizer: Any) -> bool:
+        return type(optimizer) in listed or current(optimizer)
+
+    listed_first._ds_usp_listed_first = True
+    engine_module.is_zero_supported_optimizer = listed_first
+
+
 _ZERO3_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
 
