@@ -920,8 +920,8 @@ def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget:
                 layers_part = one + transient
                 # a row's losses are looked at only where they can fit, or hold less than the least so far: the
                 # planner's "nothing fits" searches price thousands of rows that can do neither
-                fits = kept + max(smallest_loss, layers_part) <= budget
-                if not fits and least is not None and kept + max(smallest_loss, layers_part) >= least[1]:
+                floor = kept + max(smallest_loss, layers_part)  # the least this row can hold
+                if floor > budget and least is not None and floor >= least[1]:
                     continue
                 layers_s = p.layers_seconds(ckpt, k, offload, n)
                 for loss_s, loss_b, chunk in losses:
