@@ -5,7 +5,8 @@ and a live-bytes meter of a training step.
 one USP attention layer under it. tests/test_comm_volume.py checks the closed forms of :mod:`ds_usp.cost`
 against them, and benchmarks/comm_volume.py prints both. :func:`step_peak` measures a Llama training step's peak
 in live bytes and :func:`predicted_peak` is the planner's figure for it (tests/test_plan.py,
-benchmarks/plan_calibration.py). Tests import this file from ``benchmarks/``
+benchmarks/plan_calibration.py); :func:`peak_growth` is any function's resident growth (tests/test_memory.py).
+Tests import this file from ``benchmarks/``
 (``tests/conftest.py`` puts the folder on ``sys.path``); benchmarks run with it as ``sys.path[0]``.
 """
 from __future__ import annotations
@@ -167,6 +168,21 @@ _WARM: list = []  # set once this process has run a step
 def _kib(key: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
+
+
+def peak_growth(fn) -> int:
+    """Bytes the process's resident set grew to at its peak while ``fn`` ran (kernel high-water mark).
+
+    Memory an earlier run freed stays in glibc's heap and would hide this run's growth, so it is given back to the
+    kernel first (``malloc_trim``): the baseline is then what is alive.
+    """
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = _kib("VmRSS:")
+    fn()
+    return _kib("VmHWM:") - base
 
 
 def _llama_shape(layers: int, vocab: int, hidden: int, mlp: int) -> Any:

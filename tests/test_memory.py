@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 
+from meters import peak_growth
 from test_training import SEQ, STEPS, TOL, VOCAB, _batch, _compare, _ds_config, _llama, _params, reference
 
 FORCED = {"chunked_loss": True, "tiled_mlp": True, "activation_checkpointing": "selective",
@@ -103,29 +104,6 @@ def test_features_on_equal_single_process(world4, tmp_path_factory, single_proce
 # ---------------------------------------------------------------------------------------- memory
 
 
-def _peak_growth(fn) -> int:
-    """Bytes the process's resident set grew to at its peak while ``fn`` ran (kernel high-water mark).
-
-    Memory an earlier run freed stays in glibc's heap and would hide this run's growth, so it is given
-    back to the kernel first (``malloc_trim``): the baseline is then what is alive.
-    """
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-    def read(key: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = read("VmRSS:")
-    fn()
-    return read("VmHWM:") - base
-
-
 def test_chunked_loss_peaks_below_half_of_whole_logits():
     import torch.nn.functional as F
 
@@ -144,7 +122,7 @@ def test_chunked_loss_peaks_below_half_of_whole_logits():
 
     whole()  # warm up both paths once (first-call allocations)
     chunked()
-    w, c = _peak_growth(whole), _peak_growth(chunked)
+    w, c = peak_growth(whole), peak_growth(chunked)
     assert c < 0.5 * w, f"chunked loss peak {c / 2**20:.0f} MiB vs whole logits {w / 2**20:.0f} MiB"
 
 
@@ -168,7 +146,7 @@ def test_chunked_loss_in_bf16_peaks_within_what_the_planner_predicts(grad_in_for
         hidden.grad = head.weight.grad = None
 
     run()  # warm-up
-    measured = _peak_growth(run)
+    measured = peak_growth(run)
     shape = ModelShape("toy", hidden=hidden_size, attention_layers=1, heads=1, kv_heads=1, head_dim=64,
                        v_head_dim=64, vocab=vocab, mlp_width=256, params=0, active_params=0)
     predicted = _Pricer(shape, tokens, 2, 0.0, 0.0, Hardware(), Calibration()).loss(chunk)
@@ -180,13 +158,18 @@ def test_a_tiled_mlp_peaks_within_what_the_planner_predicts(dtype):
     """One tile of a gated MLP (forward and backward, as a tiled block's backward recomputes it) holds at most
     :data:`ds_usp.cost.MLP_LIVE` tokens x intermediate tensors, and not by much. Measured in a fresh interpreter
     (7.1-7.2 there): inside this suite's process the heap's state added up to one more (8.2)."""
+    import os
     import subprocess
     import sys
+
+    import meters
 
     from ds_usp.cost import MLP_LIVE
 
     code = f"""
-import ctypes, gc, torch
+import sys, torch
+sys.path.insert(0, {os.path.dirname(meters.__file__)!r})
+from meters import peak_growth
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 from ds_usp.integration.step.tiling import gated_parts, tiled_mlp
@@ -201,11 +184,7 @@ def run():
     y = tiled_mlp(x, mlp.forward, 1, tuple(mlp.parameters()), parts)
     y.backward(torch.ones_like(y))
 run(); run()  # gradients allocated: the steady state
-gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)  # as _peak_growth
-read = lambda key: next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
-open("/proc/self/clear_refs", "w").write("5"); base = read("VmRSS:")
-run()
-print((read("VmHWM:") - base) / (tokens * width * x.element_size()))
+print(peak_growth(run) / (tokens * width * x.element_size()))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -260,8 +239,8 @@ def test_tiled_mlp_peaks_below_half_of_untiled():
     TiledMLP.apply(x, mlp.forward, 8, ()).backward(dout)
     torch.testing.assert_close(x.grad, whole_grad, rtol=1e-5, atol=1e-6)
 
-    w = _peak_growth(lambda: mlp(x).backward(dout))
-    t = _peak_growth(lambda: TiledMLP.apply(x, mlp.forward, 8, ()).backward(dout))
+    w = peak_growth(lambda: mlp(x).backward(dout))
+    t = peak_growth(lambda: TiledMLP.apply(x, mlp.forward, 8, ()).backward(dout))
     assert t < 0.5 * w, f"tiled MLP peak {t / 2**20:.0f} MiB vs untiled {w / 2**20:.0f} MiB"
 
 
@@ -293,7 +272,7 @@ def checkpointing_peaks(seq: int = 2048) -> tuple[int, int]:
                   shift_labels=shard["shift_labels"]).loss.backward()
 
         step()  # warm-up: first-call allocations
-        peaks.append(_peak_growth(step))
+        peaks.append(peak_growth(step))
     return peaks[0], peaks[1]
 
 
