@@ -46,24 +46,17 @@ register("triton_interpreted_helpers", Patch(
     "InterpretedFunction.__call__ patching only when triton.language is not patched yet"))
 
 
-def inline_interpreted_helpers(module: Any) -> int:
+def inline_interpreted_helpers(module: Any) -> None:
     """Replace each interpreted ``@triton.jit`` helper of ``module`` (one that is not launched itself, its name
     starting with ``_``) by the plain function the interpreter runs for it: called from an interpreted kernel, whose
     launch has already patched ``triton.language``, it then runs without patching it again. Where Triton's interpreter
-    is not what this was written for, the helpers are left as they are (correct, slower).
-
-    Returns:
-        how many helpers were replaced.
-    """
+    is not what this was written for, the helpers are left as they are (correct, slower)."""
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:
-        return 0
+        return
     if not callable(getattr(InterpretedFunction, "rewrite", None)):
-        return 0
-    replaced = 0
+        return
     for name, value in list(vars(module).items()):
         if name.startswith("_") and isinstance(value, InterpretedFunction):
             setattr(module, name, value.rewrite())
-            replaced += 1
-    return replaced
