@@ -224,3 +224,23 @@ def get_topo(u: int, r: int):
     if (u, r) not in _TOPOS:
         _TOPOS[(u, r)] = USPTopology.build(u, r)
     return _TOPOS[(u, r)]
+
+
+_ONCE: dict = {}  # per rank process: key -> what :func:`reference` computed for it
+
+
+def reference(key: tuple, fn: Callable[..., Any], *args: Any) -> Any:
+    """On rank 0, ``fn(*args)`` computed the first time the world asks for ``key`` and kept while the world lives;
+    None on the other ranks.
+
+    A case compares its ranks' distributed run against a single-process reference. Run on every rank, the reference
+    cost each of N ranks sharing the machine's few cores a whole single-process run, per case, though the cases of a
+    family (every split and layout) compare against the same one and only rank 0's report is read."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    if key not in _ONCE:
+        _ONCE[key] = fn(*args)
+    return _ONCE[key]
+

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dist_harness import get_topo
+from dist_harness import get_topo, reference
 from test_models import _sp_token_losses
 
 WORLD_TIMEOUT = 600
@@ -511,18 +511,51 @@ def _batch(step: int, packed: bool) -> dict:
     return batch
 
 
+def _reference_run(family: str, packed: bool) -> dict:
+    """model_case's single-process run: per step the per-token losses (0 after each document's last token) and the
+    mean loss, one document at a time, then 3 AdamW steps; the first step's nonzero gradients."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    run = {"tokens": [], "loss": [], "grad": {}}
+    lens = [20, 30, SEQ - 50] if packed else [SEQ]
+    for step in range(3):
+        batch = _batch(step, packed)
+        per_token, start = [], 0
+        for n in lens:
+            ids = batch["input_ids"][:, start:start + n]
+            logits = ref(input_ids=ids, use_cache=False).logits[0, :-1]
+            per_token += [F.cross_entropy(logits, ids[0, 1:], reduction="none"), torch.zeros(1)]
+            start += n
+        per_token = torch.cat(per_token)
+        want = per_token.sum() / (SEQ - len(lens))
+        opt.zero_grad()
+        want.backward()
+        if step == 0:
+            run["grad"] = {name: p.grad.clone() for name, p in ref.named_parameters()
+                           if p.grad is not None and p.grad.norm() > 0}
+        opt.step()
+        run["tokens"].append(per_token.detach())
+        run["loss"].append(float(want))
+    return run
+
+
 def model_case(family: str, u: int, r: int, layout: str, packed: bool, memory: bool, stage: int = 2) -> dict:
-    """On every rank: the model through ds_usp.initialize, 3 AdamW steps, vs one process; the differences."""
+    """On every rank: the model through ds_usp.initialize, 3 AdamW steps; on rank 0 the differences from one process
+    (:func:`_reference_run`, computed once per family and packing)."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
     import ds_usp
 
     ds_usp.hf.register_usp_attention()
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+    want = reference(("test_linear", family, packed), _reference_run, family, packed)
+    torch.manual_seed(0)  # the reference's weights
+    weights = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager").state_dict()
     model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="usp")
-    model.load_state_dict(ref.state_dict())
+    model.load_state_dict(weights)
     usp = {"ulysses_degree": u, "ring_degree": r, "layout": layout, "native_op": False}
     if memory:  # the whole memory stack on, at this size: chunked loss, tiled MLP, selective checkpointing
         usp.update(chunked_loss=True, tiled_mlp=True, activation_checkpointing="selective", tile_mib=0.01)
@@ -531,33 +564,22 @@ def model_case(family: str, u: int, r: int, layout: str, packed: bool, memory: b
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},  # ZeRO-3: every parameter
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
         "sequence_parallel": "usp", "sequence_parallel_size": u * r, "usp": usp})
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
     report = {"token": [], "grad": {}}
     for step in range(3):
-        batch = _batch(step, packed)
-        lens = [20, 30, SEQ - 50] if packed else [SEQ]
-        per_token, start = [], 0
-        for n in lens:  # the reference, one document at a time
-            ids = batch["input_ids"][:, start:start + n]
-            logits = ref(input_ids=ids, use_cache=False).logits[0, :-1]
-            per_token += [F.cross_entropy(logits, ids[0, 1:], reduction="none"), torch.zeros(1)]
-            start += n
-        per_token = torch.cat(per_token)
-        want = per_token.sum() / (SEQ - len(lens))
-        shard = ds_usp.shard_batch(batch, engine.usp.topo, layout=engine.usp.layout)
+        shard = ds_usp.shard_batch(_batch(step, packed), engine.usp.topo, layout=engine.usp.layout)
         got = _sp_token_losses(engine, shard)  # through the gathered logits
-        report["token"].append(float((got - per_token.detach()).abs().max()))
         out = engine(**shard)
-        report["token"].append(abs(float(out.loss) - float(want)))  # and through the SP loss
-        opt.zero_grad()
-        want.backward()
         engine.backward(out.loss)
+        if want is not None:
+            report["token"].append(float((got - want["tokens"][step]).abs().max()))
+            report["token"].append(abs(float(out.loss) - want["loss"][step]))  # and through the SP loss
         if step == 0:
-            for (name, p), (_, q) in zip(ref.named_parameters(), engine.module.named_parameters()):
-                if p.grad is not None and p.grad.norm() > 0:
-                    full = deepspeed.utils.safe_get_full_grad(q)
-                    report["grad"][name] = float((full - p.grad).norm() / p.grad.norm())
-        opt.step()
+            for name, q in engine.module.named_parameters():
+                full = deepspeed.utils.safe_get_full_grad(q)  # (collective under ZeRO-3: every rank, every one)
+                if want is not None and name in want["grad"]:
+                    p = want["grad"][name]
+                    report["grad"][name] = float((full - p).norm() / p.norm())
+            assert want is None or report["grad"].keys() == want["grad"].keys(), "parameter names differ"
         engine.step()
     return report
 
