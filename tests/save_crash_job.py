@@ -1,7 +1,8 @@
 """A 4-rank job that resumes from a complete checkpoint, trains one step and has a rank die during its next save
-(run by tests/test_checkpoint.py under ``torch.distributed.run``, which ends the other ranks when one dies).
+(run by tests/test_checkpoint.py as a ``dist_harness.Job``, which ends the other ranks when one dies, as
+``torch.distributed.run`` does).
 
-Usage: ``python -m torch.distributed.run --nproc_per_node 4 save_crash_job.py CKPT_DIR STAGE POINT``.
+Usage by hand: ``python -m torch.distributed.run --nproc_per_node 4 save_crash_job.py CKPT_DIR STAGE POINT``.
 POINT, where the victim dies (``os._exit``, no cleanup, like a SIGKILL):
 
 * ``before_files``: rank 2, at its first file of the save (nothing of it written);

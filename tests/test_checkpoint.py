@@ -415,25 +415,22 @@ CRASHES = [("before_files", 1), ("during_files", 2), ("after_files", 3), ("manif
 def test_a_save_killed_at_any_point_resumes_from_the_last_complete_checkpoint(world4, saved, tmp_path, point, stage):
     """A 4-rank job resumes from step 2, trains step 3 and has a rank die at ``point`` of saving it
     (tests/save_crash_job.py: before / during / after its files, inside the manifest, before ``latest`` moves); the
-    launcher ends the others. ``latest`` still names step 2, the torn tag has no manifest (or, killed before
-    ``latest`` moved, a complete one ``latest`` does not name), and a fresh job resumes from step 2 and continues
-    exactly as the uninterrupted run."""
+    others are then ended, as a launcher ends them (dist_harness.Job). ``latest`` still names step 2, the torn tag has
+    no manifest (or, killed before ``latest`` moved, a complete one ``latest`` does not name), and a fresh job resumes
+    from step 2 and continues exactly as the uninterrupted run."""
     import shutil
-    import subprocess
-    import sys
 
-    from dist_harness import _free_port
+    import save_crash_job
+    from dist_harness import Job
 
     from ds_usp.integration.engine.checkpoints import MANIFEST
 
     ckpt_dir, losses, params = saved(stage)
     ckpt = str(tmp_path / "checkpoints")
     shutil.copytree(ckpt_dir, ckpt)
-    job = os.path.join(os.path.dirname(__file__), "save_crash_job.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-                           str(_free_port()), job, ckpt, str(stage), point], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode != 0 and "completed" not in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    job = Job(save_crash_job.main, ckpt, stage, point, logdir=str(tmp_path))
+    codes = job.wait(timeout=600)
+    assert save_crash_job.DIED in codes and "completed" not in job.output(), (codes, job.output()[-6000:])
     torn = os.path.join(ckpt, f"global_step{SAVE_AT + 1}")
     assert os.path.isdir(torn), os.listdir(ckpt)  # the save had begun
     assert open(os.path.join(ckpt, "latest")).read().strip() == f"global_step{SAVE_AT}"
