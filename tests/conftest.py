@@ -142,9 +142,9 @@ def _last_user(session, fixture: str):
 def _world(request, size: int):
     """A world of ``size`` ranks; a module may set ``WORLD_TIMEOUT`` (seconds a case may take, default 180).
 
-    Starting a world costs each rank its imports of torch, DeepSpeed and transformers (about 10 s of CPU a rank, 20
-    modules ask for 4 ranks, 3 for 8: 22 s to start 8 ranks), so each world is shared by the modules in turn and closed
-    after the last module that asks for it (an idle rank holds about 270 MB); a case that hangs restarts the world."""
+    A world is shared by the modules in turn and closed after the last module that asks for it (an idle rank holds
+    about 270 MB): its ranks' first cases import what the fork server did not (dist_harness.PRELOAD), and 20 modules
+    ask for 4 ranks, 3 for 8. A case that hangs restarts the world."""
     timeout = getattr(request.module, "WORLD_TIMEOUT", 180.0)
     w = _SHARED.get(size)
     if w is None:

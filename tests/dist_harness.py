@@ -1,7 +1,8 @@
 """A gloo world of N CPU processes that lives for a whole test session (or module) and runs many cases.
 
-Spawning a world costs seconds (each rank imports torch, DeepSpeed, transformers); a case costs milliseconds. So
-the session starts one :class:`World` per size (see the ``world2``/``world4``/``world8`` fixtures in
+Starting a world costs seconds (its ranks are forked from a server that imported torch, DeepSpeed and transformers
+once: :func:`_context`; then they join a gloo group); a case costs milliseconds to seconds. So the session starts one
+:class:`World` per size (see the ``world2``/``world4``/``world8`` fixtures in
 ``conftest.py``) and a module calls
 ``world.run(fn, *args)`` per case: ``fn(*args)`` runs on every rank and the per-rank return values
 come back as a list. A rank that raises fails the case with that rank's traceback; a case that
@@ -20,6 +21,19 @@ import traceback
 from typing import Any, Callable, Optional
 
 FAILED_GRACE_S = 60.0  # how long the other ranks may still take once one rank of a case has failed
+
+
+# what the fork server that starts every rank (worlds and jobs) imports once for the session
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers.modeling_utils", "ds_usp"]
+
+
+def _context():
+    """multiprocessing's ``forkserver``: ranks forked from a server that imported :data:`PRELOAD` once, with no process
+    group and no thread of its own. Spawned, each rank imported them itself: about 5 s of CPU a rank, paid again by
+    every rank of every world restart and every job."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _free_port() -> int:
@@ -132,7 +146,7 @@ class World:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = _free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -249,7 +263,6 @@ def reference(key: tuple, fn: Callable[..., Any], *args: Any) -> Any:
 
 # ---- jobs: fresh ranks that live for one run (a rank that dies, a job that is killed) ------------------------------
 
-JOB_PRELOAD = ["torch", "deepspeed", "transformers", "ds_usp"]  # what the job ranks' fork server imports, once
 
 
 def _job_rank(rank: int, nprocs: int, port: int, log: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -269,15 +282,13 @@ class Job:
     """``fn(*args)`` on ``nprocs`` new processes, with the environment a launcher gives its ranks (``RANK``,
     ``MASTER_PORT``, ...), as ``torchrun`` would run a script, each rank's output in its own log.
 
-    The ranks are forked from a server (multiprocessing's ``forkserver``) that imported torch, DeepSpeed, transformers
-    and ds_usp once for the session, with no thread and no process group: a launched script paid those imports on
-    every rank (about 5 s of CPU each, 10 s of wall time for 4 ranks on 2 cores) before its first line.
+    The ranks are forked from the session's fork server (:func:`_context`): a launched script paid the imports on every
+    rank (about 5 s of CPU each, 10 s of wall time for 4 ranks on 2 cores) before its first line.
     ``fn`` must be a module-level function of an importable module (it is pickled by name).
     """
 
     def __init__(self, fn: Callable[..., Any], *args: Any, nprocs: int = 4, logdir: str) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(JOB_PRELOAD)
+        ctx = _context()
         port = _free_port()
         self.logs = [os.path.join(logdir, f"rank{r}.log") for r in range(nprocs)]
         self.procs = [ctx.Process(target=_job_rank, args=(r, nprocs, port, self.logs[r], fn, args), daemon=True)
