@@ -351,3 +351,31 @@ def test_zero_optimizer_check_looks_in_the_list_before_importing_muon(monkeypatc
     monkeypatch.setattr(engine_module, "is_zero_supported_optimizer", lambda optimizer: True)  # not DeepSpeed's
     with pytest.raises(UpstreamChanged, match="is_zero_supported_optimizer"):
         deepspeed_patches.check_zero_optimizers_first()
+
+
+def test_rollouts_under_zero3_use_torchs_linear_and_put_deepspeeds_back(monkeypatch):
+    """Where ZeRO-3 left DeepSpeed's zero3_linear_wrap as torch.nn.functional.linear, a rollout's block runs torch's
+    (kept by DeepSpeed as linear_bk) and DeepSpeed's is back after it, also after an error; without the wrapper
+    nothing changes; a wrapper without the kept original is refused."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero import linear as zero_linear
+    from deepspeed.runtime.zero import partition_parameters
+
+    hooks = partition_parameters.InsertPostInitMethodToModuleSubClasses
+    torchs = getattr(hooks, "linear_bk", F.linear)
+    monkeypatch.setattr(F, "linear", torchs)
+    with deepspeed_patches.torch_linear():  # no ZeRO-3 wrapper: as it was
+        assert F.linear is torchs
+    monkeypatch.setattr(hooks, "linear_bk", torchs, raising=False)
+    monkeypatch.setattr(F, "linear", zero_linear.zero3_linear_wrap)
+    with pytest.raises(RuntimeError, match="inside"):
+        with deepspeed_patches.torch_linear():
+            assert F.linear is torchs
+            x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+            assert torch.equal(F.linear(x, w), zero_linear.zero3_linear_wrap(x, w))  # the same product
+            raise RuntimeError("inside")
+    assert F.linear is zero_linear.zero3_linear_wrap
+    monkeypatch.delattr(hooks, "linear_bk")
+    with pytest.raises(UpstreamChanged, match="linear_bk"):
+        with deepspeed_patches.torch_linear():
+            pass

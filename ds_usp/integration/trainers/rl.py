@@ -55,6 +55,7 @@ from ds_usp.integration.trainers import rollout as rollouts
 from ds_usp.integration.trainers.rollout import Rollout
 from ds_usp.integration.trainers.trainer import USPTrainerBase
 from ds_usp.integration.upstream.accelerate import replicas_view
+from ds_usp.integration.upstream.deepspeed import torch_linear
 from ds_usp.integration.upstream.trl import (generate_arguments, generation_batch_per_group, record_fused_head,
                                              rollout_gathered_once)
 
@@ -367,6 +368,8 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
             return
         with contextlib.ExitStack() as stack:
             stack.enter_context(unsharded(self.model))
+            if self._dist.is_zero3:
+                stack.enter_context(torch_linear())  # no gradient in generation: torch's linear, not ZeRO-3's
             if self._gathers_once():
                 stack.enter_context(rollout_gathered_once(self.model_wrapped, self.args))
                 self._usp_gathered_once = True  # (TRL's ds3_gather_for_generation is off meanwhile)
