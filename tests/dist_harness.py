@@ -28,9 +28,9 @@ PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers.modeling_uti
 
 
 def _context():
-    """multiprocessing's ``forkserver``: ranks forked from a server that imported :data:`PRELOAD` once, with no process
-    group and no thread of its own. Spawned, each rank imported them itself: about 5 s of CPU a rank, paid again by
-    every rank of every world restart and every job."""
+    """multiprocessing's ``forkserver``: ranks forked from a server that imported :data:`PRELOAD` once and joined no
+    process group. Spawned, each rank imported them itself: about 5 s of CPU a rank, paid again by every rank of every
+    world restart and every job."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -264,7 +264,6 @@ def reference(key: tuple, fn: Callable[..., Any], *args: Any) -> Any:
 # ---- jobs: fresh ranks that live for one run (a rank that dies, a job that is killed) ------------------------------
 
 
-
 def _job_rank(rank: int, nprocs: int, port: int, log: str, fn: Callable[..., Any], args: tuple) -> None:
     with open(log, "w") as f:  # the rank's stdout and stderr (its C++ libraries' too)
         os.dup2(f.fileno(), 1)
@@ -324,7 +323,7 @@ class Job:
 
     def output(self, rank: Optional[int] = None) -> str:
         """One rank's output, or every rank's."""
-        ranks = range(len(self.logs)) if rank is None else [rank]
-        return "".join(f"--- rank {r} ---\n{open(self.logs[r]).read()}" if rank is None else open(self.logs[r]).read()
-                       for r in ranks)
-
+        if rank is not None:
+            with open(self.logs[rank]) as f:
+                return f.read()
+        return "".join(f"--- rank {r} ---\n{self.output(r)}" for r in range(len(self.logs)))

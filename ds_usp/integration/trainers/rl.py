@@ -361,15 +361,15 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
 
     @contextlib.contextmanager
     def _rollout_context(self, rollout: Rollout) -> Iterator[None]:
-        """Whole sequences without USP (:func:`ds_usp.hf.unsharded`); under ZeRO-3 (split) the parameters gathered
+        """Whole sequences without USP (:func:`ds_usp.hf.unsharded`) and torch's own linear
+        (:func:`~ds_usp.integration.upstream.deepspeed.torch_linear`); under ZeRO-3 (split) the parameters gathered
         once for the rollout, no hook, and ``synced_gpus`` off: nothing in generation is collective."""
         if self._usp is None:
             yield
             return
         with contextlib.ExitStack() as stack:
             stack.enter_context(unsharded(self.model))
-            if self._dist.is_zero3:
-                stack.enter_context(torch_linear())  # no gradient in generation: torch's linear, not ZeRO-3's
+            stack.enter_context(torch_linear())  # no gradient in generation: torch's linear where ZeRO-3 left its own
             if self._gathers_once():
                 stack.enter_context(rollout_gathered_once(self.model_wrapped, self.args))
                 self._usp_gathered_once = True  # (TRL's ds3_gather_for_generation is off meanwhile)
