@@ -295,16 +295,16 @@ class Job:
         for p in self.procs:
             p.start()
 
-    def wait(self, timeout: float, end_on_failure: bool = True) -> list[Optional[int]]:
-        """Wait for every rank; with ``end_on_failure``, kill the others once one exits with an error, as ``torchrun``
-        ends a job. Returns the exit codes (negative: the signal that ended the rank).
+    def wait(self, timeout: float) -> list[Optional[int]]:
+        """Wait for every rank, killing the others once one exits with an error, as ``torchrun`` ends a job. Returns
+        the exit codes (negative: the signal that ended the rank).
 
         Raises:
             AssertionError: a rank still runs after ``timeout`` seconds (every rank is killed).
         """
         deadline = time.monotonic() + timeout
         while any(p.exitcode is None for p in self.procs):
-            if end_on_failure and any(p.exitcode not in (None, 0) for p in self.procs):
+            if any(p.exitcode not in (None, 0) for p in self.procs):
                 self.kill()
                 break
             if time.monotonic() > deadline:
