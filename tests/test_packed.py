@@ -168,7 +168,8 @@ def run_fixed_triton() -> int:
     assert reason is None, reason  # conftest runs the kernels in Triton's interpreter
     for case in FIXED:
         rest = dict(zip(("dtype_name", "seed", "per_row_docs", "attn_backend", "chunk"), case[9:]))
-        assert compare(*case[:9], **{**rest, "attn_backend": "triton"}) == 0  # no torch kernel ran: every block went through triton
+        # no torch kernel ran: every block went through triton
+        assert compare(*case[:9], **{**rest, "attn_backend": "triton"}) == 0
     for case in SPANS:
         assert compare(*case[:9], **{**case[9], "attn_backend": "triton"}) == 0
     return len(FIXED) + len(SPANS)
@@ -467,3 +468,23 @@ def test_spans_are_checked_before_any_collective():
         check_spans([(2, 11)], 1, 10, None)
     with pytest.raises(ValueError, match="spans has 3 rows, the batch has 2"):
         check_spans([[(1, 2)], [], []], 2, 10, None)
+    with pytest.raises(ValueError, match="spans row 1: 7 is not a list of"):
+        check_spans([[(1, 2)], 7], 2, 10, None)
+
+
+def test_valid_keys_are_checked_sorted_and_merged():
+    from ds_usp.attention.checks import check_keys
+
+    assert check_keys(None, 2, 10) is None
+    assert check_keys([(0, 10)], 2, 10) is None  # every key valid: none
+    assert check_keys([(0, 4), (2, 6), (0, 0), (8, 9)], 1, 10) == (((0, 6), (8, 9)),)
+    assert check_keys([[(6, 9), (0, 3)], [(3, 6), (0, 3)]], 2, 10) == (((0, 3), (6, 9)), ((0, 6),))
+    assert check_keys(torch.tensor([[[0, 3], [0, 0]], [[5, 10], [0, 0]]]), 2, 10) == (((0, 3),), ((5, 10),))
+    with pytest.raises(ValueError, match=r"keys row 1: no valid key at all"):
+        check_keys([[(0, 4)], [(3, 3)]], 2, 10)
+    with pytest.raises(ValueError, match=r"keys row 0: \(1, 2.0\) is not \(start, end\)"):
+        check_keys([(1, 2.0)], 1, 10)
+    with pytest.raises(ValueError, match="keys row 0: 5 is not a list of"):
+        check_keys([5], 1, 10)
+    with pytest.raises(ValueError, match="keys has 3 rows, the batch has 2"):
+        check_keys([[(0, 2)], [(0, 2)], [(0, 2)]], 2, 10)

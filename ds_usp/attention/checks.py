@@ -93,6 +93,32 @@ def check_sinks(sinks: Any, num_heads: int, device: torch.device) -> None:
         raise ValueError(f"sinks are on {sinks.device}, q on {device}: put them on one device")
 
 
+def _position_pairs(value: Any, batch: int, seq_len: int, name: str, what: str) -> list[list[tuple[int, int]]]:
+    """Per row, the sorted ``(start, end)`` pairs of global positions of a per-row argument (spans, valid keys), each
+    checked to be two integers with ``0 <= start <= end <= seq_len``; empty pairs are kept.
+
+    Raises:
+        ValueError: naming the argument, the row and the pair; or a row count that is not ``batch``.
+    """
+    rows = per_row(value, batch, name, what,
+                   lambda rows: not rows or (isinstance(rows[0], (list, tuple)) and bool(rows[0]) and
+                                             not isinstance(rows[0][0], (list, tuple))))
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)):
+            raise ValueError(f"{name} row {i}: {row!r} is not a list of {what}")
+        pairs = []
+        for pair in row:
+            ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in pair)
+            if not ok or not 0 <= pair[0] <= pair[1] <= seq_len:
+                raise ValueError(f"{name} row {i}: {pair!r} is not (start, end) with 0 <= start <= end <= {seq_len} "
+                                 f"(the real length)")
+            pairs.append((int(pair[0]), int(pair[1])))
+        out.append(sorted(pairs))
+    return out
+
+
 def check_spans(spans: Any, batch: int, seq_len: int,
                 docs: Optional[tuple[tuple[int, ...], ...]]) -> Optional[tuple[tuple[tuple[int, int], ...], ...]]:
     """Validate bidirectional spans and return them per row (``None``: no span in any row).
@@ -113,21 +139,9 @@ def check_spans(spans: Any, batch: int, seq_len: int,
     """
     if spans is None:
         return None
-    rows = per_row(spans, batch, "spans", "(start, end) spans",
-                   lambda rows: not rows or (isinstance(rows[0], (list, tuple)) and bool(rows[0]) and
-                                             not isinstance(rows[0][0], (list, tuple))))
     out = []
-    for i, row in enumerate(rows):
-        pairs = []
-        for span in row:
-            ok = isinstance(span, (list, tuple)) and len(span) == 2 and all(
-                isinstance(x, int) and not isinstance(x, bool) for x in span)
-            if not ok or not 0 <= span[0] <= span[1] <= seq_len:
-                raise ValueError(f"spans row {i}: {span!r} is not (start, end) with 0 <= start <= end <= {seq_len} "
-                                 f"(the real length)")
-            if span[1] > span[0]:
-                pairs.append((int(span[0]), int(span[1])))
-        pairs.sort()
+    for i, row in enumerate(_position_pairs(spans, batch, seq_len, "spans", "(start, end) spans")):
+        pairs = [pair for pair in row if pair[1] > pair[0]]
         for (a0, b0), (a1, _) in zip(pairs, pairs[1:]):
             if a1 < b0:
                 raise ValueError(f"spans row {i}: {(a0, b0)} and the span starting at {a1} overlap")
@@ -160,23 +174,16 @@ def check_keys(keys: Any, batch: int, seq_len: int) -> Optional[tuple[tuple[tupl
     """
     if keys is None:
         return None
-    rows = per_row(keys, batch, "keys", "(start, end) runs of valid keys",
-                   lambda rows: not rows or (isinstance(rows[0], (list, tuple)) and bool(rows[0]) and
-                                             not isinstance(rows[0][0], (list, tuple))))
     out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(_position_pairs(keys, batch, seq_len, "keys", "(start, end) runs of valid keys")):
         runs: list[tuple[int, int]] = []
-        for run in sorted(tuple(r) if isinstance(r, (list, tuple)) else (r,) for r in row):
-            ok = len(run) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in run)
-            if not ok or not 0 <= run[0] <= run[1] <= seq_len:
-                raise ValueError(f"keys row {i}: {run!r} is not (start, end) with 0 <= start <= end <= {seq_len} "
-                                 f"(the real length)")
-            if run[1] == run[0]:
+        for start, end in row:
+            if end == start:
                 continue
-            if runs and run[0] <= runs[-1][1]:
-                runs[-1] = (runs[-1][0], max(runs[-1][1], int(run[1])))
+            if runs and start <= runs[-1][1]:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], end))
             else:
-                runs.append((int(run[0]), int(run[1])))
+                runs.append((start, end))
         if not runs:
             raise ValueError(f"keys row {i}: no valid key at all; every query of the row would see nothing")
         out.append(tuple(runs))
@@ -270,8 +277,8 @@ def check_same_across_ranks(q: Tensor, k: Tensor, v: Tensor, sp_group: Any, caus
             return str(bool(x)) if _SIGNATURE[i] == "causal" else str(x)
 
         ranks = dist.get_process_group_ranks(sp_group)
-        diffs = "; ".join(_SIGNATURE[i] + ": " + ", ".join(f"rank {ranks[p]}={show(i, r[i])}" for p, r in enumerate(rows))
-                          for i in bad)
+        diffs = "; ".join(_SIGNATURE[i] + ": " + ", ".join(f"rank {ranks[p]}={show(i, r[i])}"
+                                                           for p, r in enumerate(rows)) for i in bad)
         raise ValueError(f"usp_attention was called with different inputs on the ranks of one sequence-parallel "
                          f"group ({diffs}); every rank must pass its shard of the same sequences (shard them with "
                          f"ds_usp.shard_sequence / ds_usp.shard_batch) with the same arguments")

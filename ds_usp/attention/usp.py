@@ -509,19 +509,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwar
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, **kwargs: Any) -> Tensor:
-    """Ring attention: :func:`usp_attention` on a topology with ``ulysses_degree == 1``.
-
-    Args:
-        q, k, v: this rank's shards, as for :func:`usp_attention`.
-        topo: a topology with Ulysses degree 1.
-        **kwargs: as for :func:`usp_attention`.
-
-    Returns:
-        This rank's shard of the output.
-
-    Raises:
-        ValueError: the topology has a Ulysses degree above 1, or any :func:`usp_attention` error.
-    """
+    """Ring attention: :func:`usp_attention` on a topology with ``ulysses_degree == 1``; its arguments and result are
+    :func:`ulysses_attention`'s. Raises ``ValueError`` when the topology has a Ulysses degree above 1, or any
+    :func:`usp_attention` error."""
     _require_degree("ring_attention", "ulysses_degree", topo.ulysses_degree)
     return usp_attention(q, k, v, topo, **kwargs)
 
