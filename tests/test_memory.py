@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from meters import peak_growth
-from test_training import SEQ, STEPS, TOL, VOCAB, _batch, _compare, _ds_config, _llama, _params, reference
+from test_training import STEPS, VOCAB, _batch, _compare, _ds_config, _llama, _params, reference
 
 FORCED = {"chunked_loss": True, "tiled_mlp": True, "activation_checkpointing": "selective",
           "offload_activations": True, "tile_mib": 0.01}  # 0.01 MiB: 20-token loss chunks at vocab 128
