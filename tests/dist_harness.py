@@ -96,23 +96,44 @@ def _release_groups(before: set) -> None:
     group being destroyed."""
     import sys
 
-    import torch.distributed as dist
-
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None:
         for name, value in list(vars(groups).items()):
             if name in ("mpu", "mesh_device") or (name.startswith("_") and name.isupper() and
                                                   ("GROUP" in name or name.startswith("_MPU_"))):
                 setattr(groups, name, {} if isinstance(value, dict) else None)
+    # every ZeRO-3 engine pushes its model on this stack and nothing pops it: the model's hooks hold the engine, the
+    # engine its groups (18 threads a case, kept for good once frozen below)
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:
+        offload.FWD_MODULE_STACK.clear()
+    if not _destroy_case_groups(before):
+        return
+    import gc
+
+    # nothing of this function's may still point into the case's objects here: what this collection leaves is frozen
+    # for good below (a loop variable left on the last object of gc.get_objects() kept each ZeRO-3 engine, 18 threads)
+    gc.collect()
+    # what survives a case (imports, caches) is moved out of the collector's sight: a full collection of a rank that
+    # has imported torch, DeepSpeed and transformers walks 430k objects (0.2 s), and Python runs one on its own every
+    # so often during a case; later collections walk only what later cases make
+    gc.freeze()
+
+
+def _destroy_case_groups(before: set) -> bool:
+    """Destroy the process groups the case built and the DeepSpeed engines alive; False if it built no group."""
+    import gc
+    import sys
+
+    import torch.distributed as dist
+
     kept = {id(g) for topo in _TOPOS.values() for g in vars(topo).values()}
     doomed = [g for g in _process_groups() if g not in before and id(g) not in kept]
     if not doomed:
-        return
+        return False
     dist.barrier()
     for g in doomed:
         dist.destroy_process_group(g)
-    import gc
-
     # a group's threads end with its last reference, and a DeepSpeed engine holds its groups in a cycle through its
     # parameters' C++ autograd hooks, which the collector cannot see: the engine's destroy() removes the hooks
     engines = sys.modules.get("deepspeed.runtime.engine")
@@ -123,11 +144,7 @@ def _release_groups(before: set) -> None:
                     obj.destroy()
                 except Exception:  # noqa: BLE001 - a half-built engine: its groups stay until the world restarts
                     pass
-    gc.collect()
-    # what survives a case (imports, caches) is moved out of the collector's sight: a full collection of a rank that
-    # has imported torch, DeepSpeed and transformers walks 430k objects (0.2 s), and Python runs one on its own every
-    # so often during a case; later collections walk only what later cases make
-    gc.freeze()
+    return True
 
 
 class World:
