@@ -102,11 +102,18 @@ def _release_groups(before: set) -> None:
             if name in ("mpu", "mesh_device") or (name.startswith("_") and name.isupper() and
                                                   ("GROUP" in name or name.startswith("_MPU_"))):
                 setattr(groups, name, {} if isinstance(value, dict) else None)
-    # every ZeRO-3 engine pushes its model on this stack and nothing pops it: the model's hooks hold the engine, the
-    # engine its groups (18 threads a case, kept for good once frozen below)
+    # two places of DeepSpeed's keep every ZeRO-3 model for good, and so, through the model's hooks, its engine and
+    # the engine's groups (18 threads a case): the stack each engine pushes its model on, and a class-level cache of
+    # the parameter coordinator keyed by the coordinator and a module
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if offload is not None:
         offload.FWD_MODULE_STACK.clear()
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    method = getattr(getattr(coordinator, "PartitionedParameterCoordinator", None),
+                     "_PartitionedParameterCoordinator__params_to_release", None)
+    for cell in getattr(method, "__closure__", None) or ():  # an lru_cache inside DeepSpeed's nvtx wrapper
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
     if not _destroy_case_groups(before):
         return
     import gc
