@@ -42,13 +42,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "mp.Queue") -> None:
+def _become_rank(rank: int, world_size: int, port: int, **extra: str) -> None:
+    """The environment a launcher gives rank ``rank`` of ``world_size`` on this host (and ``extra``), and one torch
+    thread: N ranks share the machine's few cores."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), **extra)
     import torch
+
+    torch.set_num_threads(1)
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "mp.Queue") -> None:
+    _become_rank(rank, world_size, port)
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # N ranks share the machine's few cores
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         results.put((-1, rank, True, None))
@@ -94,8 +101,6 @@ def _release_groups(before: set) -> None:
     4-rank world ran 800 threads a rank after 30 cases of tests/test_checkpoint.py and its idle ranks took most of two
     cores in system time. Every rank has finished the case when the barrier returns, so no message is in flight on a
     group being destroyed."""
-    import sys
-
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None:
         for name, value in list(vars(groups).items()):
@@ -130,7 +135,6 @@ def _release_groups(before: set) -> None:
 def _destroy_case_groups(before: set) -> bool:
     """Destroy the process groups the case built and the DeepSpeed engines alive; False if it built no group."""
     import gc
-    import sys
 
     import torch.distributed as dist
 
@@ -292,11 +296,7 @@ def _job_rank(rank: int, nprocs: int, port: int, log: str, fn: Callable[..., Any
     with open(log, "w") as f:  # the rank's stdout and stderr (its C++ libraries' too)
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs), OMP_NUM_THREADS="1")
-    import torch
-
-    torch.set_num_threads(1)
+    _become_rank(rank, nprocs, port, OMP_NUM_THREADS="1")
     fn(*args)
     sys.stdout.flush()
 
