@@ -15,11 +15,14 @@ imports nothing. When one of the three has been imported, it wraps one function 
   any data loader exists).
 
 A gate reads the DeepSpeed config of the call. Without ``"sequence_parallel"`` it calls the wrapped function
-unchanged, having imported nothing. With the key it imports ds-usp, whose checked patches
-(``ds_usp/integration/upstream/``, registered in its ``PATCHES`` table) do the work: ``ds_usp.initialize`` instead of
-DeepSpeed's, the batch size counted over replicas, the Trainer turned into ds-usp's. ``import ds_usp`` calls
-:func:`install` too, so the gates are the same whether or not the ``.pth`` ran (``python -S``, a source checkout on
-``PYTHONPATH``), and there is one wrapper of each function, never two stacked.
+unchanged, having imported nothing. With the key it calls its handler from :data:`HANDLERS`, a table this module
+holds and the package named by :data:`PROVIDER` fills (:func:`serve`) when it is imported; a gate imports that
+package by name when the table is still empty. The bootstrap knows nothing else of the package, and the package's
+checked patches (``ds_usp/upstream/``, registered in its ``PATCHES`` table, the gates' three wraps included) do the
+work: ``ds_usp.initialize`` instead of DeepSpeed's, the batch size counted over replicas, the Trainer turned into
+ds-usp's. ``import ds_usp`` fills the table and calls :func:`install` too, so the gates are the same whether or not
+the ``.pth`` ran (``python -S``, a source checkout on ``PYTHONPATH``), and there is one wrapper of each function,
+never two stacked.
 
 The off switch, ``DS_USP_AUTO=0`` (also ``false``, ``no``, ``off``), is read when a gate meets the key, not at start:
 a program that does not import ds-usp is then refused by name instead of silently training without sequence
@@ -184,13 +187,32 @@ def _refuse_off(where: str) -> None:
                      f'ds_usp.initialize / ds_usp.USPTrainer, or remove "{KEY}" to train without sequence parallelism')
 
 
-def _ds_usp(where: str) -> "Any":
-    """ds-usp, imported now; refused when the switch is off and the program did not import it."""
-    if not auto_enabled() and "ds_usp" not in sys.modules:
-        _refuse_off(where)
-    import ds_usp
+# ---- the handler table: what a gate calls when a config sets the key -------------------------------------------------
 
-    return ds_usp
+PROVIDER = "ds_usp"  # the package that fills HANDLERS when it is imported; the bootstrap imports nothing of it
+HANDLERS: "dict[str, Callable[..., Any]]" = {}  # gate name -> handler, filled by the provider through serve()
+
+
+def serve(handlers: "dict[str, Callable[..., Any]]") -> None:
+    """Fill the handler table (the provider calls it when it is imported; a gate whose key is set calls its handler).
+
+    Args:
+        handlers: ``{"deepspeed.initialize": f(original, call), "trainer_config": f(original, hf_config, args,
+            kwargs), "trainer": f(trainer, *args, **kwargs)}``.
+    """
+    HANDLERS.update(handlers)
+
+
+def _handler(name: str, where: str) -> "Callable[..., Any]":
+    """The handler of gate ``name``: the provider is imported now when it has not filled the table yet; refused when
+    the switch is off and the program did not import the provider."""
+    if name not in HANDLERS:
+        if not auto_enabled():
+            _refuse_off(where)
+        import importlib
+
+        importlib.import_module(PROVIDER)  # it calls serve() when imported
+    return HANDLERS[name]
 
 
 def _wrap(owner: "Any", name: str, make: "Callable[[Callable], Callable]") -> None:
@@ -228,10 +250,7 @@ def _gate_deepspeed(deepspeed: "Any") -> None:
             call, source = _deepspeed_config_of_call(original, args, kwargs)
             if call is None or not sets_key(source):
                 return original(*args, **kwargs)
-            ds_usp = _ds_usp("deepspeed.initialize")
-            from ds_usp.integration.upstream.deepspeed import route_initialize
-
-            return route_initialize(original, call, ds_usp.initialize)
+            return _handler("deepspeed.initialize", "deepspeed.initialize")(original, call)
         return initialize
 
     _wrap(deepspeed, "initialize", make)
@@ -242,10 +261,7 @@ def _gate_hf_deepspeed_config(module: "Any") -> None:
         def trainer_config_process(self: "Any", *args: "Any", **kwargs: "Any") -> "Any":
             if not sets_key(getattr(self, "config", None)):
                 return original(self, *args, **kwargs)
-            _ds_usp("TrainingArguments")
-            from ds_usp.integration.trainers.trainer import process_trainer_config
-
-            return process_trainer_config(original, self, args, kwargs)
+            return _handler("trainer_config", "TrainingArguments")(original, self, args, kwargs)
         return trainer_config_process
 
     _wrap(module.HfTrainerDeepSpeedConfig, "trainer_config_process", make)
@@ -266,10 +282,7 @@ def _gate_trainer(module: "Any") -> None:
         def create_accelerator_and_postprocess(self: "Any", *args: "Any", **kwargs: "Any") -> "Any":
             if getattr(type(self), "_ds_usp_trainer", False) or not sets_key(trainer_ds_config(self)):
                 return original(self, *args, **kwargs)
-            _ds_usp(f"{type(self).__name__} (an HF Trainer)")
-            from ds_usp.integration.trainers.trainer import adopt
-
-            return adopt(self, *args, **kwargs)
+            return _handler("trainer", f"{type(self).__name__} (an HF Trainer)")(self, *args, **kwargs)
         return create_accelerator_and_postprocess
 
     _wrap(module.Trainer, "create_accelerator_and_postprocess", make)

@@ -17,11 +17,12 @@ from ds_usp.integration.data import batch as data
 from ds_usp.integration.data.batch import shard_batch
 from ds_usp.integration.data.dynamic import dynamic_sp_step, plan_step
 from ds_usp.integration.data.loader import USPDataLoader
-from ds_usp.integration.engine.initialize import USPState, initialize, install_deepspeed_hook
+from ds_usp.integration.engine.initialize import USPState, initialize
 from ds_usp.integration.models import attention as hf
 from ds_usp.integration.step.loss import sp_cross_entropy
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks
+from ds_usp.upstream.deepspeed import route_initialize
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,29 @@ def _register_attention(modeling_utils: object) -> None:
     hf.register_usp_attention()
 
 
-install_deepspeed_hook()  # the gates: deepspeed.initialize, HF's "auto" batch size, the Trainer
+def _initialize_gate(original: object, call: dict) -> object:
+    """The ``deepspeed.initialize`` gate's handler: :func:`initialize` for a call whose config sets the key."""
+    return route_initialize(original, call, initialize)
+
+
+def _trainer_config_gate(original: object, hf_config: object, args: tuple, kwargs: dict) -> object:
+    """The ``TrainingArguments`` gate's handler: HF's ``"auto"`` values with the batch counted over replicas."""
+    from ds_usp.integration.trainers.trainer import process_trainer_config
+
+    return process_trainer_config(original, hf_config, args, kwargs)
+
+
+def _trainer_gate(trainer: object, *args: object, **kwargs: object) -> object:
+    """The Trainer gate's handler: a Trainer whose DeepSpeed config sets the key becomes ds-usp's."""
+    from ds_usp.integration.trainers.trainer import adopt
+
+    return adopt(trainer, *args, **kwargs)
+
+
+# the gates: deepspeed.initialize, HF's "auto" batch size, the Trainer (their handlers first, then the finder)
+_ds_usp_auto.serve({"deepspeed.initialize": _initialize_gate, "trainer_config": _trainer_config_gate,
+                    "trainer": _trainer_gate})
+_ds_usp_auto.install()
 _ds_usp_auto.when_imported("transformers.modeling_utils", _register_attention)
 
 

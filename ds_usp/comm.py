@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ds_usp.integration.upstream.c10d import process_group_named
+from ds_usp.upstream.c10d import process_group_named
 
 
 class USPCommError(RuntimeError):
@@ -58,7 +58,7 @@ def resolve_group(name: str) -> Any:
 
     Custom operators cannot take a process group as an argument (their schema has no such type), so the
     USP operators take group names and look the groups up here; nothing is kept by ds-usp itself (the lookup is
-    torch's private one, a registered patch: :mod:`ds_usp.integration.upstream.c10d`).
+    torch's private one, a registered patch: :mod:`ds_usp.upstream.c10d`).
 
     Args:
         name: the group's ``group_name``.

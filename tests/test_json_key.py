@@ -304,8 +304,6 @@ exec(STAND_IN)
 def test_the_gate_passes_calls_without_the_key_and_hands_the_key_to_ds_usp(monkeypatch, tmp_path):
     import _ds_usp_auto
 
-    from ds_usp.integration.upstream import deepspeed as ds_patches
-
     calls, routed = [], []
     module = stand_in_deepspeed(calls)  # noqa: F821 - from STAND_IN
     original = module.initialize
@@ -318,7 +316,8 @@ def test_the_gate_passes_calls_without_the_key_and_hands_the_key_to_ds_usp(monke
     assert module.initialize(model="m", config_params={"zero_optimization": {}}) == "deepspeed's engine"
     assert module.initialize(args=types.SimpleNamespace(deepspeed_config=str(plain)), model="m") == "deepspeed's engine"
     assert len(calls) == 3
-    monkeypatch.setattr(ds_patches, "route_initialize", lambda orig, call, init: routed.append((orig, dict(call))) or 1)
+    monkeypatch.setitem(_ds_usp_auto.HANDLERS, "deepspeed.initialize",
+                        lambda orig, call: routed.append((orig, dict(call))) or 1)
     hjson_file = tmp_path / "usp.json"
     hjson_file.write_text('{\n  // DeepSpeed reads hjson\n  "sequence_parallel": "usp",\n}\n')
     for given in ({"config": {"sequence_parallel": "usp"}}, {"config_params": str(hjson_file)},
@@ -427,7 +426,7 @@ def test_the_switch_refuses_a_plain_trainer_when_ds_usp_is_imported(monkeypatch)
 def test_accelerates_parallelism_config_is_taken_or_refused(monkeypatch):
     from accelerate.parallelism_config import ParallelismConfig
 
-    from ds_usp.integration.upstream.accelerate import parallelism_config_for_usp
+    from ds_usp.upstream.accelerate import parallelism_config_for_usp
 
     for var in ("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_SP_SIZE", "PARALLELISM_CONFIG_TP_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -474,7 +473,7 @@ def test_the_hook_changes_only_what_the_patch_table_records():
     import _ds_usp_auto
     from test_upstream import offences
 
-    from ds_usp.integration.upstream.registry import PATCHES
+    from ds_usp.upstream.catalog import PATCHES
 
     found = sorted(line.split(": ", 1)[1] for line in offences((ROOT / "_ds_usp_auto.py").read_text()))
     # the spec it returns and the module being created (the import system's, for this import only), the mark on

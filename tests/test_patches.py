@@ -1,4 +1,4 @@
-"""Every patch of third-party code (ds_usp/integration/upstream/) checks what it relies on and refuses by name.
+"""Every patch of third-party code (ds_usp/upstream/) checks what it relies on and refuses by name.
 
 Single process, no world: each patch is given a stand-in whose upstream piece changed (gone, other parameters,
 already fixed) and must refuse with UpstreamChanged naming the target and the upstream fix, or stand aside; on the
@@ -11,10 +11,11 @@ import types
 import pytest
 import torch
 
-from ds_usp.integration.upstream import accelerate, registry, transformers
-from ds_usp.integration.upstream import deepspeed as deepspeed_patches
-from ds_usp.integration.upstream import torch as torch_patches
-from ds_usp.integration.upstream.registry import PATCHES, UpstreamChanged
+from ds_usp.upstream import accelerate, registry, transformers
+from ds_usp.upstream import deepspeed as deepspeed_patches
+from ds_usp.upstream import torch as torch_patches
+from ds_usp.upstream.catalog import PATCHES
+from ds_usp.upstream.registry import UpstreamChanged
 
 
 def test_every_patch_names_its_target_and_upstream_fix():
@@ -132,7 +133,7 @@ def test_replicas_view_swaps_and_restores_and_refuses_a_changed_accelerate():
 def test_group_lookup_refuses_a_changed_torch(monkeypatch):
     import torch.distributed as dist
 
-    from ds_usp.integration.upstream import c10d
+    from ds_usp.upstream import c10d
 
     assert callable(c10d._resolver())  # the installed torch has it (a pybind builtin: checked by its docstring)
     for changed in (None, lambda name: name):
@@ -148,7 +149,7 @@ def test_triton_interpreter_switch_is_restored_and_checked(monkeypatch):
     pytest.importorskip("triton")
     from triton import knobs
 
-    from ds_usp.integration.upstream import triton as triton_patches
+    from ds_usp.upstream import triton as triton_patches
 
     before = knobs.runtime.interpret
     with triton_patches.interpreted(not before):
@@ -253,7 +254,7 @@ def test_the_trainer_route_and_the_gradient_boundary_go_through_accelerates_publ
     from accelerate import Accelerator
     from accelerate.state import GradientState
 
-    from ds_usp.integration.upstream.deepspeed import TRAINER_ROUTE
+    from ds_usp.upstream.deepspeed import TRAINER_ROUTE
 
     accelerator = Accelerator.__new__(Accelerator)  # no state needed beyond the gradient state
     seen = []
@@ -276,7 +277,7 @@ def test_the_trainer_route_and_the_gradient_boundary_go_through_accelerates_publ
 def test_checkpoint_rotation_is_held_back_and_restored(monkeypatch):
     import transformers
 
-    from ds_usp.integration.upstream import transformers_trainer
+    from ds_usp.upstream import transformers_trainer
 
     args = types.SimpleNamespace(save_total_limit=2)
     with transformers_trainer.rotation_held_back(args) as limit:
@@ -294,7 +295,7 @@ def test_checkpoint_rotation_is_held_back_and_restored(monkeypatch):
 
 def test_trl_generation_batch_is_divided_once_and_checked(monkeypatch):
     pytest.importorskip("trl")
-    from ds_usp.integration.upstream import trl as trl_patches
+    from ds_usp.upstream import trl as trl_patches
 
     class Config:
         def __init__(self):

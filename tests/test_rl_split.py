@@ -116,9 +116,9 @@ def test_generation_patches_check_trl_and_restore_what_they_change(monkeypatch):
     call changed is refused by name; DeepSpeed's start-of-forward hook goes back to its place."""
     import trl
 
-    from ds_usp.integration.upstream import trl as trl_patches
-    from ds_usp.integration.upstream.deepspeed import start_of_forward_hook_off
-    from ds_usp.integration.upstream.registry import UpstreamChanged
+    from ds_usp.upstream import trl as trl_patches
+    from ds_usp.upstream.deepspeed import start_of_forward_hook_off
+    from ds_usp.upstream.registry import UpstreamChanged
 
     model = _tiny_llama()
     with trl_patches.generate_arguments(model, trl.GRPOTrainer, synced_gpus=False):

@@ -1,4 +1,4 @@
-"""Every change to a third-party object is in ds_usp/integration/upstream/, and every collective in ds_usp/comm.py.
+"""Every change to a third-party object is in ds_usp/upstream/, and every collective in ds_usp/comm.py.
 
 The package's syntax trees are walked (no import, no world) and each rule names the offending file, line and
 expression:
@@ -13,7 +13,7 @@ expression:
 * (c) a ``torch.distributed`` collective called outside ds_usp/comm.py, whatever its alias (``dist.all_reduce``,
   ``torch.distributed.barrier``, ``from torch.distributed import all_gather``).
 
-Rules (a) and (b) skip ds_usp/integration/upstream/ (the registered patches live there); rule (c) skips only
+Rules (a) and (b) skip ds_usp/upstream/ (the registered patches live there); rule (c) skips only
 ds_usp/comm.py. Each rule is shown to catch a violation planted in a temporary file, through the same function.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ds_usp"
-UPSTREAM = PACKAGE / "integration" / "upstream"
+UPSTREAM = PACKAGE / "upstream"
 COMM = PACKAGE / "comm.py"
 
 COLLECTIVES = frozenset({
@@ -182,7 +182,7 @@ def offences(source: str, path: str = "<source>", rules: str = "abc") -> list[st
 
 
 def package_offences(package: Path = PACKAGE) -> list[str]:
-    """Every offence in ``package``: rules a and b outside its ``integration/upstream/``, rule c outside its
+    """Every offence in ``package``: rules a and b outside its ``upstream/``, rule c outside its
     ``comm.py`` (paths named from the package's parent)."""
     upstream, comm = package / UPSTREAM.relative_to(PACKAGE), package / COMM.relative_to(PACKAGE)
     found = []
@@ -200,13 +200,49 @@ def _rule(rule: str) -> list[str]:
 def test_no_third_party_object_is_changed_outside_upstream():
     found = _rule("a")
     assert not found, ("attributes of objects that are not self/cls/autograd's ctx are changed outside "
-                       "ds_usp/integration/upstream/ (register the change there as a Patch):\n" + "\n".join(found))
+                       "ds_usp/upstream/ (register the change there as a Patch):\n" + "\n".join(found))
 
 
 def test_no_private_call_outside_upstream():
     found = _rule("b")
     assert not found, ("single-underscore attributes of other objects are called outside "
-                       "ds_usp/integration/upstream/ (register the call there as a Patch):\n" + "\n".join(found))
+                       "ds_usp/upstream/ (register the call there as a Patch):\n" + "\n".join(found))
+
+
+BOOTSTRAP = ROOT / "_ds_usp_auto.py"
+# the bootstrap's only changes to other objects, each a registered patch: the import finder's loaders
+# ("import_finder") and the gates' wraps ("deepspeed_initialize", "trainer_batch_size", "trainer_adoption")
+BOOTSTRAP_CHANGES = {"_Loader.exec_module": "import_finder", "_Watcher.find_spec": "import_finder",
+                     "_wrap": "deepspeed_initialize"}
+
+
+def _functions_of_lines(tree: ast.Module) -> dict[int, str]:
+    """``line -> Class.function`` (or ``function``) for every line inside a function of the module."""
+    where = {}
+    for node in tree.body:
+        inner = node.body if isinstance(node, ast.ClassDef) else [node]
+        for fn in inner:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{node.name}.{fn.name}" if isinstance(node, ast.ClassDef) else fn.name
+                where.update({line: name for line in range(fn.lineno, fn.end_lineno + 1)})
+    return where
+
+
+def test_the_bootstrap_changes_only_what_the_patch_table_records():
+    """The bootstrap (top-level ``_ds_usp_auto.py``, outside the package) is walked by the same rules: it changes
+    other objects only in the functions listed above, each a registered patch, and runs no collective."""
+    from ds_usp.upstream.catalog import PATCHES
+
+    text = BOOTSTRAP.read_text()
+    where = _functions_of_lines(ast.parse(text))
+    found = offences(text, "_ds_usp_auto.py", "abc")
+    outside = [line for line in found if where.get(int(line.split(":")[1])) not in BOOTSTRAP_CHANGES]
+    assert found and not outside, "the bootstrap changes other objects outside its recorded places:\n" + "\n".join(
+        outside)
+    assert {BOOTSTRAP_CHANGES[where[int(line.split(":")[1])]] for line in found} == set(BOOTSTRAP_CHANGES.values())
+    assert all(key in PATCHES for key in ("import_finder", "deepspeed_initialize", "trainer_batch_size",
+                                          "trainer_adoption"))
+    assert "sys.meta_path" in PATCHES["import_finder"].target
 
 
 def test_every_collective_goes_through_comm():
@@ -299,26 +335,26 @@ def test_rule_c_catches_a_collective_under_any_alias(tmp_path):
 
 
 def test_the_package_walk_applies_each_rule_where_it_holds(tmp_path):
-    """Rules a/b skip integration/upstream/, rule c skips comm.py only (a planted package with the same names)."""
+    """Rules a/b skip upstream/, rule c skips comm.py only (a planted package with the same names)."""
     package = tmp_path / "ds_usp"
-    upstream = package / "integration" / "upstream"
+    upstream = package / "upstream"
     upstream.mkdir(parents=True)
     body = "import torch.distributed as dist\ndef f(e):\n    e.x = 1\n    e._p()\n    dist.barrier()\n"
     for path in (upstream / "patch.py", package / "comm.py", package / "other.py"):
         path.write_text(body)
     found = sorted((line.split(":")[0], line.split(" ")[1]) for line in package_offences(package))
     assert found == [("ds_usp/comm.py", "(a)"), ("ds_usp/comm.py", "(b)"),
-                     ("ds_usp/integration/upstream/patch.py", "(c)"),
-                     ("ds_usp/other.py", "(a)"), ("ds_usp/other.py", "(b)"), ("ds_usp/other.py", "(c)")], found
+                     ("ds_usp/other.py", "(a)"), ("ds_usp/other.py", "(b)"), ("ds_usp/other.py", "(c)"),
+                     ("ds_usp/upstream/patch.py", "(c)")], found
 
 
 def test_architecture_doc_lists_every_registered_patch():
     """docs/architecture.md's patch table is the registry's (every ``Patch`` registered, with its texts), so a patch
     added without its row, or a row left after its patch went, fails here."""
-    from ds_usp.integration.upstream import registry
+    from ds_usp.upstream import catalog
 
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    table = registry.patch_table()
-    assert len(registry.PATCHES) > 20
+    table = catalog.patch_table()
+    assert len(catalog.PATCHES) > 20
     assert table in doc, ("docs/architecture.md's patch table differs from the registry's; paste this under "
                           "'## Patches of third-party code':\n" + table)

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ds_usp.integration.upstream.triton import inline_interpreted_helpers, interpreted
+from ds_usp.upstream.triton import inline_interpreted_helpers, interpreted
 
 __all__ = ["unavailable_reason", "attention_forward", "attention_backward", "band_forward", "band_forward_merge_",
            "band_backward"]

@@ -16,7 +16,7 @@ Asynchronous saves (``save_checkpoint(..., async_save=True)``, or ``"usp": {"asy
 only while each rank builds its state dicts with DeepSpeed's own per-rank builders against a checkpoint engine that
 copies them (:class:`_Snapshots`), after one small all-reduce (the tag the same on every rank, no earlier background
 write failed): DeepSpeed's barriers, tag check and ZeRO-3's re-gather of its persistent parameters stay off the
-training thread (:func:`ds_usp.integration.upstream.deepspeed.state_only_save`). A background thread on every rank
+training thread (:func:`ds_usp.upstream.deepspeed.state_only_save`). A background thread on every rank
 then writes and syncs its copies and drops a marker file (:data:`WRITTEN`), and rank 0's thread, once every rank's
 marker is there, writes the manifest and moves ``latest``: the same order as a blocking save, with no collective off
 the main thread. A save, a load or the end of the process waits for the pending one (``engine.wait_for_checkpoint()``
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.comm import all_gather_objects, all_reduce_max_, barrier
-from ds_usp.integration.upstream.deepspeed import checkpoint_engine_as, state_only_save
+from ds_usp.upstream.deepspeed import checkpoint_engine_as, state_only_save
 from ds_usp.log import log_warning
 
 MANIFEST = "ds_usp_manifest.json"
@@ -321,7 +321,7 @@ class _VerifyingLoad:
 class AtomicCheckpoints:
     """An engine's checkpoints complete or absent (module docstring): :meth:`save_checkpoint` (blocking or
     asynchronous), ``load_checkpoint`` (a :class:`_VerifyingLoad`) and :meth:`wait_for_checkpoint`, in front of
-    DeepSpeed's own save and load (:func:`ds_usp.integration.upstream.deepspeed.replace_checkpointing` makes them the
+    DeepSpeed's own save and load (:func:`ds_usp.upstream.deepspeed.replace_checkpointing` makes them the
     engine's).
 
     Args:

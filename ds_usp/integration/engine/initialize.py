@@ -46,8 +46,7 @@ from ds_usp.integration.models.vision import prepare_vision_towers
 from ds_usp.integration.step.choices import MemoryContext
 from ds_usp.integration.step.dit import apply_dit_memory
 from ds_usp.integration.step.forward import apply as apply_memory_features
-from ds_usp.integration.upstream import deepspeed as ds_patches
-from ds_usp.integration.upstream.deepspeed import (attach_state, check_zero_optimizers_first, deepspeed_initialize,
+from ds_usp.upstream.deepspeed import (attach_state, check_zero_optimizers_first, deepspeed_initialize,
                                                    fix_zero3_sequence_parallel_scaling, note_failures,
                                                    quiet_deepspeed_deprecations, replace_checkpointing,
                                                    unlink_shm_buffer)
@@ -248,9 +247,3 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     # checkpoints complete or absent, loads verified first (ds_usp.integration.engine.checkpoints)
     replace_checkpointing(engine, AtomicCheckpoints(engine, usp_cfg.async_save, usp_cfg.timeout_seconds))
     return engine, opt, loader, sched
-
-
-def install_deepspeed_hook() -> None:
-    """Make ``deepspeed.initialize`` given a ``"sequence_parallel"`` config be :func:`initialize`, now or when DeepSpeed
-    is imported (``import ds_usp`` calls it; see :func:`ds_usp.integration.upstream.deepspeed.route_initialize`)."""
-    ds_patches.install_deepspeed_hook()

@@ -30,8 +30,8 @@ from ds_usp.attention import AttentionMask, AttentionRun, attention
 from ds_usp.integration.data.batch import documents_of_shard, packed_documents
 from ds_usp.integration.models.masks import HFMask, usp_mask
 from ds_usp.integration.models.multimodal import BODY_SPANS_KEY
-from ds_usp.integration.upstream.torch import set_module_attribute
-from ds_usp.integration.upstream.transformers import (attention_implementation, set_attention_implementation,
+from ds_usp.upstream.torch import set_module_attribute
+from ds_usp.upstream.transformers import (attention_implementation, set_attention_implementation,
                                                       wrap_attn_implementation_check)
 from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.topology import USPTopology

@@ -60,8 +60,8 @@ from torch import Tensor, nn
 
 from ds_usp.integration.data.batch import packed_documents
 from ds_usp.integration.models.attention import USPContext, context_of
-from ds_usp.integration.upstream.torch import replace_forward, set_module_attribute
-from ds_usp.integration.upstream.transformers import replace_family_functions, replace_private_method
+from ds_usp.upstream.torch import replace_forward, set_module_attribute
+from ds_usp.upstream.transformers import replace_family_functions, replace_private_method
 from ds_usp.linear import (check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_linear_recurrence,
                            sharded_selective_scan)
 

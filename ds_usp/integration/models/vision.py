@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from ds_usp.comm import sum_grads_over_group
 from ds_usp.integration.models.attention import VISION_ATTN_NAME, context_of
 from ds_usp.integration.models.multimodal import body_and_language_model
-from ds_usp.integration.upstream.torch import set_module_attribute
-from ds_usp.integration.upstream.transformers import attention_implementation, set_attention_implementation
+from ds_usp.upstream.torch import set_module_attribute
+from ds_usp.upstream.transformers import attention_implementation, set_attention_implementation
 from ds_usp.log import log_rank0
 from ds_usp.sharding import gather_sequence, shard_sequence
 

@@ -28,7 +28,7 @@ from ds_usp.integration.models.diffusion.shape import dit_shape, feed_forward_mo
 from ds_usp.integration.step.choices import MemoryContext, MemorySettings
 from ds_usp.integration.step.recompute import Offload, _selective_contexts, trim_host_heap
 from ds_usp.integration.step.tiling import tiled_mlp
-from ds_usp.integration.upstream.torch import replace_forward
+from ds_usp.upstream.torch import replace_forward
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 

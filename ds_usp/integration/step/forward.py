@@ -37,7 +37,7 @@ from ds_usp.integration.step.loss import LogitsTail, chunked_lm_loss, load_balan
 from ds_usp.integration.step.recompute import Offload, checkpointed_layer_forward
 from ds_usp.integration.step.tail import RouterAux, find_logits_tail, find_router_aux
 from ds_usp.integration.step.tiling import GatedParts, gated_parts, tile_bounds, tiled_mlp
-from ds_usp.integration.upstream.torch import replace_forward
+from ds_usp.upstream.torch import replace_forward
 from ds_usp.log import log_rank0
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import USPTopology

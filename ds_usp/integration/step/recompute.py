@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from ds_usp.integration.step.choices import MemoryContext
-from ds_usp.integration.upstream.torch import tolerant_recompute
+from ds_usp.upstream.torch import tolerant_recompute
 
 # ---------------------------------------------------------------------- activation checkpointing
 
@@ -56,7 +56,7 @@ def _keep_ring_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkp
 
 def _selective_contexts() -> tuple[Any, Any]:
     """torch's selective-checkpointing contexts keeping the ring attention, the recomputation tolerant of ops the forward
-    did not run (:func:`ds_usp.integration.upstream.torch.tolerant_recompute`)."""
+    did not run (:func:`ds_usp.upstream.torch.tolerant_recompute`)."""
     forward, recompute = create_selective_checkpoint_contexts(_keep_ring_attention)
     return forward, tolerant_recompute(recompute)
 

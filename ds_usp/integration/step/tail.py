@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ds_usp.integration.step.loss import LogitsTail, gathered, load_balancing_loss
-from ds_usp.integration.upstream.torch import replace_forward, restore_forward
+from ds_usp.upstream.torch import replace_forward, restore_forward
 
 # ----------------------------------------------------------------------------------- the logits tail
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_usp.integration.upstream.deepspeed import set_grad_ready
-from ds_usp.integration.upstream.torch import no_checkpoint_policy
+from ds_usp.upstream.deepspeed import set_grad_ready
+from ds_usp.upstream.torch import no_checkpoint_policy
 
 # -------------------------------------------------------------------------------------- tiled MLP
 

@@ -27,7 +27,7 @@ changes, in one place for the three trainers (:class:`USPRLMixin`); each TRL tra
   (:func:`ds_usp.integration.step.logprobs.fused_forward`), left-padded prompts and right-padded completions exact;
 * **losses and metrics**: TRL's own code on those whole per-token tensors, identical on the ranks of a group, with
   accelerate's processes seen as the data-parallel replicas while it runs
-  (:func:`ds_usp.integration.upstream.accelerate.replicas_view`), so rewards, advantages, every ``loss_type``
+  (:func:`ds_usp.upstream.accelerate.replicas_view`), so rewards, advantages, every ``loss_type``
   normalisation and every logged metric count each sample once; DeepSpeed sums the group's gradient shares.
 
 Refused by name before any step: vLLM generation, paged or continuous-batching generation, Liger kernels,
@@ -54,9 +54,9 @@ from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, FusedHead
 from ds_usp.integration.trainers import rollout as rollouts
 from ds_usp.integration.trainers.rollout import Rollout
 from ds_usp.integration.trainers.trainer import USPTrainerBase
-from ds_usp.integration.upstream.accelerate import replicas_view
-from ds_usp.integration.upstream.deepspeed import torch_linear
-from ds_usp.integration.upstream.trl import (generate_arguments, generation_batch_per_group, record_fused_head,
+from ds_usp.upstream.accelerate import replicas_view
+from ds_usp.upstream.deepspeed import torch_linear
+from ds_usp.upstream.trl import (generate_arguments, generation_batch_per_group, record_fused_head,
                                              rollout_gathered_once)
 
 
@@ -362,7 +362,7 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
     @contextlib.contextmanager
     def _rollout_context(self, rollout: Rollout) -> Iterator[None]:
         """Whole sequences without USP (:func:`ds_usp.hf.unsharded`) and torch's own linear
-        (:func:`~ds_usp.integration.upstream.deepspeed.torch_linear`); under ZeRO-3 (split) the parameters gathered
+        (:func:`~ds_usp.upstream.deepspeed.torch_linear`); under ZeRO-3 (split) the parameters gathered
         once for the rollout, no hook, and ``synced_gpus`` off: nothing in generation is collective."""
         if self._usp is None:
             yield

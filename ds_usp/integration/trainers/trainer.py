@@ -22,7 +22,7 @@ naming it, see :func:`check_hooks`):
 
 * the engine: accelerate creates it with ``deepspeed.initialize`` and offers no way to pass an
   ``mpu``; the gate on ``deepspeed.initialize`` makes a call with a ``"sequence_parallel"`` config
-  :func:`ds_usp.initialize` (:func:`ds_usp.integration.upstream.deepspeed.route_initialize`), which builds the
+  :func:`ds_usp.initialize` (:func:`ds_usp.upstream.deepspeed.route_initialize`), which builds the
   groups and hands DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks; while the
   trainer's ``accelerator.prepare`` runs it marks the call as a USP trainer's (any other accelerate call is refused);
 * data: the loaders split batches over replicas only (every rank of an SP group gets the same
@@ -59,11 +59,11 @@ from ds_usp.integration.data.batch import IGNORE_INDEX, VISUAL_KEYS, packed_docu
 from ds_usp.integration.engine.checkpoints import complete_or_newest, write_manifest
 from ds_usp.integration.engine.preflight import installed_version
 from ds_usp.integration.models.attention import ATTN_NAME, refuse_non_interface_family, register_usp_attention
-from ds_usp.integration.upstream.accelerate import (check_accelerate_reads_deepspeed_initialize, gather_for_metrics,
+from ds_usp.upstream.accelerate import (check_accelerate_reads_deepspeed_initialize, gather_for_metrics,
                                                     parallelism_config_for_usp, route_prepare, set_sync_gradients,
                                                     shard_over_replicas)
-from ds_usp.integration.upstream.transformers import attention_implementation, process_with_replicas_batch
-from ds_usp.integration.upstream.transformers_trainer import become, rotation_held_back
+from ds_usp.upstream.transformers import attention_implementation, process_with_replicas_batch
+from ds_usp.upstream.transformers_trainer import become, rotation_held_back
 from ds_usp.log import log_rank0
 
 # The Trainer / accelerate / HF-DeepSpeed pieces this module overrides or calls: (module, class, method, parameters

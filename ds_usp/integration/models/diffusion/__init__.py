@@ -23,8 +23,8 @@ from ds_usp.attention import AttentionRun
 from ds_usp.integration.models.diffusion.hooks import DiTForward, install
 from ds_usp.integration.models.diffusion.plans import FAMILIES, FamilyPlan, is_diffusers_model, plan_of
 from ds_usp.integration.models.diffusion.state import DiTCall, DiTContext
-from ds_usp.integration.upstream.diffusers import route_attention_backends
-from ds_usp.integration.upstream.torch import replace_forward
+from ds_usp.upstream.diffusers import route_attention_backends
+from ds_usp.upstream.torch import replace_forward
 from ds_usp.topology import USPTopology
 
 __all__ = ["FAMILIES", "DiTCall", "DiTContext", "FamilyPlan", "check_diffusion_model", "is_diffusers_model",

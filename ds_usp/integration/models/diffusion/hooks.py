@@ -21,7 +21,7 @@ from ds_usp.integration.models.diffusion.plans import IMAGE, Cut, FamilyPlan, Ro
 from ds_usp.integration.models.diffusion.processors import USP_PROCESSORS
 from ds_usp.integration.models.diffusion.routing import AttentionRoute
 from ds_usp.integration.models.diffusion.state import DiTCall, DiTContext
-from ds_usp.integration.upstream.diffusers import (backend_takes_route, check_forward_parameters, give_route,
+from ds_usp.upstream.diffusers import (backend_takes_route, check_forward_parameters, give_route,
                                                    set_processor)
 
 

@@ -14,7 +14,7 @@ alone: the rank's queries meet the whole text, on every rank.
 
 The plans are read from diffusers 0.42's sources (``docs/models.md``'s diffusion section lists them); every parameter
 a plan names is checked on the installed classes before a hook is registered
-(:func:`ds_usp.integration.upstream.diffusers.check_forward_parameters`).
+(:func:`ds_usp.upstream.diffusers.check_forward_parameters`).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class Role:
         processor: the class name of the family's processor that ds-usp knows (any other is refused).
         usp_processor: ds-usp's processor for it (:mod:`.processors`), for families whose processor calls torch's
             SDPA itself; None: the family's processor, routed
-            (:func:`~ds_usp.integration.upstream.diffusers.give_route`).
+            (:func:`~ds_usp.upstream.diffusers.give_route`).
     """
 
     order: tuple[str, ...]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ds_usp.attention import AttentionMask, attention
 from ds_usp.integration.models.diffusion.state import DiTContext
-from ds_usp.integration.upstream.diffusers import DispatchRoute
+from ds_usp.upstream.diffusers import DispatchRoute
 
 NEUTRAL = ("enable_gqa",)  # dispatch_attention_fn's keywords that change nothing here (ds-usp's attention does GQA)
 

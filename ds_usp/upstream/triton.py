@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from ds_usp.integration.upstream.registry import Patch, refuse, register
+from ds_usp.upstream.registry import Patch, refuse, register
 
 register("triton_interpret", Patch(
     "triton.knobs.runtime.interpret (Triton's process-wide interpreter switch, TRITON_INTERPRET)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Optional
 
-from ds_usp.integration.upstream.registry import Patch, refuse, register, require_parameters
+from ds_usp.upstream.registry import Patch, refuse, register, require_parameters
 
 register("attn_implementation_check", Patch(
     "transformers.PreTrainedModel._check_and_adjust_attn_implementation",

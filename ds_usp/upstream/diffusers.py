@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from torch import nn
 
-from ds_usp.integration.upstream.registry import Patch, refuse, register, require_parameters
+from ds_usp.upstream.registry import Patch, refuse, register, require_parameters
 
 register("diffusers_backends", Patch(
     "diffusers.models.attention_dispatch._AttentionBackendRegistry._backends (every registered backend function "

@@ -87,11 +87,3 @@ def require_parameters(key: str, fn: Any, params: tuple[str, ...]) -> None:
     lacking = lacking_parameters(fn, params)
     if lacking:
         refuse(key, f"it takes no {', '.join(lacking)} in the installed version")
-
-
-def patch_table() -> str:
-    """:data:`PATCHES` as the Markdown table docs/architecture.md shows (tests/test_upstream.py compares the two), in
-    the order the upstream modules register them."""
-    rows = ["| patched | why | checked before patching | upstream fix |", "| --- | --- | --- | --- |"]
-    rows += [f"| {p.target} | {p.why} | {p.relies_on} | {p.upstream_fix} |" for p in PATCHES.values()]
-    return "\n".join(rows)

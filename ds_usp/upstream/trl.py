@@ -9,8 +9,8 @@ import functools
 import inspect
 from typing import Any, Iterator
 
-from ds_usp.integration.upstream.registry import Patch, innermost, refuse, register, require_parameters
-from ds_usp.integration.upstream.torch import set_module_attribute
+from ds_usp.upstream.registry import Patch, innermost, refuse, register, require_parameters
+from ds_usp.upstream.torch import set_module_attribute
 
 register("generation_batch_per_group", Patch(
     "TRL's GRPOConfig / RLOOConfig.generation_batch_size (a ds-usp RL trainer's args: divided once by the "
@@ -63,7 +63,7 @@ def generation_batch_per_group(args: Any, sp_size: int) -> None:
 
 def record_fused_head(model: Any, attr: str, settings: Any) -> None:
     """Keep ``settings`` (the temperature and float32 cast TRL gave ``add_fused_lm_head``) as ``model.<attr>``
-    (:func:`ds_usp.integration.upstream.torch.set_module_attribute`).
+    (:func:`ds_usp.upstream.torch.set_module_attribute`).
 
     Raises:
         UpstreamChanged: ``add_fused_lm_head`` takes other parameters.
@@ -146,7 +146,7 @@ def generate_arguments(model: Any, trainer_class: type, **arguments: Any) -> Ite
 def rollout_gathered_once(engine: Any, args: Any) -> Iterator[None]:
     """While the block runs, a ZeRO-3 engine's parameters are whole on every rank (one gather over the partition
     group on entry, as TRL's per-call gather does), its hooks off (TRL's ``remove_hooks``, and DeepSpeed's
-    start-of-forward hook: :func:`ds_usp.integration.upstream.deepspeed.start_of_forward_hook_off`) and TRL's own
+    start-of-forward hook: :func:`ds_usp.upstream.deepspeed.start_of_forward_hook_off`) and TRL's own
     per-call gather off (``args.ds3_gather_for_generation``): nothing in generation is collective.
 
     Args:
@@ -159,7 +159,7 @@ def rollout_gathered_once(engine: Any, args: Any) -> Iterator[None]:
     import deepspeed
     import trl.models.utils as trl_models
 
-    from ds_usp.integration.upstream.deepspeed import start_of_forward_hook_off
+    from ds_usp.upstream.deepspeed import start_of_forward_hook_off
 
     unwrap = getattr(trl_models, "_unwrap_model_for_generation", None)
     if not hasattr(args, "ds3_gather_for_generation") or unwrap is None or \

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ds_usp.integration.upstream.registry import (Patch, innermost, lacking_parameters, refuse, register,
+from ds_usp.upstream.registry import (Patch, innermost, lacking_parameters, refuse, register,
                                                   require_parameters)
 from ds_usp.topology import USPMpu
 
@@ -148,15 +148,6 @@ def route_initialize(original: Callable[..., Any], call: Mapping[str, Any], init
                          "whole sequences. Use ds_usp.USPTrainer (or ds_usp.USPSFTTrainer for TRL's SFTTrainer), or "
                          "ds_usp.initialize with ds_usp.shard_batch in a loop of your own")
     return initialize(**call)
-
-
-def install_deepspeed_hook() -> None:
-    """Make ``deepspeed.initialize`` given a ``"sequence_parallel"`` config be ``ds_usp.initialize``, now or when
-    DeepSpeed is imported (idempotent; DeepSpeed is not imported here): the gates of ``_ds_usp_auto``, which the
-    ``.pth`` of an installed ds-usp also installs at interpreter start."""
-    import _ds_usp_auto
-
-    _ds_usp_auto.install()
 
 
 def quiet_deepspeed_deprecations() -> None:

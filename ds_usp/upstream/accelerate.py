@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ds_usp.integration.upstream.deepspeed import TRAINER_ROUTE
-from ds_usp.integration.upstream.registry import Patch, refuse, register, require_parameters
+from ds_usp.upstream.deepspeed import TRAINER_ROUTE
+from ds_usp.upstream.registry import Patch, refuse, register, require_parameters
 
 register("replicas_view", Patch(
     "accelerate's Accelerator (num_processes, process_index, gather, gather_for_metrics, reduce, "
@@ -186,7 +186,7 @@ def replicas_view(accelerator: Any, modules: tuple, group: Any, size: int, index
 
 def route_prepare(accelerator: Any) -> None:
     """Make ``accelerator.prepare`` mark the ``deepspeed.initialize`` it calls as a ds-usp trainer's
-    (:data:`ds_usp.integration.upstream.deepspeed.TRAINER_ROUTE`), so that the hook builds the engine with
+    (:data:`ds_usp.upstream.deepspeed.TRAINER_ROUTE`), so that the hook builds the engine with
     ``ds_usp.initialize`` instead of refusing a plain Trainer.
 
     Raises:

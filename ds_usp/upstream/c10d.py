@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ds_usp.integration.upstream.registry import Patch, refuse, register
+from ds_usp.upstream.registry import Patch, refuse, register
 
 register("group_by_name", Patch(
     "torch.distributed.distributed_c10d._resolve_process_group (a private function, called)",

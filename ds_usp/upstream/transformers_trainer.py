@@ -8,7 +8,7 @@ import functools
 import inspect
 from typing import Any, Iterator
 
-from ds_usp.integration.upstream.registry import Patch, refuse, register
+from ds_usp.upstream.registry import Patch, refuse, register
 
 register("checkpoint_rotation", Patch(
     "transformers' TrainingArguments.save_total_limit (a ds-usp trainer's args: None while the Trainer's "

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 import torch
 import torch.utils.checkpoint
 
-from ds_usp.integration.upstream.registry import Patch, refuse, register
+from ds_usp.upstream.registry import Patch, refuse, register
 
 register("tolerant_recompute", Patch(
     "torch.utils.checkpoint._CachedTorchDispatchMode (selective checkpointing's recomputation)",
