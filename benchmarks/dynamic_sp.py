@@ -150,6 +150,7 @@ def alst_step(model: Any, config: dict, args: argparse.Namespace) -> Callable[[l
     from deepspeed.utils import groups
 
     from ds_usp.integration.data.dynamic import step_targets
+    from ds_usp.integration.step.dynamic import engine_backward, run_micro_batches
 
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sequence_parallel_size=4,
@@ -161,8 +162,8 @@ def alst_step(model: Any, config: dict, args: argparse.Namespace) -> Callable[[l
 
     def step(docs: list[dict]) -> float:
         targets = max(step_targets(docs), 1)
-        total = 0.0
-        for k, doc in enumerate(docs):
+
+        def loss_of(doc: dict) -> torch.Tensor:
             ids = doc["input_ids"].reshape(1, -1)
             n = ids.shape[1]
             pad = -n % 4
@@ -173,12 +174,11 @@ def alst_step(model: Any, config: dict, args: argparse.Namespace) -> Callable[[l
             hidden = module.model(input_ids=ids[:, part], position_ids=torch.arange(ids.shape[1])[None, part],
                                   use_cache=False).last_hidden_state
             mine = alst_tiled_loss(module, hidden, shift[:, part].contiguous(), VOCAB)
-            loss = sum(dist_fn.all_gather(mine, group=group)) / targets
-            engine.set_gradient_accumulation_boundary(k == len(docs) - 1)
-            engine.backward(loss, scale_wrt_gas=False)
-            total += float(loss.detach())
+            return sum(dist_fn.all_gather(mine, group=group)) / targets
+
+        losses = run_micro_batches(docs, loss_of, engine_backward(engine))  # one document per micro batch
         engine.step()
-        return total
+        return sum(float(loss) for loss in losses)
 
     return step
 

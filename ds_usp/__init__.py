@@ -15,10 +15,11 @@ from ds_usp.attention import USPAttention, ring_attention, ulysses_attention, us
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
 from ds_usp.integration.data import batch as data
 from ds_usp.integration.data.batch import shard_batch
-from ds_usp.integration.data.dynamic import dynamic_sp_step, plan_step
+from ds_usp.integration.data.dynamic import plan_step
 from ds_usp.integration.data.loader import USPDataLoader
 from ds_usp.integration.engine.initialize import USPState, initialize
 from ds_usp.integration.models import attention as hf
+from ds_usp.integration.step.dynamic import dynamic_sp_step
 from ds_usp.integration.step.loss import sp_cross_entropy
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks

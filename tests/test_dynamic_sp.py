@@ -280,3 +280,58 @@ def test_dynamic_sp_step_equals_one_process(world4, stage, family):
     steps equal one process. Qwen3-Next (2 documents more: degrees 4, 2 and 1, one rank without a document in the
     last; SGD): Gated DeltaNet state passed over a degree's ranks, MoE router loss over each micro batch's tokens."""
     assert world4.run(train_steps, stage, family) == ["ok"] * 4
+
+
+# ---- the one loop over a plan's micro batches, and its two boundary callbacks --------------------------------------
+
+class _RecordingEngine:
+    """What a DeepSpeed engine is asked during a dynamic-SP step, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.calls.append(("boundary", is_boundary))
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        self.calls.append(("backward", float(loss.detach()), scale_wrt_gas))
+
+
+class _RecordingAccelerator:
+    """What accelerate's ``Accelerator`` is asked during the Trainer's dynamic-SP step: ``sync_gradients`` as the
+    property with a setter that the real one has, and a ``backward`` that hands it on (as accelerate's does)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self._sync = True
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._sync
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self._sync = value
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.calls.append(("backward", float(loss.detach()), dict(sync_gradients=self.sync_gradients)))
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_one_loop_marks_only_the_last_micro_batch_as_the_boundary(micro):
+    """``run_micro_batches`` with the engine's callback (``ds_usp.dynamic_sp_step``) and accelerate's (the Trainer):
+    each micro batch's loss, then its backward; the accumulation boundary on the last only; the losses in order."""
+    from ds_usp.integration.step.dynamic import accelerator_backward, engine_backward, run_micro_batches
+
+    shards = [{"x": torch.tensor(float(k + 1), requires_grad=True)} for k in range(micro)]
+    engine, accelerator = _RecordingEngine(), _RecordingAccelerator()
+    losses = run_micro_batches(shards, lambda shard: shard["x"] * 2, engine_backward(engine))
+    assert [float(x) for x in losses] == [2.0 * (k + 1) for k in range(micro)]
+    assert not any(x.requires_grad for x in losses)
+    want = []
+    for k in range(micro):
+        want += [("boundary", k == micro - 1), ("backward", 2.0 * (k + 1), False)]
+    assert engine.calls == want
+    run_micro_batches(shards, lambda shard: shard["x"] * 2, accelerator_backward(accelerator))
+    assert accelerator.calls == [("backward", 2.0 * (k + 1), {"sync_gradients": k == micro - 1})
+                                 for k in range(micro)]

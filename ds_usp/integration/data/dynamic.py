@@ -7,11 +7,11 @@ longest first, into the open row of the smallest degree with room, so a short do
 document's row instead of paying a degree of its own), and the rows of one degree are cut into micro batches of
 ``sp / d`` rows, one per sub-group, rows of similar attention cost together (the slowest sub-group sets a micro batch's
 time); a micro batch left with fewer rows than sub-groups (the last of its degree) runs them at the highest degree
-that still gives each its own sub-group, instead of leaving ranks idle. :func:`dynamic_sp_step` runs the plan on an
-engine built with ``usp.dynamic_sp``: every rank its sub-group's row (:func:`ds_usp.shard_batch` with
-``engine.usp.topo.degrees[d]``), the loss of each micro batch the sum of its targets' losses over the whole SP group
-divided by the targets of the whole step, the gradients accumulated over the micro batches (DeepSpeed's accumulation
-boundary set on the last) and one optimizer step: the same update as one process on all the documents. Everything
+that still gives each its own sub-group, instead of leaving ranks idle. :func:`micro_batch_shards` gives a rank its
+sub-group's row of every micro batch, sharded (:func:`ds_usp.shard_batch` with that degree's groups,
+``topo.degrees[d]``), and :func:`step_targets` counts the step's targets (each micro batch's loss is the sum of its
+targets' losses over the whole SP group divided by them). The step itself, forward, backward and the optimizer step,
+is :mod:`ds_usp.integration.step.dynamic`'s (``ds_usp.dynamic_sp_step`` and the HF Trainer's). Everything
 here is decided from the lengths alone, so every rank of the group makes the same plan without communicating.
 """
 from __future__ import annotations
@@ -151,48 +151,27 @@ def documents_of_batch(batch: Mapping[str, Any]) -> list[dict[str, Tensor]]:
     return out
 
 
-def micro_batch_shards(engine: Any, documents: Sequence[Mapping[str, Tensor]], tokens_per_rank: int,
+def micro_batch_shards(topo: Any, layout: str, documents: Sequence[Mapping[str, Tensor]], tokens_per_rank: int,
                        degrees: Optional[Sequence[int]] = None) -> list[dict[str, Any]]:
     """This rank's shard of every micro batch of :func:`plan_step` over ``documents`` (its sub-group's row, sharded
     over that degree's groups), in order.
 
+    Args:
+        topo: the full SP topology (an engine's ``engine.usp.topo``), with every degree's groups in ``topo.degrees``.
+        layout: where each rank's tokens live (``engine.usp.layout``, see :func:`ds_usp.shard_batch`).
+        documents: the step's documents, each ``input_ids`` and optional ``labels`` (the same on every rank of the SP
+            group).
+        tokens_per_rank: the most tokens a rank holds of a row.
+        degrees: the degrees rows may run at (see :func:`plan_step`).
+
+    Returns:
+        One shard (the keyword arguments of the model's forward) per micro batch, the plan's order.
+
     Raises:
-        ValueError: the engine has no dynamic-SP degrees, or a document does not fit (:func:`plan_step`).
+        ValueError: the topology has no dynamic-SP degrees, or a document does not fit (:func:`plan_step`).
     """
-    topo = engine.usp.topo
     if len(topo.degrees) <= 1 and topo.sp_size > 1 and list(degrees or ()) != [topo.sp_size]:
         raise ValueError("dynamic SP needs an engine built with \"usp\": {\"dynamic_sp\": true}")
     plan = plan_step([int(d["input_ids"].numel()) for d in documents], topo.sp_size, tokens_per_rank, degrees)
     return [shard_batch(pack_row([documents[i] for i in micro.row_of(topo.sp_rank)]),
-                        topo.degrees.get(micro.degree, topo), layout=engine.usp.layout) for micro in plan]
-
-
-def dynamic_sp_step(engine: Any, documents: Sequence[Mapping[str, Tensor]], tokens_per_rank: int,
-                    degrees: Optional[Sequence[int]] = None) -> float:
-    """One optimizer step of ``engine`` over ``documents`` with dynamic SP (see the module doc).
-
-    Every rank of the SP group passes the same documents (as the SP group's ranks share a batch); each runs its
-    sub-group's row of every micro batch of :func:`plan_step`.
-
-    Args:
-        engine: an engine from :func:`ds_usp.initialize` with ``usp.dynamic_sp`` on.
-        documents: the step's documents, each ``input_ids`` and optional ``labels``.
-        tokens_per_rank: the most tokens a rank holds of a row.
-        degrees: the degrees rows may run at (see :func:`plan_step`; ``[sp]``: static SP through the same path).
-
-    Returns:
-        The step's loss: the token-weighted mean over all documents (the same on every rank).
-
-    Raises:
-        ValueError: the engine has no dynamic-SP degrees, or a document does not fit (:func:`plan_step`).
-    """
-    shards = micro_batch_shards(engine, documents, tokens_per_rank, degrees)
-    targets = torch.tensor(float(max(step_targets(documents), 1)))
-    total = 0.0
-    for k, shard in enumerate(shards):
-        engine.set_gradient_accumulation_boundary(k == len(shards) - 1)
-        loss = engine(**shard, num_items_in_batch=targets).loss
-        engine.backward(loss, scale_wrt_gas=False)
-        total += float(loss.detach())
-    engine.step()
-    return total
+                        topo.degrees.get(micro.degree, topo), layout=layout) for micro in plan]

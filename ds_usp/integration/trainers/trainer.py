@@ -59,6 +59,7 @@ from ds_usp.integration.data.batch import IGNORE_INDEX, VISUAL_KEYS, packed_docu
 from ds_usp.integration.engine.checkpoints import complete_or_newest, write_manifest
 from ds_usp.integration.engine.preflight import installed_version
 from ds_usp.integration.models.attention import ATTN_NAME, refuse_non_interface_family, register_usp_attention
+from ds_usp.integration.step.dynamic import accelerator_backward, run_micro_batches
 from ds_usp.upstream.accelerate import (check_accelerate_reads_deepspeed_initialize, gather_for_metrics,
                                                     parallelism_config_for_usp, route_prepare, set_sync_gradients,
                                                     shard_over_replicas)
@@ -374,7 +375,7 @@ class USPTrainerMixin(USPTrainerBase):
         topo = self._usp.topo
         documents = [d for b in batches for d in documents_of_batch(b)]
         longest = max(int(d["input_ids"].numel()) for d in documents)
-        shards = micro_batch_shards(self.model_wrapped, documents, -(-longest // topo.sp_size))
+        shards = micro_batch_shards(topo, self._usp.layout, documents, -(-longest // topo.sp_size))
         count = torch.tensor(step_targets(documents), device=device)
         if topo.dp_size > 1:
             all_reduce_sum_(count, topo.dp_group, "targets of the step")  # the ranks of a group hold the same documents
@@ -382,21 +383,19 @@ class USPTrainerMixin(USPTrainerBase):
         return [DynamicStep(shards, tokens)], count
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Optional[Tensor] = None) -> Tensor:
-        """A :class:`DynamicStep`: every micro batch's forward and backward, DeepSpeed's accumulation boundary (and so
-        its optimizer step) on the last; otherwise the Trainer's."""
+        """A :class:`DynamicStep`: every micro batch's forward and backward through dynamic SP's one loop
+        (:func:`~ds_usp.integration.step.dynamic.run_micro_batches`), accelerate's ``sync_gradients`` (DeepSpeed's
+        accumulation boundary, and so its optimizer step) on the last; otherwise the Trainer's."""
         if not isinstance(inputs, DynamicStep):
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
-        total = torch.zeros(())
         try:
-            for k, shard in enumerate(inputs.shards):
-                set_sync_gradients(self.accelerator, k == len(inputs.shards) - 1)  # DeepSpeed's boundary on the last
-                loss = self.compute_loss(model, shard, num_items_in_batch=num_items_in_batch)
-                self.accelerator.backward(loss)
-                total = total + loss.detach().cpu()
+            losses = run_micro_batches(
+                inputs.shards, lambda shard: self.compute_loss(model, shard, num_items_in_batch=num_items_in_batch),
+                accelerator_backward(self.accelerator))
         finally:
             set_sync_gradients(self.accelerator, True)
-        return total
+        return sum((loss.cpu() for loss in losses), torch.zeros(()))
 
     # ---- the loss ------------------------------------------------------------------------------------------
     def _refuse_other_losses(self) -> None:
