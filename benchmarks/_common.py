@@ -101,9 +101,11 @@ def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> a
 
     An unset ``--kv-heads`` is ``--heads`` (as a list: ``--heads``, 2 and 1 where they divide it: MHA, GQA, MQA).
     """
+    from ds_usp.splits import gqa_compatible
+
     args = p.parse_args(argv)
     if args.kv_heads is None:
-        divisors = [h for h in (args.heads, 2, 1) if args.heads % h == 0]
+        divisors = [h for h in (args.heads, 2, 1) if gqa_compatible(args.heads, h)]
         args.kv_heads = sorted(set(divisors), reverse=True) if p.kv_heads_list else args.heads
     kv = args.kv_heads if isinstance(args.kv_heads, list) else [args.kv_heads]
     sizes = [("batch", args.batch), ("heads", args.heads), ("head-dim", args.head_dim),
@@ -113,7 +115,7 @@ def parse(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> a
         if value is not None and value < 1:
             p.error(f"--{name} must be at least 1, got {value}")
     for h in kv:
-        if args.heads % h:
+        if not gqa_compatible(args.heads, h):
             p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({h})")
     return args
 
@@ -231,8 +233,10 @@ def timed(step: Callable[[], Any], iters: int, warmup: int, device: torch.device
 
 
 def splits(world: int) -> list[tuple[int, int]]:
-    """Every ``(U, R)`` with ``U * R == world``, Ulysses-heaviest first."""
-    return [(world // r, r) for r in range(1, world + 1) if world % r == 0]
+    """Every ``(U, R)`` with ``U * R == world``, Ulysses-heaviest first (:func:`ds_usp.splits.factorizations`)."""
+    from ds_usp.splits import factorizations
+
+    return factorizations(world)
 
 
 def split_refusal(heads: int, kv_heads: int, ulysses: int) -> Optional[str]:

@@ -16,7 +16,6 @@ initialization whose config sets the key is ds-usp's or refused by name (the gat
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       field_validator)
 
 from ds_usp.log import log_warning
+from ds_usp.splits import default_degrees, divisors, kv_heads_compatible, query_heads_fit
 
 SP_MODES = ("usp", "ulysses", "ring")
 LAYOUTS = ("contiguous", "zigzag", "balanced")  # how a sequence is cut over the ranks (ds_usp.sharding)
@@ -269,11 +269,6 @@ def _renamed(block: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, ascending (the sizes a group of ``n`` ranks splits into)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 # Where launchers say how many ranks run on this node, the first one set wins. The deepspeed launcher's LOCAL_SIZE comes
 # first: accelerate, run inside it with TrainingArguments(use_cpu=True), writes LOCAL_WORLD_SIZE=1 (its CPU default)
 # over nothing; MPI launchers' own variables next; torchrun's (and accelerate launch's) LOCAL_WORLD_SIZE last.
@@ -309,71 +304,6 @@ def ranks_per_node(world_size: int) -> int:
     return ranks_per_node_and_source(world_size)[0]
 
 
-def kv_heads_compatible(num_kv_heads: int, ulysses_degree: int) -> bool:
-    """Whether ``num_kv_heads`` KV heads can be spread over ``ulysses_degree`` ranks.
-
-    Args:
-        num_kv_heads: key/value heads of the model.
-        ulysses_degree: ranks of one Ulysses group.
-
-    Returns:
-        True when the heads split evenly, or each head can be replicated a whole number of times.
-    """
-    return num_kv_heads % ulysses_degree == 0 or ulysses_degree % num_kv_heads == 0
-
-
-def degree_split(ulysses_degree: int, degree: int, num_kv_heads: Optional[int] = None) -> tuple[int, int]:
-    """``(U_d, R_d)`` of a smaller sequence-parallel degree ``degree`` cut from a topology with ``ulysses_degree``
-    (dynamic SP): as much Ulysses as the full split has, ``gcd(U, d)`` (inside a node), the rest ring; Ulysses 1 where
-    the kv heads would not fit it.
-
-    Args:
-        ulysses_degree: the full topology's U.
-        degree: d.
-        num_kv_heads: the model's kv heads (None: unknown).
-
-    Returns:
-        ``(U_d, d / U_d)``.
-    """
-    u = math.gcd(ulysses_degree, degree)
-    if num_kv_heads is not None and not kv_heads_compatible(num_kv_heads, u):
-        u = 1
-    return u, degree // u
-
-
-def choose_degrees(
-    sequence_parallel_size: int,
-    local_world_size: int,
-    num_heads: Optional[int] = None,
-    num_kv_heads: Optional[int] = None,
-) -> tuple[int, int]:
-    """Choose (ulysses_degree, ring_degree) as the USP paper advises: Ulysses inside a node, ring across.
-
-    Ulysses is made as large as possible such that it divides the sequence-parallel size and the
-    ranks per node (so every all-to-all stays on one node), divides the query heads, and is
-    compatible with the KV heads; the rest of the sequence-parallel size becomes the ring.
-
-    Args:
-        sequence_parallel_size: ranks that share one sequence.
-        local_world_size: ranks per node.
-        num_heads: query heads, when known.
-        num_kv_heads: key/value heads, when known.
-
-    Returns:
-        ``(ulysses_degree, ring_degree)`` with product ``sequence_parallel_size``.
-    """
-    best = 1
-    for u in divisors(sequence_parallel_size):
-        if local_world_size % u != 0:
-            continue
-        if num_heads is not None and num_heads % u != 0:
-            continue
-        if num_kv_heads is not None and not kv_heads_compatible(num_kv_heads, u):
-            continue
-        best = max(best, u)
-    return best, sequence_parallel_size // best
-
-
 def process_group_timeout(ds_config: Mapping[str, Any]) -> Optional[float]:
     """``usp.timeout_seconds`` of a parsed config (default when absent or invalid), None when SP is off.
 
@@ -393,6 +323,87 @@ def process_group_timeout(ds_config: Mapping[str, Any]) -> Optional[float]:
         return float(USPSettings(**_renamed(block)).timeout_seconds) if isinstance(block, Mapping) else DEFAULT_TIMEOUT_SECONDS
     except (ValidationError, TypeError, USPConfigError):
         return DEFAULT_TIMEOUT_SECONDS
+
+
+def _sequence_parallel_size(cfg: Mapping[str, Any], world_size: int) -> int:
+    """``sequence_parallel_size``, checked against the world size.
+
+    Raises:
+        USPConfigError: not a positive integer, or not a divisor of ``world_size``.
+    """
+    sp = cfg.get("sequence_parallel_size", world_size)
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        raise USPConfigError(f"sequence_parallel_size ({sp!r}) must be a positive integer")
+    if world_size % sp != 0:
+        valid = ", ".join(str(d) for d in divisors(world_size))
+        raise USPConfigError(f"sequence_parallel_size ({sp}) must divide the world size ({world_size}); "
+                             f"valid values here: {valid}")
+    return sp
+
+
+def _usp_block(cfg: Mapping[str, Any]) -> USPSettings:
+    """The validated ``"usp"`` block (old key names read under their current ones).
+
+    Raises:
+        USPConfigError: not an object, or a key invalid (:func:`_explain`).
+    """
+    raw_block = cfg.get("usp", {})
+    if not isinstance(raw_block, Mapping):
+        raise USPConfigError(f"usp ({raw_block!r}) must be a JSON object")
+    written = {new: old for old, new in OLD_KEYS.items() if old in raw_block}
+    try:
+        return USPSettings(**_renamed(raw_block))
+    except ValidationError as e:
+        raise USPConfigError(_explain(e, written)) from None
+
+
+def _given_degrees(mode: str, sp: int, block: USPSettings) -> tuple[Optional[int], Optional[int]]:
+    """``(U, R)`` as the config gives them (None: left out), the mode's forced degree applied.
+
+    Raises:
+        USPConfigError: a degree the mode forbids, a product other than ``sp``, or a degree not dividing ``sp``.
+    """
+    u, r = block.ulysses_degree, block.ring_degree
+    if mode == "ulysses":
+        if r not in (None, 1):
+            raise USPConfigError(f'usp.ring_degree ({r}) must be 1 (or left out) when "sequence_parallel" is "ulysses"')
+        r = 1
+        u = sp if u is None else u
+    elif mode == "ring":
+        if u not in (None, 1):
+            raise USPConfigError(f'usp.ulysses_degree ({u}) must be 1 (or left out) when "sequence_parallel" is "ring"')
+        u = 1
+        r = sp if r is None else r
+
+    if u is not None and r is not None and u * r != sp:
+        raise USPConfigError(f"usp.ulysses_degree ({u}) x usp.ring_degree ({r}) = {u * r} must equal "
+                             f"sequence_parallel_size ({sp})")
+    for key, val in (("ulysses_degree", u), ("ring_degree", r)):
+        if val is not None and sp % val != 0:
+            valid = ", ".join(str(d) for d in divisors(sp))
+            raise USPConfigError(f"usp.{key} ({val}) must divide sequence_parallel_size ({sp}); "
+                                 f"valid values: {valid}")
+    return u, r
+
+
+def _check_heads(mode: str, sp: int, u: int, num_heads: Optional[int], num_kv_heads: Optional[int]) -> None:
+    """Refuse a Ulysses degree the model's heads cannot split (:mod:`ds_usp.splits`), naming the config's keys.
+
+    Raises:
+        USPConfigError: the query heads not divisible by ``u``, or kv heads incompatible with it.
+    """
+    if num_heads is not None and not query_heads_fit(num_heads, u) and mode == "ulysses":
+        raise USPConfigError(f'"sequence_parallel": "ulysses" puts all {sp} sequence-parallel ranks in one Ulysses '
+                             f'group, but {sp} does not divide the number of attention heads ({num_heads}); use '
+                             f'"sequence_parallel": "usp" (the rest becomes ring) or a sequence_parallel_size that '
+                             f'divides {num_heads}')
+    if num_heads is not None and not query_heads_fit(num_heads, u):
+        valid = ", ".join(str(d) for d in divisors(sp) if query_heads_fit(num_heads, d))
+        raise USPConfigError(f"usp.ulysses_degree ({u}) must divide the number of attention heads ({num_heads}); "
+                             f"valid values: {valid}")
+    if num_kv_heads is not None and not kv_heads_compatible(num_kv_heads, u):
+        raise USPConfigError(f"usp.ulysses_degree ({u}) is incompatible with {num_kv_heads} kv heads: kv heads "
+                             f"must be a multiple or a divisor of ulysses_degree")
 
 
 def load_usp_config(
@@ -429,73 +440,25 @@ def load_usp_config(
         if "usp" in cfg:
             log_warning('the "usp" block is ignored because "sequence_parallel" is not set; '
                         f'set "sequence_parallel" to one of {", ".join(map(repr, SP_MODES))} to use it')
-        sp = 1
-        return USPConfig(mode=None, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=1,
+        return USPConfig(mode=None, world_size=world_size, sequence_parallel_size=1, ulysses_degree=1,
                          ring_degree=1, data_parallel_size=world_size)
     if mode not in SP_MODES:
         raise USPConfigError(f"sequence_parallel ({mode!r}) is invalid: must be {_choices(SP_MODES)} "
                              f"(or leave the key out to disable it)")
 
-    sp = cfg.get("sequence_parallel_size", world_size)
-    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-        raise USPConfigError(f"sequence_parallel_size ({sp!r}) must be a positive integer")
-    if world_size % sp != 0:
-        valid = ", ".join(str(d) for d in divisors(world_size))
-        raise USPConfigError(f"sequence_parallel_size ({sp}) must divide the world size ({world_size}); "
-                             f"valid values here: {valid}")
-
-    raw_block = cfg.get("usp", {})
-    if not isinstance(raw_block, Mapping):
-        raise USPConfigError(f"usp ({raw_block!r}) must be a JSON object")
-    written = {new: old for old, new in OLD_KEYS.items() if old in raw_block}
-    try:
-        block = USPSettings(**_renamed(raw_block))
-    except ValidationError as e:
-        raise USPConfigError(_explain(e, written)) from None
-
-    u, r = block.ulysses_degree, block.ring_degree
-    if mode == "ulysses":
-        if r not in (None, 1):
-            raise USPConfigError(f'usp.ring_degree ({r}) must be 1 (or left out) when "sequence_parallel" is "ulysses"')
-        r = 1
-        u = sp if u is None else u
-    elif mode == "ring":
-        if u not in (None, 1):
-            raise USPConfigError(f'usp.ulysses_degree ({u}) must be 1 (or left out) when "sequence_parallel" is "ring"')
-        u = 1
-        r = sp if r is None else r
-
-    if u is not None and r is not None and u * r != sp:
-        raise USPConfigError(f"usp.ulysses_degree ({u}) x usp.ring_degree ({r}) = {u * r} must equal "
-                             f"sequence_parallel_size ({sp})")
-    for key, val in (("ulysses_degree", u), ("ring_degree", r)):
-        if val is not None and sp % val != 0:
-            valid = ", ".join(str(d) for d in divisors(sp))
-            raise USPConfigError(f"usp.{key} ({val}) must divide sequence_parallel_size ({sp}); "
-                                 f"valid values: {valid}")
-
-    chosen = False
-    if u is None and r is None:
+    sp = _sequence_parallel_size(cfg, world_size)
+    block = _usp_block(cfg)
+    u, r = _given_degrees(mode, sp, block)
+    chosen = u is None and r is None
+    if chosen:
         if local_world_size is None:
             local_world_size = ranks_per_node(world_size)
-        u, r = choose_degrees(sp, local_world_size, num_heads, num_kv_heads)
-        chosen = True
+        u, r = default_degrees(sp, local_world_size, num_heads, num_kv_heads)
     elif u is None:
         u = sp // r
     elif r is None:
         r = sp // u
-
-    if num_heads is not None and num_heads % u != 0 and mode == "ulysses":
-        raise USPConfigError(f'"sequence_parallel": "ulysses" puts all {sp} sequence-parallel ranks in one Ulysses '
-                             f'group, but {sp} does not divide the number of attention heads ({num_heads}); use '
-                             f'"sequence_parallel": "usp" (the rest becomes ring) or a sequence_parallel_size that '
-                             f'divides {num_heads}')
-    if num_heads is not None and num_heads % u != 0:
-        raise USPConfigError(f"usp.ulysses_degree ({u}) must divide the number of attention heads ({num_heads}); "
-                             f"valid values: {', '.join(str(d) for d in divisors(sp) if num_heads % d == 0)}")
-    if num_kv_heads is not None and not kv_heads_compatible(num_kv_heads, u):
-        raise USPConfigError(f"usp.ulysses_degree ({u}) is incompatible with {num_kv_heads} kv heads: kv heads "
-                             f"must be a multiple or a divisor of ulysses_degree")
+    _check_heads(mode, sp, u, num_heads, num_kv_heads)
 
     return USPConfig(mode=mode, world_size=world_size, sequence_parallel_size=sp, ulysses_degree=u,
                      ring_degree=r, data_parallel_size=world_size // sp, degrees_chosen_automatically=chosen,

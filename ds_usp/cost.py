@@ -31,6 +31,7 @@ from fractions import Fraction
 from typing import Optional, Sequence
 
 from ds_usp.comm import FP8_SCALE_BYTES
+from ds_usp.splits import kv_heads_compatible, sent_heads
 
 ACC_BYTES = 4  # the ring's accumulators (output, dQ, the owner's dK/dV) and the LSE are fp32 whatever the input dtype
 
@@ -68,11 +69,9 @@ def sent_kv_heads(kv_heads: int, ulysses: int) -> int:
     Raises:
         ValueError: neither divides the other.
     """
-    if kv_heads % ulysses == 0:
-        return kv_heads
-    if ulysses % kv_heads == 0:
-        return ulysses
-    raise ValueError(f"kv heads ({kv_heads}) and U ({ulysses}) must divide one another")
+    if not kv_heads_compatible(kv_heads, ulysses):
+        raise ValueError(f"kv heads ({kv_heads}) and U ({ulysses}) must divide one another")
+    return sent_heads(kv_heads, ulysses)
 
 
 def _all_to_all_bytes(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
@@ -183,7 +182,7 @@ def linear_bytes(batch: int, seq: int, num_k_heads: int, num_v_heads: int, k_hea
         ``(forward, backward)`` :class:`Volume` s: all-to-all, and the ring's collectives as ``other``.
     """
     tokens = Fraction(batch * seq, ulysses * ring)
-    nk = num_k_heads if num_k_heads % ulysses == 0 else ulysses  # sent key heads
+    nk = sent_heads(num_k_heads, ulysses)  # sent key heads
     share = Fraction(ulysses - 1, ulysses)
     a2a = tokens * share * (elem_bytes * (2 * nk * k_head_dim + 2 * num_v_heads * v_head_dim) + 4 * 2 * num_v_heads)
     channels = Fraction(2 * nk * k_head_dim + num_v_heads * v_head_dim, ulysses)

@@ -35,7 +35,6 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
-from ds_usp.config import degree_split, divisors
 from ds_usp.cost import (GIB, FeatureModes, Hardware, ModelShape, StepMemory, StepSettings, StepTime,
                          attention_forward_flops, attention_memory, choose_features, model_state_memory,
                          step_memory, step_time, tokens_per_rank)
@@ -43,6 +42,7 @@ from ds_usp.integration.step.choices import HEADROOM
 from ds_usp.integration.data.dynamic import plan_step
 from ds_usp.integration.models.diffusion.shape import dit_shape, dit_tokens, model_on_meta, read_diffusers_config
 from ds_usp.integration.models.shape import model_shape, split_refusal
+from ds_usp.splits import degree_split, divisors
 
 # the memory-feature presets the planner tries: name -> (checkpointing, tiled feed-forward, chunked loss, offloaded
 # layer inputs); "auto" is what ds-usp's "auto" keys choose (the fastest features that fit, priced per plan);
@@ -251,7 +251,7 @@ def length_plans(shape: ModelShape, hw: Hardware, settings: StepSettings, length
 
     Static: rows packed to ``seq`` tokens, each on the whole SP group. Dynamic: :func:`plan_step` with ``seq / sp``
     tokens per rank; a micro batch lasts as long as its slowest row, each degree split as ``ds_usp.initialize`` splits
-    it (:func:`ds_usp.config.degree_split`). Every
+    it (:func:`ds_usp.splits.degree_split`). Every
     row is priced by :func:`ds_usp.cost.step_time` with its own documents; ZeRO's collectives once per step.
 
     Returns:

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from ds_usp.config import (LOCAL_SIZE_VARIABLES, USPConfigError, choose_degrees, load_usp_config,
-                           ranks_per_node_and_source)
+from ds_usp.config import LOCAL_SIZE_VARIABLES, USPConfigError, load_usp_config, ranks_per_node_and_source
+from ds_usp.splits import default_degrees
 from ds_usp.topology import group_ranks
 
 # (config, world_size, expected message fragment)
@@ -147,11 +147,11 @@ def test_ranks_per_node_from_either_launcher(monkeypatch):
 
 def test_automatic_degrees_follow_the_paper(caplog):
     # Ulysses inside a node (4 ranks per node), ring across nodes.
-    assert choose_degrees(16, 4) == (4, 4)
-    assert choose_degrees(8, 8, num_heads=32, num_kv_heads=8) == (8, 1)
-    assert choose_degrees(8, 8, num_heads=12) == (4, 2)          # 8 does not divide 12 heads
-    assert choose_degrees(8, 8, num_heads=24, num_kv_heads=6) == (2, 4)  # kv heads 6 vs U=4, 8: incompatible
-    assert choose_degrees(8, 8, num_heads=8, num_kv_heads=1) == (8, 1)   # MQA: replicate the one kv head
+    assert default_degrees(16, 4) == (4, 4)
+    assert default_degrees(8, 8, num_heads=32, num_kv_heads=8) == (8, 1)
+    assert default_degrees(8, 8, num_heads=12) == (4, 2)          # 8 does not divide 12 heads
+    assert default_degrees(8, 8, num_heads=24, num_kv_heads=6) == (2, 4)  # kv heads 6 vs U=4, 8: incompatible
+    assert default_degrees(8, 8, num_heads=8, num_kv_heads=1) == (8, 1)   # MQA: replicate the one kv head
     c = load_usp_config({"sequence_parallel": "usp", "sequence_parallel_size": 8}, 16, local_world_size=4,
                         num_heads=8, num_kv_heads=2)
     assert (c.ulysses_degree, c.ring_degree, c.degrees_chosen_automatically) == (4, 2, True)

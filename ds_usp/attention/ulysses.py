@@ -14,10 +14,11 @@ from torch import Tensor
 
 from ds_usp.comm import all_to_all
 from ds_usp.native import TorchOps
+from ds_usp.splits import gqa_compatible, kv_heads_compatible, query_heads_fit
 
 
 def check_heads(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:
-    """Check that q and kv head counts can be spread over a Ulysses group.
+    """Check that q and kv head counts can be spread over a Ulysses group (the rules of :mod:`ds_usp.splits`).
 
     Args:
         num_heads: query heads.
@@ -27,42 +28,14 @@ def check_heads(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> None:
     Raises:
         ValueError: naming the counts and what would be valid.
     """
-    if num_heads % num_kv_heads != 0:
+    if not gqa_compatible(num_heads, num_kv_heads):
         raise ValueError(f"q heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
-    if num_heads % ulysses_degree != 0:
+    if not query_heads_fit(num_heads, ulysses_degree):
         raise ValueError(f"q heads ({num_heads}) must be divisible by ulysses_degree ({ulysses_degree}); "
                          f"use a ulysses_degree that divides {num_heads} and put the rest in ring_degree")
-    if num_kv_heads % ulysses_degree != 0 and ulysses_degree % num_kv_heads != 0:
+    if not kv_heads_compatible(num_kv_heads, ulysses_degree):
         raise ValueError(f"kv heads ({num_kv_heads}) and ulysses_degree ({ulysses_degree}) are incompatible: "
                          f"kv heads must be a multiple or a divisor of ulysses_degree")
-
-
-def kv_replication(num_kv_heads: int, ulysses_degree: int) -> int:
-    """How often each KV head is sent: 1 when U divides the KV heads, else ``U / hkv``.
-
-    Args:
-        num_kv_heads: hkv (checked by :func:`check_heads`).
-        ulysses_degree: U.
-
-    Returns:
-        The replication factor.
-    """
-    return 1 if num_kv_heads % ulysses_degree == 0 else ulysses_degree // num_kv_heads
-
-
-def head_split(num_heads: int, num_kv_heads: int, ulysses_degree: int) -> list[int]:
-    """Head columns of q, k, v in one rank's chunk of the packed q/k/v all-to-all.
-
-    Args:
-        num_heads: hq.
-        num_kv_heads: hkv.
-        ulysses_degree: U.
-
-    Returns:
-        ``[hq/U, hk/U, hk/U]`` with ``hk = hkv * kv_replication(hkv, U)``.
-    """
-    hk = num_kv_heads * kv_replication(num_kv_heads, ulysses_degree) // ulysses_degree
-    return [num_heads // ulysses_degree, hk, hk]
 
 
 def seq_to_head(xs: Sequence[Tensor], reps: Sequence[int], group: Any, world: int, ops: TorchOps,
@@ -71,7 +44,7 @@ def seq_to_head(xs: Sequence[Tensor], reps: Sequence[int], group: Any, world: in
 
     Args:
         xs: ``(b, s, h_i, d)`` tensors of one dtype (e.g. q, k, v, or dout alone).
-        reps: per tensor, its head replication (:func:`kv_replication`).
+        reps: per tensor, its head replication (:func:`ds_usp.splits.kv_replication`).
         group: the Ulysses group.
         world: its size U.
         ops: the packing (native or twins).
@@ -79,7 +52,7 @@ def seq_to_head(xs: Sequence[Tensor], reps: Sequence[int], group: Any, world: in
 
     Returns:
         ``(b, U*s, Hp, d)``, ``Hp = sum_i h_i * reps_i / U``; split the tensors off with
-        ``.split([...], dim=2)`` (see :func:`head_split`).
+        ``.split([...], dim=2)`` (see :func:`ds_usp.splits.head_split`).
     """
     send = ops.pack_seq_to_head(xs, reps, world)  # n x (b, s, h_i, d) -> (U, b, s, Hp, d)
     recv = all_to_all(send, group, fp8)

@@ -43,12 +43,13 @@ from ds_usp.attention.checks import (check_device, check_keys, check_qkv, check_
 from ds_usp.attention.counter import count_sp_layer
 from ds_usp.attention.masks import MaskSpec, chunk_docs
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
-from ds_usp.attention.ulysses import head_split, head_to_seq, kv_replication, seq_to_head
+from ds_usp.attention.ulysses import head_to_seq, seq_to_head
 from ds_usp.comm import resolve_group
 from ds_usp.config import COMM_DTYPES
 from ds_usp.kernels import BACKEND_CHOICES, get_backend
 from ds_usp.native import TorchOps, check_native_op, resolve_native_op
 from ds_usp.sharding import check_layout, normalize_docs, resolve_seq_len, segment_bounds
+from ds_usp.splits import head_split, kv_replication
 from ds_usp.topology import USPTopology
 
 _NATIVE = {"auto": "auto", "true": True, "false": False}  # the op schemas carry usp.native_op as a string

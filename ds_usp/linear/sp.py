@@ -41,6 +41,7 @@ from ds_usp.linear.delta import (Rule, Segment, SegmentRun, causal_conv, halo_of
                                  run_segment, segments, state_dtype, with_initial_state)
 from ds_usp.native import check_native_op
 from ds_usp.sharding import check_layout, normalize_docs, piece_runs, resolve_seq_len, segment_bounds
+from ds_usp.splits import gqa_compatible, key_head_offset, kv_replication, linear_heads_fit, local_heads
 from ds_usp.topology import USPTopology
 
 
@@ -58,26 +59,20 @@ def check_linear_heads(num_k_heads: int, num_v_heads: int, ulysses_degree: int) 
     Raises:
         ValueError: naming the counts and what would be valid.
     """
-    if num_v_heads % num_k_heads:
+    if not gqa_compatible(num_v_heads, num_k_heads):
         raise ValueError(f"linear-attention value heads ({num_v_heads}) must be a multiple of its key heads "
                          f"({num_k_heads})")
-    if num_v_heads % ulysses_degree or (num_k_heads % ulysses_degree and ulysses_degree % num_k_heads):
+    if not linear_heads_fit(num_k_heads, num_v_heads, ulysses_degree):
         raise ValueError(f"linear-attention heads ({num_k_heads} key, {num_v_heads} value) and ulysses_degree "
                          f"({ulysses_degree}) are incompatible: ulysses_degree must divide the value heads and be a "
                          f"multiple or a divisor of the key heads; put the rest in ring_degree")
 
 
-def _replication(num_k_heads: int, ulysses_degree: int) -> int:
-    """How often each key head is sent: 1 when U divides the key heads, else ``U / nk``."""
-    return 1 if num_k_heads % ulysses_degree == 0 else ulysses_degree // num_k_heads
-
-
 def _channels(num_k_heads: int, dk: int, num_v_heads: int, dv: int, ulysses_rank: int, ulysses_degree: int,
               device: torch.device) -> Tensor:
     """The convolution channels ``[q | k | v]`` (head-major) of this Ulysses rank's heads."""
-    rep = _replication(num_k_heads, ulysses_degree)
-    hk, hv, key_dim = num_k_heads * rep // ulysses_degree, num_v_heads // ulysses_degree, num_k_heads * dk
-    q0, v0 = ulysses_rank // rep * hk * dk, ulysses_rank * hv * dv
+    hk, hv, key_dim = local_heads(num_k_heads, ulysses_degree), num_v_heads // ulysses_degree, num_k_heads * dk
+    q0, v0 = key_head_offset(num_k_heads, ulysses_rank, ulysses_degree) * dk, ulysses_rank * hv * dv
     return torch.cat([torch.arange(q0, q0 + hk * dk), key_dim + torch.arange(q0, q0 + hk * dk),
                       2 * key_dim + torch.arange(v0, v0 + hv * dv)]).to(device)
 
@@ -127,8 +122,8 @@ def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     docs = normalize_docs(doc_lens, q.shape[0], real_len)
     native = str(native_op).lower()
     ulysses, ring_name, _ = topo.group_names
-    rep = _replication(nk, u)
-    hk = nk * rep // u  # key heads per Ulysses rank
+    rep = kv_replication(nk, u)
+    hk = local_heads(nk, u)  # key heads per Ulysses rank
     if u > 1:  # sequence shards -> head shards of the Ulysses group's ring piece
         unit = math.gcd(dk, dv)
         if rep > 1 and unit != dk:  # units of one head would be replicated apart: replicate whole heads first

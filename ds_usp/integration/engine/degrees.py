@@ -9,6 +9,7 @@ from ds_usp.config import USPConfig
 from ds_usp.cost import Hardware, ModelShape, StepSettings, step_time
 from ds_usp.integration.models.shape import split_refusal
 from ds_usp.log import log_rank0
+from ds_usp.splits import node_local_degrees
 
 NOMINAL_TOKENS_PER_RANK = 16384  # the length "auto" degrees are priced at (the length is not known yet)
 
@@ -26,8 +27,8 @@ def choose_degrees(cfg: USPConfig, shape: ModelShape, zero: int, per_node: int,
     if isinstance(max_positions, int) and not isinstance(max_positions, bool) and 2 * sp <= max_positions < seq:
         seq = max_positions
 
-    prices = {u: step_time(shape, StepSettings(u, sp // u, dp, zero), seq, hw).total for u in range(1, sp + 1)
-              if sp % u == 0 and per_node % u == 0 and split_refusal(shape, u, sp // u, seq) is None}
+    prices = {u: step_time(shape, StepSettings(u, sp // u, dp, zero), seq, hw).total
+              for u in node_local_degrees(sp, per_node) if split_refusal(shape, u, sp // u, seq) is None}
     rule = cfg.ulysses_degree
     best = min(prices, key=prices.get, default=rule)
     pick = best if rule not in prices or prices[best] < 0.9 * prices[rule] else rule

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from ds_usp.attention import AttentionRun
 from ds_usp.comm import barrier, group_device
 from ds_usp.cost import StepSettings
-from ds_usp.config import (USPConfig, USPConfigError, degree_split, divisors, load_usp_config, process_group_timeout,
-                           ranks_per_node, ranks_per_node_and_source, read_ds_config)
+from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
+                           ranks_per_node_and_source, read_ds_config)
 from ds_usp.integration.engine.checkpoints import AtomicCheckpoints
 from ds_usp.integration.engine.degrees import choose_degrees
 from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
@@ -52,6 +52,7 @@ from ds_usp.upstream.deepspeed import (attach_state, check_zero_optimizers_first
                                                    unlink_shm_buffer)
 from ds_usp.log import log_info
 from ds_usp.native import resolve_native_op
+from ds_usp.splits import degree_split, divisors
 from ds_usp.topology import USPTopology
 
 
@@ -77,7 +78,7 @@ class USPState:
 
 
 def dynamic_degrees(cfg: USPConfig, kv_heads: Optional[int]) -> dict[int, tuple[int, int]]:
-    """``{d: (U_d, R_d)}`` for every proper divisor ``d`` of the SP size (:func:`ds_usp.config.degree_split`).
+    """``{d: (U_d, R_d)}`` for every proper divisor ``d`` of the SP size (:func:`ds_usp.splits.degree_split`).
 
     Args:
         cfg: the validated config.

@@ -7,11 +7,11 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ds_usp.config import kv_heads_compatible
 from ds_usp.cost import ModelShape
 from ds_usp.integration.models.attention import refuse_non_interface_family
 from ds_usp.integration.models.checks import sequence_mixers
 from ds_usp.integration.models.hybrid import is_linear_attention, is_wrapped_mixer, linear_dims
+from ds_usp.splits import kv_heads_compatible, linear_heads_fit, query_heads_fit
 
 # ---------------------------------------------------------------------------------- the model's shape
 
@@ -73,7 +73,8 @@ def model_shape(config: Any, model: Optional[nn.Module] = None) -> ModelShape:
 
 
 def split_refusal(shape: ModelShape, u: int, r: int, seq: int) -> Optional[str]:
-    """Why ds-usp would refuse the split ``u x r`` for this model and length (None: it would not).
+    """Why ds-usp would refuse the split ``u x r`` for this model and length (None: it would not); the head rules
+    are :mod:`ds_usp.splits`'.
 
     Args:
         shape: the model.
@@ -84,11 +85,11 @@ def split_refusal(shape: ModelShape, u: int, r: int, seq: int) -> Optional[str]:
     Returns:
         The reason, or None.
     """
-    if shape.attention_layers and shape.heads % u:
+    if shape.attention_layers and not query_heads_fit(shape.heads, u):
         return f"{shape.heads} heads not divisible by U={u}"
     if shape.attention_layers and not kv_heads_compatible(shape.kv_heads, u):
         return f"{shape.kv_heads} kv heads incompatible with U={u}"
-    if shape.linear_layers and (shape.linear_v_heads % u or (shape.linear_k_heads % u and u % shape.linear_k_heads)):
+    if shape.linear_layers and not linear_heads_fit(shape.linear_k_heads, shape.linear_v_heads, u):
         return f"linear heads ({shape.linear_k_heads} key, {shape.linear_v_heads} value) incompatible with U={u}"
     if seq < 2 * u * r:
         return f"S={seq} shorter than 2 x U x R = {2 * u * r}"
