@@ -1,10 +1,11 @@
 """ds-usp: Unified Sequence Parallelism (DeepSpeed-Ulysses x Ring-Attention) for DeepSpeed.
 
-The layers (docs/architecture.md), data flowing down: :mod:`.config`, :mod:`.topology`, :mod:`.comm`,
-:mod:`.kernels` and :mod:`.ops`, :mod:`.attention`, :mod:`.sharding`, :mod:`.integration`. Importing the
-package registers things and does nothing else (no process groups, no compilation, no environment changes, neither
-DeepSpeed nor transformers imported): its custom operators with torch; its config key with DeepSpeed and HF's
-Trainer (the gates of the top-level ``_ds_usp_auto``, which an installed ds-usp's ``.pth`` also installs at
+The layers (docs/architecture.md), data flowing down: :mod:`.config` and :mod:`.splits`, :mod:`.topology`,
+:mod:`.comm`, :mod:`.cost` and :mod:`.upstream`, :mod:`.kernels`, :mod:`.native` and :mod:`.sharding`,
+:mod:`.attention` and :mod:`.linear`, :mod:`.integration`. Importing the package registers things and does nothing
+else (no process groups, no compilation, no environment changes, neither DeepSpeed nor transformers imported): its
+custom operators with torch; its config key with DeepSpeed and HF's Trainer (it fills the handler table of the
+top-level bootstrap ``_ds_usp_auto`` and installs its gates, which an installed ds-usp's ``.pth`` also installs at
 interpreter start: ``deepspeed.initialize`` given a ``"sequence_parallel"`` config is :func:`initialize`, now or when
 DeepSpeed is imported); ``attn_implementation="usp"`` with transformers (now if its modeling code is imported, else
 right after it is). ``ds_usp.USPTrainer`` / ``ds_usp.USPSFTTrainer`` import transformers (and TRL) on

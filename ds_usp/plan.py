@@ -329,9 +329,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Print (and optionally write) the plans; returns the exit code (1: nothing fits or bad input)."""
-    p = _parser()
+class _Refused(Exception):
+    """Input the planner cannot answer for: printed on stderr, exit code 1."""
+
+
+def _checked_args(p: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, Any]:
+    """``(args, diffusers config or None)``: the arguments checked, ``--seq`` from the latent grid for a DiT.
+
+    Raises:
+        _Refused: the latent grid is not one the family takes.
+        SystemExit: a bad argument (argparse's error).
+    """
     args = p.parse_args(argv)
     dit = read_diffusers_config(args.model) if args.model else None
     if dit is not None:  # a diffusion transformer: its tokens from the latent grid
@@ -341,12 +349,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             tokens = dit_tokens(dit, args.frames or 1, args.height, args.width, args.text_tokens)
         except (ValueError, KeyError) as e:
-            print(f"ds_usp.plan: {e}", file=sys.stderr)
-            return 1
+            raise _Refused(e) from e
         args = argparse.Namespace(**{**vars(args), "seq": tokens})
     elif args.seq is None:
         p.error("--seq is required (or --model with a diffusers config and its latent grid)")
-    by_hand = [args.hidden, args.layers, args.heads, args.vocab, args.intermediate]
     for name, value in (("--seq", args.seq), ("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
                         ("--micro-batch", args.micro_batch)):
         if value < 1:
@@ -357,59 +363,94 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--ulysses ({args.ulysses}) x --ring ({args.ring}) must divide the {world} GPUs")
     if args.gpu_mem <= 0:
         p.error(f"--gpu-mem ({args.gpu_mem}) must be positive")
+    presets = [x for x in args.presets.split(",") if x]
+    if not presets or any(x not in PRESETS for x in presets):
+        p.error(f"--presets {args.presets!r}: choose from {', '.join(PRESETS)}")
+    return args, dit
+
+
+def _shape_of_args(p: argparse.ArgumentParser, args: argparse.Namespace, dit: Any) -> ModelShape:
+    """The model's shape: a diffusers config's, an HF config's, or the sizes given by hand.
+
+    Raises:
+        _Refused: the config cannot be read.
+    """
+    by_hand = [args.hidden, args.layers, args.heads, args.vocab, args.intermediate]
     try:
         if dit is not None:
-            shape = dit_shape(model_on_meta(dit))
-        elif args.model:
-            shape = model_shape(load_config(args.model))
-        elif all(v is not None for v in by_hand):
-            if args.hidden % args.heads:
-                p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
-            shape = shape_by_hand(args)
-        else:
-            p.error("give --model, or all of --hidden --layers --heads --vocab --intermediate")
+            return dit_shape(model_on_meta(dit))
+        if args.model:
+            return model_shape(load_config(args.model))
     except ValueError as e:
-        print(f"ds_usp.plan: {e}", file=sys.stderr)
-        return 1
-    hw = Hardware(args.nodes, args.gpus_per_node, args.gpu_mem, args.peak_tflops, args.intra_bw, args.inter_bw,
-                  args.efficiency)
-    presets = [x for x in args.presets.split(",") if x]
-    unknown = [x for x in presets if x not in PRESETS]
-    if unknown or not presets:
-        p.error(f"--presets {args.presets!r}: choose from {', '.join(PRESETS)}")
-    kw = dict(micro_batch=args.micro_batch, elem_bytes=4 if args.fp32 else 2,
-              zero=None if args.zero == "auto" else int(args.zero), offload=args.offload, presets=presets,
-              ulysses=args.ulysses, ring=args.ring)
+        raise _Refused(e) from e
+    if any(v is None for v in by_hand):
+        p.error("give --model, or all of --hidden --layers --heads --vocab --intermediate")
+    if args.hidden % args.heads:
+        p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
+    try:
+        return shape_by_hand(args)
+    except ValueError as e:
+        raise _Refused(e) from e
+
+
+def _dynamic_prediction(shape: ModelShape, hw: Hardware, args: argparse.Namespace, good: list[Candidate]) \
+        -> Optional[dict]:
+    """Static against dynamic SP for ``--lengths`` on the fastest plan with SP (None without ``--lengths``).
+
+    Raises:
+        _Refused: the lengths cannot be read, or a document is longer than ``--seq``.
+    """
     try:
         lengths = read_lengths(args.lengths) if args.lengths else None
     except ValueError as e:
+        raise _Refused(e) from e
+    if lengths is None or not good:
+        return None
+    if max(lengths) > args.seq:
+        raise _Refused(f"--lengths has a document of {max(lengths)} tokens, longer than --seq {args.seq}")
+    chosen = next((i for i, c in enumerate(good) if c.settings.sp > 1), 0)  # SP is what the lengths change
+    dynamic = length_plans(shape, hw, good[chosen].settings, lengths, args.seq, 4 if args.fp32 else 2)
+    dynamic["plan"] = chosen + 1
+    dynamic["lengths"] = lengths
+    return dynamic
+
+
+def _print_dynamic(args: argparse.Namespace, good: list[Candidate], dynamic: dict) -> None:
+    lengths = dynamic["lengths"]
+    s = good[dynamic["plan"] - 1].settings
+    print(f"{len(lengths)} documents ({sum(lengths)} tokens, longest {max(lengths)}) on the SP group of the "
+          f"fastest plan with one (#{dynamic['plan']}) "
+          f"(U={s.ulysses} R={s.ring}): static SP {dynamic['static']['tokens_per_s']:.0f} tokens/s "
+          f"({len(dynamic['static']['micro_batches'])} rows of {args.seq}), dynamic SP "
+          f"{dynamic['dynamic']['tokens_per_s']:.0f} tokens/s (micro batches: "
+          f"{_count_degrees(dynamic['dynamic']['micro_batches'])}): {dynamic['speedup']:.2f}x")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print (and optionally write) the plans; returns the exit code (1: nothing fits or bad input)."""
+    p = _parser()
+    try:
+        args, dit = _checked_args(p, argv)
+        shape = _shape_of_args(p, args, dit)
+        hw = Hardware(args.nodes, args.gpus_per_node, args.gpu_mem, args.peak_tflops, args.intra_bw, args.inter_bw,
+                      args.efficiency)
+        kw = dict(micro_batch=args.micro_batch, elem_bytes=4 if args.fp32 else 2,
+                  zero=None if args.zero == "auto" else int(args.zero), offload=args.offload,
+                  presets=[x for x in args.presets.split(",") if x], ulysses=args.ulysses, ring=args.ring)
+        found = plans(shape, hw, args.seq, **kw)
+        good = [c for c in found if c.problem is None]
+        dynamic = _dynamic_prediction(shape, hw, args, good)
+    except _Refused as e:
         print(f"ds_usp.plan: {e}", file=sys.stderr)
         return 1
-    found = plans(shape, hw, args.seq, **kw)
-    good = [c for c in found if c.problem is None]
-    dynamic = None
-    if lengths is not None and good:
-        too_long = max(lengths)
-        if too_long > args.seq:
-            print(f"ds_usp.plan: --lengths has a document of {too_long} tokens, longer than --seq {args.seq}",
-                  file=sys.stderr)
-            return 1
-        chosen = next((i for i, c in enumerate(good) if c.settings.sp > 1), 0)  # SP is what the lengths change
-        dynamic = length_plans(shape, hw, good[chosen].settings, lengths, args.seq, 4 if args.fp32 else 2)
-        dynamic["plan"] = chosen + 1
     if args.json:
+        rows = None if dynamic is None else {k: v for k, v in dynamic.items() if k != "lengths"}
         print(json.dumps({"model": asdict(shape), "seq": args.seq, "hardware": asdict(hw),
-                          "plans": [c.row(args.seq) for c in found], "lengths": dynamic}, indent=1))
+                          "plans": [c.row(args.seq) for c in found], "lengths": rows}, indent=1))
     else:
         _print(shape, hw, args, good[:args.top], [c for c in found if c.problem][:5], len(good), len(found))
         if dynamic is not None:
-            s = good[dynamic["plan"] - 1].settings
-            print(f"{len(lengths)} documents ({sum(lengths)} tokens, longest {max(lengths)}) on the SP group of the "
-                  f"fastest plan with one (#{dynamic['plan']}) "
-                  f"(U={s.ulysses} R={s.ring}): static SP {dynamic['static']['tokens_per_s']:.0f} tokens/s "
-                  f"({len(dynamic['static']['micro_batches'])} rows of {args.seq}), dynamic SP "
-                  f"{dynamic['dynamic']['tokens_per_s']:.0f} tokens/s (micro batches: "
-                  f"{_count_degrees(dynamic['dynamic']['micro_batches'])}): {dynamic['speedup']:.2f}x")
+            _print_dynamic(args, good, dynamic)
     if not good:
         seq_ok = largest_fitting_seq(shape, hw, args.seq, **kw)
         nodes_ok = smallest_fitting_cluster(shape, hw, args.seq, **kw)

@@ -1,2 +1,4 @@
-"""Training integration: ``ds_usp.initialize`` (:mod:`.engine`), batch sharding and the SP loss (:mod:`.data`),
-and HuggingFace's ``attn_implementation="usp"`` (:mod:`.hf`)."""
+"""Training integration, in sub-packages by concern: ``ds_usp.initialize`` and checkpoints (:mod:`.engine`), batch
+sharding, the loader and dynamic SP's plans (:mod:`.data`), model adaptation with HuggingFace's
+``attn_implementation="usp"`` and diffusion transformers (:mod:`.models`), the training step's memory and the SP
+loss (:mod:`.step`), the HF / TRL trainers (:mod:`.trainers`)."""

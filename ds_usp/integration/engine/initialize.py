@@ -18,38 +18,23 @@ scaling users report with Ulysses, and the reason the SP loss exists.
 """
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
-import torch
 import torch.distributed as dist
 
-from ds_usp.attention import AttentionRun
 from ds_usp.comm import barrier, group_device
-from ds_usp.cost import StepSettings
-from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
-                           ranks_per_node_and_source, read_ds_config)
+from ds_usp.config import USPConfig, ranks_per_node, ranks_per_node_and_source
+from ds_usp.integration.engine.adapters import adapter_for
 from ds_usp.integration.engine.checkpoints import AtomicCheckpoints
 from ds_usp.integration.engine.degrees import choose_degrees
-from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
-                                                 model_heads, versions)
-from ds_usp.integration.models.attention import USPContext, attach
-from ds_usp.integration.models.checks import check_model, default_positions
-from ds_usp.integration.models.diffusion import check_diffusion_model, is_diffusers_model, shard_diffusion_model
-from ds_usp.integration.models.diffusion.shape import dit_shape
-from ds_usp.integration.models.hybrid import check_hybrid, is_wrapped_mixer, wrap_linear_layers
-from ds_usp.integration.models.multimodal import refuse_cross_attention
+from ds_usp.integration.engine.settings import Settings, config_source, resolve_settings
+from ds_usp.integration.models.checks import default_positions
 from ds_usp.integration.models.safety import install_safety_net
-from ds_usp.integration.models.shape import shape_of
-from ds_usp.integration.models.vision import prepare_vision_towers
 from ds_usp.integration.step.choices import MemoryContext
-from ds_usp.integration.step.dit import apply_dit_memory
-from ds_usp.integration.step.forward import apply as apply_memory_features
 from ds_usp.upstream.deepspeed import (attach_state, check_zero_optimizers_first, deepspeed_initialize,
-                                                   fix_zero3_sequence_parallel_scaling, note_failures,
-                                                   quiet_deepspeed_deprecations, replace_checkpointing,
-                                                   unlink_shm_buffer)
+                                       fix_zero3_sequence_parallel_scaling, note_failures, quiet_deepspeed_deprecations,
+                                       replace_checkpointing, unlink_shm_buffer)
 from ds_usp.log import log_info
 from ds_usp.native import resolve_native_op
 from ds_usp.splits import degree_split, divisors
@@ -109,7 +94,9 @@ def _partition_for_zero3(model: Any, ds_config: Mapping[str, Any], topo: USPTopo
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None, config: Any = None, config_params: Any = None,
                dist_init_required: Optional[bool] = None, collate_fn: Any = None, **kwargs: Any) -> tuple:
-    """Drop-in for ``deepspeed.initialize`` that adds USP when the config asks for it.
+    """Drop-in for ``deepspeed.initialize`` that adds USP when the config asks for it: resolve the settings, choose
+    the degrees, check the model by its kind's adapter, build the topology, shard and apply memory features,
+    ``deepspeed.initialize``, then wrap the engine.
 
     Args:
         args: as for ``deepspeed.initialize`` (``args.deepspeed_config`` is read when ``config`` is None).
@@ -131,120 +118,102 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     Raises:
         ValueError: invalid sequence-parallel config (named key), ranks that disagree on the
             config, the model's head counts or the library versions (the same error on every
-            rank), or an ``mpu`` was passed with USP on.
+            rank), a model its adapter refuses, or an ``mpu`` was passed with USP on.
         RuntimeError: started without a launcher (no ``RANK``, ``WORLD_SIZE``, ... and no process group).
 
     When it initializes distributed itself, the default process group gets ``usp.timeout_seconds``
     too; the USP groups always do. Errors raised later by ``engine.forward/backward/step`` carry a
     note with the rank and the training step.
     """
-    import deepspeed
-
     quiet_deepspeed_deprecations()
     check_zero_optimizers_first()
-    source = config if config is not None else config_params
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None)
-    if source is None:
-        raise ValueError("no DeepSpeed config: pass config=... or args.deepspeed_config")
-    try:
-        raw, unreadable = read_ds_config(source), None
-    except USPConfigError as e:  # raised below on every rank, once all ranks know
-        raw, unreadable = {}, e
-    if not dist.is_initialized():
-        check_launcher_environment()
-        timeout = process_group_timeout(raw)
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                                   **({} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}))
-    world = dist.get_world_size()
-    heads, kv_heads = model_heads(model)
-    check_same_everywhere({
-        "config": str(unreadable) if unreadable else {key: raw.get(key) for key in
-                                                      ("sequence_parallel", "sequence_parallel_size", "usp")},
-        "model heads": [heads, kv_heads],
-        # the automatic degree choice reads the ranks per node: nodes of different sizes would choose differently
-        "ranks per node": ranks_per_node(world) if degrees_left_out(raw) else "not used",
-        "versions": versions(),
-    })
-    unlink_shm_buffer()  # every rank is past DeepSpeed's communication set-up (the check was a collective over all)
-    if unreadable:
-        raise unreadable
-    usp_cfg = load_usp_config(raw, world, num_heads=heads, num_kv_heads=kv_heads)
-    zero = raw.get("zero_optimization", {})
-    auto = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and usp_cfg.degrees_chosen_automatically
-    # a diffusion transformer: its family's plan shards it (models/diffusion), or it is refused by name
-    diffusion = is_diffusers_model(model) and usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1
-    shape = None
-    if auto:  # read only when the degrees are the cost model's to choose
-        shape = dit_shape(model, check_diffusion_model(model)) if diffusion else shape_of(model)
-    if shape is not None:
-        usp_cfg = choose_degrees(usp_cfg, shape, zero.get("stage", 0) or 1, ranks_per_node(world),
-                                      getattr(model.config, "max_position_embeddings", None))
-    zero3_sp = usp_cfg.enabled and usp_cfg.sequence_parallel_size > 1 and zero.get("stage", 0) == 3
-    if zero3_sp and zero.get("zero_quantized_gradients", False):
-        raise ValueError("zero_optimization.zero_quantized_gradients is not supported with ZeRO-3 and "
-                         '"sequence_parallel" (its gradient averaging is not verified); turn one of them off')
-
+    settings = resolve_settings(config_source(args, config, config_params), model)
+    adapter = adapter_for(model, settings)
+    if settings.sharded and settings.usp.degrees_chosen_automatically:  # the cost model's to choose
+        settings = _with_chosen_degrees(settings, adapter, model)
     topo, memory = None, None
-    if usp_cfg.enabled:
+    if settings.usp.enabled:
         if kwargs.get("mpu") is not None:
             raise ValueError('"sequence_parallel" is set, so ds_usp provides the mpu; do not pass mpu=')
-        if model is not None and diffusion:  # refused by name, or sharded by its family's plan
-            check_diffusion_model(model)
-            if usp_cfg.dynamic_sp:
-                raise ValueError("usp.dynamic_sp is for packed documents of language models; a diffusion transformer's "
-                                 "sample is one sequence: set it to false")
-        elif model is not None and usp_cfg.sequence_parallel_size > 1:  # the same answer on every rank, before any group
-            refuse_cross_attention(model)
-            prepare_vision_towers(model, usp_cfg.vision_tower)
-            check_model(model, handled=is_wrapped_mixer)
-            check_hybrid(model, usp_cfg.ulysses_degree)
-        topo = replace(USPTopology.build(usp_cfg.ulysses_degree, usp_cfg.ring_degree,
-                                         timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds)),
-                       default_positions=default_positions(model))
-        if usp_cfg.dynamic_sp:
-            topo = topo.with_degrees(dynamic_degrees(usp_cfg, kv_heads),
-                                     timeout=datetime.timedelta(seconds=usp_cfg.timeout_seconds))
+        adapter.check(settings)  # the same answer on every rank, before any group
+        topo = build_topology(settings, model)
         kwargs["mpu"] = topo.mpu
-        if usp_cfg.native_op is not False:  # built (or loaded) now, with a progress line, not inside step 1
-            resolve_native_op(usp_cfg.native_op, group_device(topo.sp_group))
-        settings = usp_cfg.settings  # the memory keys ("auto": the fastest features that fit usp.memory_gib)
-        offload_device = (zero.get("offload_optimizer") or {}).get("device", "none")
-        step = StepSettings(usp_cfg.ulysses_degree, usp_cfg.ring_degree, usp_cfg.data_parallel_size,
-                            zero.get("stage", 0) or 1, offload_optimizer=offload_device in ("cpu", "nvme"))
-        if model is not None and diffusion:
-            dit = shard_diffusion_model(model, topo, AttentionRun("contiguous", usp_cfg.attn_backend,
-                                                                  usp_cfg.native_op, usp_cfg.comm_dtype))
-            memory = apply_dit_memory(model, check_diffusion_model(model), dit, settings, topo,
-                                      zero3=zero.get("stage", 0) == 3)
-        elif model is not None:
-            attach(model, USPContext(topo=topo, layout=usp_cfg.layout, attn_backend=usp_cfg.attn_backend,
-                                     native_op=usp_cfg.native_op, comm_dtype=usp_cfg.comm_dtype))
-            wrap_linear_layers(model)
-            memory = apply_memory_features(model, settings, topo, usp_cfg.layout, zero3=zero.get("stage", 0) == 3,
-                                           step=step)
-        if model is not None:
-            install_safety_net(model, usp_cfg.sequence_parallel_size)  # no SP layer in a training forward: refused
-            if zero3_sp:
-                _partition_for_zero3(model, raw, topo)
-        if topo.rank == 0:
-            per_node, said_by = ranks_per_node_and_source(world)
-            log_info(f"sequence_parallel={usp_cfg.mode}: ulysses_degree={usp_cfg.ulysses_degree} x "
-                     f"ring_degree={usp_cfg.ring_degree}, data_parallel={usp_cfg.data_parallel_size}, "
-                     f"layout={usp_cfg.layout} (world {world}, {per_node} per node from {said_by}"
-                     f"{', degrees chosen automatically' if usp_cfg.degrees_chosen_automatically else ''})")
+        adapter.shard(settings, topo)
+        memory = adapter.apply_memory(settings, topo)
+        _finish_model(model, settings, topo)
     engine, opt, loader, sched = deepspeed_initialize()(args=args, model=model, optimizer=optimizer,
                                                       model_parameters=model_parameters,
                                                       training_data=training_data, lr_scheduler=lr_scheduler,
                                                       config=config, config_params=config_params,
                                                       dist_init_required=dist_init_required, collate_fn=collate_fn,
                                                       **kwargs)
-    if zero3_sp and engine.optimizer is not None and type(engine.optimizer).__name__ != "DeepSpeedZeRoOffload":
-        fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)  # not for an inference engine (no grads)
+    wrap_engine(engine, settings, topo, memory)
+    return engine, opt, loader, sched
+
+
+def _with_chosen_degrees(settings: Settings, adapter: Any, model: Any) -> Settings:
+    """The settings with the (Ulysses, ring) degrees the cost model chose for the adapter's shape of the model."""
+    shape = adapter.shape()
+    if shape is None:
+        return settings
+    return settings.with_usp(choose_degrees(settings.usp, shape, settings.zero_stage or 1,
+                                            ranks_per_node(settings.world),
+                                            getattr(model.config, "max_position_embeddings", None)))
+
+
+def build_topology(settings: Settings, model: Any) -> USPTopology:
+    """The groups of the chosen degrees (and of every smaller degree under dynamic SP); the native op built now,
+    with a progress line, not inside step 1.
+
+    Args:
+        settings: the resolved settings.
+        model: the model (its default positions travel on the topology).
+
+    Returns:
+        The topology.
+    """
+    usp = settings.usp
+    topo = replace(USPTopology.build(usp.ulysses_degree, usp.ring_degree, timeout=settings.timeout),
+                   default_positions=default_positions(model))
+    if usp.dynamic_sp:
+        topo = topo.with_degrees(dynamic_degrees(usp, settings.kv_heads), timeout=settings.timeout)
+    if usp.native_op is not False:
+        resolve_native_op(usp.native_op, group_device(topo.sp_group))
+    return topo
+
+
+def _finish_model(model: Any, settings: Settings, topo: USPTopology) -> None:
+    """The safety net (a training forward that ran no SP layer is refused), ZeRO-3's partitioning over the sequence
+    x data-parallel group, and the layout's log line."""
+    usp = settings.usp
+    if model is not None:
+        install_safety_net(model, usp.sequence_parallel_size)
+        if settings.zero3_sp:
+            _partition_for_zero3(model, settings.raw, topo)
+    if topo.rank == 0:
+        per_node, said_by = ranks_per_node_and_source(settings.world)
+        log_info(f"sequence_parallel={usp.mode}: ulysses_degree={usp.ulysses_degree} x "
+                 f"ring_degree={usp.ring_degree}, data_parallel={usp.data_parallel_size}, "
+                 f"layout={usp.layout} (world {settings.world}, {per_node} per node from {said_by}"
+                 f"{', degrees chosen automatically' if usp.degrees_chosen_automatically else ''})")
+
+
+def wrap_engine(engine: Any, settings: Settings, topo: Optional[USPTopology], memory: Optional[MemoryContext]) -> None:
+    """What ds-usp adds to DeepSpeed's engine: ZeRO-3's gradient scaling under SP, ``engine.usp``, errors noting the
+    rank and step, and checkpoints complete or absent (loads verified first).
+
+    Args:
+        engine: DeepSpeed's engine.
+        settings: the resolved settings.
+        topo: the topology (None when sequence parallelism is off).
+        memory: the memory context the adapter applied (None: none).
+    """
+    if settings.zero3_sp and engine.optimizer is not None and \
+            type(engine.optimizer).__name__ != "DeepSpeedZeRoOffload":  # not for an inference engine (no grads)
+        fix_zero3_sequence_parallel_scaling(engine.optimizer, topo.sp_size)
     barrier(None, "deepspeed.initialize")  # it set DeepSpeed's communication up if distributed was not ours: past it
     unlink_shm_buffer()
-    attach_state(engine, USPState(config=usp_cfg, topo=topo, memory=memory))
+    usp = settings.usp
+    attach_state(engine, USPState(config=usp, topo=topo, memory=memory))
     note_failures(engine, dist.get_rank())
-    # checkpoints complete or absent, loads verified first (ds_usp.integration.engine.checkpoints)
-    replace_checkpointing(engine, AtomicCheckpoints(engine, usp_cfg.async_save, usp_cfg.timeout_seconds))
-    return engine, opt, loader, sched
+    replace_checkpointing(engine, AtomicCheckpoints(engine, usp.async_save, usp.timeout_seconds))
