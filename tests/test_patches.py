@@ -380,3 +380,23 @@ def test_rollouts_under_zero3_use_torchs_linear_and_put_deepspeeds_back(monkeypa
     with pytest.raises(UpstreamChanged, match="linear_bk"):
         with deepspeed_patches.torch_linear():
             pass
+
+
+def test_module_attributes_are_only_the_recorded_ones():
+    """``set_module_attribute`` sets ds-usp's own names and the two model attributes its record lists, and nothing
+    else: an unlisted name is a programming error, a class that defines one of ds-usp's names is refused by name."""
+    from torch import nn
+
+    layer = nn.Linear(2, 2)
+    torch_patches.set_module_attribute(layer, "_usp_context", "ctx")
+    assert layer._usp_context == "ctx"
+    with pytest.raises(ValueError, match="'weight' is not an attribute the module_attributes record lists"):
+        torch_patches.set_module_attribute(layer, "weight", None)
+
+    class Owns(nn.Module):
+        _ds_usp_fused_head = "the class's own"
+
+    with pytest.raises(UpstreamChanged, match="Owns defines _ds_usp_fused_head itself"):
+        torch_patches.set_module_attribute(Owns(), "_ds_usp_fused_head", 1)
+    with pytest.raises(UpstreamChanged, match="Linear has no recurrent_states of its own"):
+        torch_patches.set_module_attribute(layer, "recurrent_states", None)

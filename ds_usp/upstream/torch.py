@@ -88,8 +88,26 @@ def replace_forward(module: torch.nn.Module, forward: Any) -> None:
     set_module_attribute(module, "forward", forward)
 
 
+_OWN_PREFIXES = ("_usp_", "_ds_usp")  # the attributes ds-usp itself names (its context, marks, call records)
+_UPSTREAM_ATTRIBUTES = ("forward", "recurrent_states")  # a model's own attributes ds-usp sets (the record says why)
+
+
 def set_module_attribute(module: torch.nn.Module, name: str, value: Any) -> None:
-    """``module.name = value`` on the instance (the ``module_attributes`` record says which ds-usp sets)."""
+    """``module.name = value`` on the instance, for the attributes the ``module_attributes`` record lists: ds-usp's
+    own names (``_usp_*``, ``_ds_usp*``), which the module's class must not define, and the model's own
+    ``forward`` (:func:`replace_forward`) and ``recurrent_states`` (an attribute the instance already has).
+
+    Raises:
+        UpstreamChanged: the class defines one of ds-usp's names, or the instance lacks the model's own attribute.
+        ValueError: a name the record does not list (a change to a model must be recorded first).
+    """
+    if name.startswith(_OWN_PREFIXES):
+        if hasattr(type(module), name):
+            refuse("module_attributes", f"{type(module).__name__} defines {name} itself")
+    elif name not in _UPSTREAM_ATTRIBUTES:
+        raise ValueError(f"set_module_attribute: {name!r} is not an attribute the module_attributes record lists")
+    elif name != "forward" and not hasattr(module, name):
+        refuse("module_attributes", f"{type(module).__name__} has no {name} of its own")
     setattr(module, name, value)
 
 
