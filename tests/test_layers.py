@@ -54,15 +54,32 @@ def _imports(path: Path) -> set[str]:
                     found.add(f"{node.module}.{alias.name}")
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    return {m for m in found if m == "ds_usp" or m.startswith("ds_usp.")}
+    return {m for m in found if m in ("ds_usp", "_ds_usp_auto") or m.startswith("ds_usp.")}
+
+
+BOOTSTRAP = ROOT / "_ds_usp_auto.py"  # the top-level bootstrap, outside the package but in its picture
+
+
+def _with_packages(targets: set[str], me: str, modules: dict[str, Path]) -> set[str]:
+    """``targets`` and the packages Python runs first to import them (``import a.b.c`` runs ``a/__init__`` and
+    ``a/b/__init__``), but for the packages ``me`` itself lives in (Python ran those before ``me``)."""
+    found = set()
+    for target in targets:
+        parts = target.split(".")
+        for n in range(1, len(parts) + 1):
+            name = ".".join(parts[:n])
+            if name in modules and not me.startswith(name + ".") and name != me:
+                found.add(name)
+    return found
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """``module -> the ds_usp modules it imports`` over the whole package (a package's own ``__init__`` excluded
-    from its children's imports of it: Python runs it before them anyway)."""
+    """``module -> the ds_usp modules it imports`` over the whole package and the bootstrap, each import counted with
+    the package ``__init__`` files it runs (a package's own ``__init__`` excluded from its children's imports of it:
+    Python runs it before them anyway)."""
     modules = {_module_name(p): p for p in (ROOT / "ds_usp").rglob("*.py")}
-    return {me: {t for t in _imports(path) if t in modules and t != me and not me.startswith(t + ".")}
-            for me, path in modules.items()}
+    modules["_ds_usp_auto"] = BOOTSTRAP
+    return {me: _with_packages(_imports(path), me, modules) for me, path in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -109,10 +126,23 @@ def test_the_circle_check_sees_a_circle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_the_graph_sees_imports_through_a_package_init():
+    """``ds_usp.comm`` importing ``ds_usp.upstream.c10d`` runs ``ds_usp/upstream/__init__``: had that ``__init__``
+    imported every patch module (as it once did), ``comm`` -> ``upstream`` -> ``accelerate`` -> ``comm`` was a
+    circle no import statement showed. The bootstrap is a room of the picture too."""
+    modules = {name: Path() for name in ("p", "p.sub", "p.sub.a", "p.sub.b", "p.c")}
+    assert _with_packages({"p.sub.a"}, "p.c", modules) == {"p.sub", "p.sub.a"}  # p: p.c lives in it
+    assert _with_packages({"p.sub.a"}, "p.sub.b", modules) == {"p.sub.a"}
+    graph = _import_graph()
+    assert "ds_usp.upstream" in graph["ds_usp.comm"] and "_ds_usp_auto" in graph["ds_usp"]
+    assert graph["_ds_usp_auto"] == set(), "the bootstrap imports nothing of the package"
+    assert graph["ds_usp.upstream"] == set(), "upstream/__init__ imports none of its modules (catalog does)"
+
+
 def test_no_module_imports_upward():
     layers = _layers()
     upward = []
-    for path in sorted((ROOT / "ds_usp").rglob("*.py")):
+    for path in [*sorted((ROOT / "ds_usp").rglob("*.py")), BOOTSTRAP]:
         me = _module_name(path)
         mine = _layer_of(me, layers)
         for target in _imports(path):
@@ -232,12 +262,22 @@ def test_architecture_doc_names_every_module_and_only_real_ones():
     assert not unknown_names(doc, modules), f"docs/architecture.md names what does not exist: {unknown_names(doc, modules)}"
 
 
+def relative_names(text: str, me: str) -> list[str]:
+    """The ``:mod:`.name``` references of module ``me``'s text, as absolute names (relative to its package)."""
+    package = me if (ROOT.joinpath(*me.split(".")) / "__init__.py").exists() else me.rpartition(".")[0]
+    return [f"{package}.{name}" for name in re.findall(r":mod:`\.([\w.]+)`", text)]
+
+
 def test_docstrings_and_comments_name_existing_modules():
     """A docstring or comment that names a ``ds_usp`` module or function names one that exists (modules move; the
-    docstrings that pointed at them must move too)."""
+    docstrings that pointed at them must move too), also as a relative ``:mod:`` reference."""
     modules = _modules()
-    stale = {str(path.relative_to(ROOT)): bad for path in sorted((ROOT / "ds_usp").rglob("*.py"))
-             if (bad := unknown_names(path.read_text(), modules))}
+    stale = {}
+    for path in sorted((ROOT / "ds_usp").rglob("*.py")):
+        text = path.read_text()
+        bad = unknown_names(text, modules) + [n for n in relative_names(text, _module_name(path)) if n not in modules]
+        if bad:
+            stale[str(path.relative_to(ROOT))] = bad
     assert not stale, f"names of things that do not exist: {stale}"
 
 
