@@ -67,20 +67,38 @@ _PROBE = ("import sys; import _ds_usp_auto; print(any(getattr(f, '_ds_usp_watche
           "_ds_usp_auto.__file__)")
 
 
+def _site_dirs() -> list:
+    """The site directories this interpreter reads its packages from: its environment's (a virtual environment's
+    first, then the base interpreter's when that one sees them) and the user's, when enabled."""
+    import site
+
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dirs if os.path.isdir(d)]
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> dict:
-    """A virtual environment seeing this interpreter's packages, with this checkout installed editable into it."""
+    """A virtual environment seeing this interpreter's packages, with this checkout installed editable into it.
+
+    Not ``venv --system-site-packages``: made from inside a virtual environment, that one sees the base interpreter's
+    packages (``venv`` builds on the base executable), not the running environment's, and its build found the base's
+    setuptools (one without ``bdist_wheel`` failed the install). Its own site-packages comes first; a path file
+    (plain paths: their ``.pth`` files are not run, so this environment's own install of ds-usp stays out) appends
+    the running environment's site directories after it. pip builds the editable wheel in an isolated build
+    environment, as tests/test_install.py's plain install does: setuptools from the package index, not from either
+    environment."""
     where = tmp_path_factory.mktemp("venv") / "env"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(where)], check=True,
-                   timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=300)
     python = str(where / "bin" / "python")
-    done = subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--no-build-isolation",
-                           "--quiet", "-e", str(ROOT)], env=_env(PIP_DISABLE_PIP_VERSION_CHECK="1"),
-                          capture_output=True, text=True, timeout=600)
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=_env(),
+                               capture_output=True, text=True, timeout=120, check=True).stdout.strip())
+    (site / "zz_running_environment.pth").write_text("".join(f"{d}\n" for d in _site_dirs()))
+    done = subprocess.run([python, "-m", "pip", "install", "--no-deps", "--quiet", "-e", str(ROOT)],
+                          env=_env(PIP_DISABLE_PIP_VERSION_CHECK="1"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=_env(),
-                          capture_output=True, text=True, timeout=120, check=True).stdout.strip()
-    return {"python": python, "site": Path(site)}
+    return {"python": python, "site": site}
 
 
 @pytest.fixture(scope="module")
