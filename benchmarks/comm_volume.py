@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from _common import (DTYPES, MIB, NATIVE_OP, close_distributed, comma_list, init_distributed, log, parse, parser,
                      random_qkv, save_results, split_refusal, splits, table)
-from meters import measure_attention
+from ds_usp.instruments.meters import measure_attention
 
 MASKS = ("causal-zigzag", "causal-contiguous", "full-zigzag", "full-contiguous")  # mask-layout
 TOLERANCE = 0.01

@@ -100,8 +100,8 @@ def main() -> None:
     import ds_usp
     from ds_usp.cost import linear_bytes
     from ds_usp.integration.models.attention import USPContext, attach
+    from ds_usp.instruments.meters import CommCounter
     from ds_usp.integration.models.hybrid import wrap_linear_layers
-    from meters import CommCounter
 
     world, seq = dist.get_world_size(), args.seq
     config = _config(args.hidden, args.heads, args.head_dim)

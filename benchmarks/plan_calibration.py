@@ -55,7 +55,7 @@ FEATURES = {
 
 def measure(row: list) -> tuple[int, tuple]:
     """This rank's live-bytes peak of ``row`` and the plan it ran (``meters.step_peak``)."""
-    from meters import step_peak
+    from ds_usp.instruments.meters import step_peak
 
     seq, u, r, zero, features, layers, vocab, hidden, mlp = row
     return step_peak(seq, u, r, zero, FEATURES[features], layers, vocab, hidden, mlp)
@@ -63,7 +63,7 @@ def measure(row: list) -> tuple[int, tuple]:
 
 def predicted(row: list, plan: list, cal=None) -> float:
     """The planner's figure for ``row`` run with ``plan`` (``meters.predicted_peak``)."""
-    from meters import predicted_peak
+    from ds_usp.instruments.meters import predicted_peak
 
     seq, u, r, zero, _, layers, vocab, hidden, mlp = row
     return predicted_peak(seq, u, r, zero, plan if isinstance(plan, dict) else tuple(plan), layers, vocab, hidden,

@@ -14,7 +14,7 @@ of the R-1 blocks that visited it straight to their owners, in the training dtyp
 them in fp32); the q/k/v all-to-all reversed for dq, dk, dv. With ``usp.comm_dtype = "fp8"`` the forward's
 all-to-alls and every K/V hop carry 1 byte per element plus a 4-byte scale per row of the message's last dim
 (:func:`ds_usp.comm.fp8_encode`; a row is one head of one token); the gradients keep ``e``. Derived from
-:mod:`ds_usp.attention.usp`; the meter in ``benchmarks/meters.py`` measures it (tests/test_comm_volume.py
+:mod:`ds_usp.attention.usp`; the meter in ``ds_usp/instruments/meters.py`` measures it (tests/test_comm_volume.py
 checks every split against it) and docs/choosing.md uses it.
 
 :func:`attention_memory` models what the layer holds: what autograd saves for the backward (exact,

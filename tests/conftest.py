@@ -32,7 +32,8 @@ if CUDA:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children: CPU ranks
 
 sys.path.insert(0, os.path.dirname(__file__))
-# the measuring instruments (benchmarks/meters.py) are shared with the benchmarks (ranks started here get this sys.path)
+# benchmarks some tests run in part (step_work, family_sweep; ranks started here get this sys.path); the measuring
+# instruments are the package's (ds_usp.instruments)
 _BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, _BENCHMARKS)
 from dist_harness import World  # noqa: E402

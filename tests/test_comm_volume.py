@@ -3,7 +3,7 @@
 For every (U, R) split of 4 ranks over a small matrix (fp32/bf16, kv heads = H, H_kv < U (GQA
 replication) and MQA, causal zigzag / causal contiguous / non-causal, a length that needs padding, and
 ``usp.comm_dtype = "fp8"``),
-``measure_attention`` (benchmarks/meters.py) meters one layer's forward and backward: the bytes each rank sends
+``measure_attention`` (ds_usp/instruments/meters.py) meters one layer's forward and backward: the bytes each rank sends
 must equal the closed form within 1 % (they agree exactly), and the bytes autograd saves for the
 backward must equal ``attention_memory(...).saved`` exactly.
 """
@@ -35,7 +35,7 @@ def _rel_err(measured: float, formula: float) -> float:
 def measure_split(u: int, r: int) -> list:
     """On every rank: build the (u, r) topology and meter each case; returns (fwd, bwd, saved) per case."""
     import ds_usp
-    from meters import measure_attention
+    from ds_usp.instruments.meters import measure_attention
     from ds_usp.sharding import padded_length
 
     topo = ds_usp.USPTopology.build(u, r)

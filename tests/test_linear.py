@@ -648,7 +648,7 @@ def metered_layer(u: int, r: int, layout: str, seq: int) -> tuple:
     """On every rank: one gated_delta_attention forward and backward under the byte meter (after a warm-up)."""
     import ds_usp
     from ds_usp.linear import gated_delta_attention
-    from meters import CommCounter
+    from ds_usp.instruments.meters import CommCounter
 
     topo = get_topo(u, r)
     q, k, v, g, beta, w = _inputs(seq, 2, 4, 4, 3, seed=1, dtype=torch.float32)

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from meters import peak_growth
+from ds_usp.instruments.meters import peak_growth
 from test_training import STEPS, VOCAB, _batch, _compare, _ds_config, _llama, _params, reference
 
 FORCED = {"chunked_loss": True, "tiled_mlp": True, "activation_checkpointing": "selective",
@@ -158,18 +158,14 @@ def test_a_tiled_mlp_peaks_within_what_the_planner_predicts(dtype):
     """One tile of a gated MLP (forward and backward, as a tiled block's backward recomputes it) holds at most
     :data:`ds_usp.cost.MLP_LIVE` tokens x intermediate tensors, and not by much. Measured in a fresh interpreter
     (7.1-7.2 there): inside this suite's process the heap's state added up to one more (8.2)."""
-    import os
     import subprocess
     import sys
-
-    import meters
 
     from ds_usp.cost import MLP_LIVE
 
     code = f"""
-import sys, torch
-sys.path.insert(0, {os.path.dirname(meters.__file__)!r})
-from meters import peak_growth
+import torch
+from ds_usp.instruments.meters import peak_growth
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 from ds_usp.integration.step.tiling import gated_parts, tiled_mlp

@@ -235,7 +235,7 @@ def test_property_packed_matches_reference(world4, case):
 
 def skipped_work() -> list:
     """Documents aligned with the ring pieces (contiguous 1x4): each rank needs only its own block."""
-    from meters import measure_attention
+    from ds_usp.instruments.meters import measure_attention
 
     topo = get_topo(1, 4)
     results = []

@@ -39,7 +39,7 @@ def fresh_world4(world4):
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: f"S{r[0]}-{r[1]}x{r[2]}-zero{r[3]}")
 def test_predicted_peak_within_20_percent(fresh_world4, row):
-    from meters import predicted_peak, step_peak
+    from ds_usp.instruments.meters import predicted_peak, step_peak
 
     seq, u, r, zero, keys = row
     shape = (LAYERS, VOCAB, HIDDEN, INTER)

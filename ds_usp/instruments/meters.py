@@ -1,20 +1,19 @@
-"""Measuring instruments for tests and benchmarks (not part of the library): a byte meter on ``torch.distributed``
-and a live-bytes meter of a training step.
+"""A byte meter on ``torch.distributed`` and a live-bytes meter of a training step, for the tests and the benchmarks
+(nothing of the library imports it).
 
 :class:`CommCounter` counts the bytes this rank hands to ``torch.distributed``; :func:`measure_attention` runs
 one USP attention layer under it. tests/test_comm_volume.py checks the closed forms of :mod:`ds_usp.cost`
 against them, and benchmarks/comm_volume.py prints both. :func:`step_peak` measures a Llama training step's peak
 in live bytes and :func:`predicted_peak` is the planner's figure for it (tests/test_plan.py,
 benchmarks/plan_calibration.py); :func:`peak_growth` is any function's resident growth (tests/test_memory.py).
-Tests import this file from ``benchmarks/``
-(``tests/conftest.py`` puts the folder on ``sys.path``); benchmarks run with it as ``sys.path[0]``.
+Both import it as ``ds_usp.instruments.meters``.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -170,11 +169,17 @@ def _kib(key: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
 
 
-def peak_growth(fn) -> int:
+def peak_growth(fn: Callable[[], Any]) -> int:
     """Bytes the process's resident set grew to at its peak while ``fn`` ran (kernel high-water mark).
 
     Memory an earlier run freed stays in glibc's heap and would hide this run's growth, so it is given back to the
     kernel first (``malloc_trim``): the baseline is then what is alive.
+
+    Args:
+        fn: what to measure, called once without arguments.
+
+    Returns:
+        The growth in bytes (Linux with glibc: ``/proc/self`` and ``libc.so.6``).
     """
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -208,6 +213,20 @@ def step_peak(seq: int, u: int, r: int, zero: int, keys: dict, layers: int, voca
     freed tensor leaves the resident set at once (with glibc's default the heap keeps freed blocks resident, a
     slack that depends on the order of allocations); then ``VmHWM`` after ``5 > /proc/self/clear_refs``. The
     process's first call also runs its step once unmeasured: that step allocates what the process keeps.
+
+    Args:
+        seq: the global sequence length.
+        u: the Ulysses degree.
+        r: the ring degree (``u * r`` ranks: every rank of the process group calls it).
+        zero: the ZeRO stage.
+        keys: ``usp`` config keys of the memory features (``{}``: ``"auto"``).
+        layers: decoder layers.
+        vocab: vocabulary size.
+        hidden: hidden size.
+        mlp: the MLP's intermediate size.
+
+    Returns:
+        ``(peak, plan)``: this rank's peak growth in bytes and the features the step ran with.
     """
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -248,8 +267,24 @@ def step_peak(seq: int, u: int, r: int, zero: int, keys: dict, layers: int, voca
 def predicted_peak(seq: int, u: int, r: int, zero: int, plan: Any, layers: int, vocab: int, hidden: int,
                    mlp: int, cal: Any = None) -> float:
     """``ds_usp.cost.step_memory`` of the step :func:`step_peak` ran with ``plan`` (fp32), with ``cal`` (default:
-    the library's constants). ``plan``: the features (a dict), or, as results written before the planner chose
-    them, ``(checkpoint, tiled MLP, chunked loss, tile_mib)``."""
+    the library's constants).
+
+    Args:
+        seq: the global sequence length.
+        u: the Ulysses degree.
+        r: the ring degree.
+        zero: the ZeRO stage.
+        plan: the features (a dict, as :func:`step_peak` returns them), or, as results written before the planner
+            chose them, ``(checkpoint, tiled MLP, chunked loss, tile_mib)``.
+        layers: decoder layers.
+        vocab: vocabulary size.
+        hidden: hidden size.
+        mlp: the MLP's intermediate size.
+        cal: a :class:`ds_usp.cost.Calibration` (default: the library's constants).
+
+    Returns:
+        The predicted peak in bytes.
+    """
     from ds_usp.cost import Calibration, Features, StepSettings, step_memory
 
     if isinstance(plan, dict):
