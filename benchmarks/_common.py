@@ -1,7 +1,10 @@
-"""The one harness every benchmark uses: flags, process group, timing, inputs, table and JSON results.
+"""The one harness every benchmark uses: flags, ranks, process group, timing, inputs, table and JSON results.
 
 The scripts run as ``python benchmarks/X.py`` or under the launcher (``deepspeed --num_gpus 4
 benchmarks/X.py``); either way this folder is ``sys.path[0]``, so they ``from _common import ...``.
+Each one's command line extends :func:`base_parser` (:func:`parser` for an attention shape), and a script that
+starts ranks itself (one job per system it compares, usually itself again under ``--role``) starts them with
+:func:`start_ranks`.
 Raw runs go to ``benchmarks/results/*.json`` (:func:`save_results`, or :func:`write_result` for another shape),
 each with a :func:`provenance` record: the command, commit, date, device and library versions it came from;
 docs/benchmarks.md keeps the method, the tables and the command behind each.
@@ -16,6 +19,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -53,17 +57,58 @@ def comma_list(kind: Callable[[str], Any], choices: Optional[Sequence[str]] = No
     return convert
 
 
+def base_parser(doc: str, *, json_file: Optional[str] = None, seed: Optional[int] = None,
+                timeout: Optional[float] = None, ranks: Optional[int] = None,
+                master_port: Optional[int] = None) -> argparse.ArgumentParser:
+    """The command line every benchmark starts from; the benchmark adds its own flags (:func:`parser` those of an
+    attention shape).
+
+    Every benchmark has ``--json`` and the DeepSpeed launcher's hidden ``--local_rank``; a flag below is added when
+    its default is given, so that a flag two benchmarks share has one name and one meaning.
+
+    Args:
+        doc: the benchmark's module docstring (its first line is the description).
+        json_file: the default of ``--json``, the result file (a bare name goes into ``benchmarks/results/``).
+        seed: the default of ``--seed``, the seed of the random inputs.
+        timeout: the default of ``--timeout``: seconds a job, a run or a collective may take before the run fails
+            instead of hanging.
+        ranks: the default of ``--ranks``, the ranks of each job it starts (= the sequence-parallel size).
+        master_port: the default of ``--master-port``, the rendezvous port of the first job it starts (each next
+            job: one more; 0: a free port for each, :func:`job_port`).
+
+    Returns:
+        The parser.
+    """
+    p = argparse.ArgumentParser(description=doc.strip().split("\n")[0])
+    default = json_file or f"the benchmark's own, e.g. {NAME}-<date>.json"
+    p.add_argument("--json", default=json_file,
+                   help=f"write the raw run here (a bare name goes into benchmarks/results/; default: {default})")
+    p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    if seed is not None:
+        p.add_argument("--seed", type=int, default=seed, help="seed of the random inputs")
+    if timeout is not None:
+        p.add_argument("--timeout", type=float, default=timeout,
+                       help="seconds a job, a run or a collective may take before the run fails instead of hanging")
+    if ranks is not None:
+        p.add_argument("--ranks", type=int, default=ranks, help="ranks of each job (= the sequence-parallel size)")
+    if master_port is not None:
+        p.add_argument("--master-port", type=int, default=master_port,
+                       help="rendezvous port of the first job it starts (each next job: +1; 0: a free port each)")
+    return p
+
+
 def parser(description: str, *, seq: Union[int, Sequence[int]] = 8192, dtype: Union[str, Sequence[str], None] = "fp32",
            kv_heads_list: bool = False, heads: int = 8, head_dim: Optional[int] = 64,
-           timing: Optional[tuple[int, int]] = None, native_op: bool = True) -> argparse.ArgumentParser:
-    """The command line every benchmark starts from; the benchmark adds its own flags.
+           timing: Optional[tuple[int, int]] = None, native_op: bool = True, **common: Any) -> argparse.ArgumentParser:
+    """:func:`base_parser` with the flags of an attention shape (``--seed 0`` and ``--timeout 900`` unless
+    ``common`` says otherwise); the benchmark adds its own flags.
 
     A list default makes a flag a comma-separated list with a plural name that also answers to the
     singular (``--seqs``/``--seq``, ``--dtypes``/``--dtype``); a single default makes it one value.
     ``timing=(iters, warmup)`` adds ``--iters``/``--warmup``; ``dtype=None`` leaves the dtype out;
-    ``head_dim=None`` lets the benchmark derive it.
+    ``head_dim=None`` lets the benchmark derive it; ``common``: :func:`base_parser`'s keywords.
     """
-    p = argparse.ArgumentParser(description=description)
+    p = base_parser(description, **{"seed": 0, "timeout": 900.0, **common})
     if isinstance(seq, int):
         p.add_argument("--seq", type=int, default=seq, help="global sequence length (ds-usp pads it to its layout)")
     else:
@@ -86,12 +131,6 @@ def parser(description: str, *, seq: Union[int, Sequence[int]] = 8192, dtype: Un
     if native_op:
         p.add_argument("--native-op", choices=list(NATIVE_OP), default="auto",
                        help="ds-usp's usp.native_op: auto (the library default), on, off (the PyTorch twins)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds any collective (or one run) may wait before the run fails instead of hanging")
-    p.add_argument("--json", default=None,
-                   help=f"write the raw run here (default: benchmarks/results/{NAME}-<date>.json)")
-    p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     p.kv_heads_list = kv_heads_list  # read by parse()
     return p
 
@@ -166,6 +205,105 @@ def world_of_one() -> None:
     ``deepspeed.init_distributed`` starts a one-process world without a launcher."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
+
+
+def job_port(args: argparse.Namespace, job: int) -> int:
+    """The rendezvous port of the ``job``-th job (from 0) a benchmark starts: ``--master-port`` plus ``job``, or a
+    free port when it is 0 (:func:`base_parser`'s ``master_port``).
+
+    Args:
+        args: the parsed command line, with ``master_port``.
+        job: the job's number.
+
+    Returns:
+        The port.
+    """
+    return args.master_port + job if args.master_port else free_port()
+
+
+def start_ranks(script: Union[str, Path], script_args: Sequence[Any], ranks: Optional[int] = None, *,
+                launcher: str = "torchrun", port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
+                timeout: Optional[float] = None, capture: Union[bool, str] = False, check: bool = False,
+                cwd: Optional[Union[str, Path]] = None, echo: bool = True) -> subprocess.CompletedProcess:
+    """Run ``script`` as a job of ``ranks`` processes on this host and wait for it: the one way the benchmarks start
+    ranks (a benchmark that compares systems runs itself as one job per system, see :func:`run_as_job`).
+
+    With ``ranks`` torch's launcher starts them (``python -m torch.distributed.run --nproc_per_node N --master_port
+    P``), or with ``launcher="deepspeed"`` DeepSpeed's (``deepspeed --num_gpus N --master_port P``, from this
+    interpreter; it appends ``--local_rank``); without, one plain process (``python script``: a single-process
+    system). The job runs in a session of its own, and on a timeout or when this process is stopped
+    (``KeyboardInterrupt``, ``SystemExit``) the launcher and every rank are killed: killing the launcher alone (as
+    ``subprocess.run``'s timeout does) left its ranks running, holding the port, the memory and the output pipes,
+    which kept the caller waiting until they ended.
+
+    Args:
+        script: the Python file (a benchmark's own jobs: ``__file__``).
+        script_args: its arguments (each made a string).
+        ranks: processes of the job; None: one process without a launcher.
+        launcher: ``"torchrun"`` or ``"deepspeed"``.
+        port: the rendezvous port (default: a free one).
+        env: variables set for the job, over this process's.
+        timeout: seconds the job may take.
+        capture: keep the output in the result (``stdout``, ``stderr``) instead of passing it through; ``"stderr"``:
+            the error stream only.
+        check: raise when the job fails.
+        cwd: the job's working directory.
+        echo: print the command first (tagged with the benchmark's name).
+
+    Returns:
+        The finished job: ``returncode``, and what ``capture`` kept.
+
+    Raises:
+        ValueError: an unknown ``launcher``.
+        subprocess.TimeoutExpired: the job ran past ``timeout`` (all its processes killed).
+        subprocess.CalledProcessError: ``check`` and the job failed.
+    """
+    if launcher not in ("torchrun", "deepspeed"):
+        raise ValueError(f"launcher {launcher!r}: use 'torchrun' or 'deepspeed'")
+    cmd = [sys.executable]
+    if ranks is not None:
+        runner = ["torch.distributed.run", "--nproc_per_node"] if launcher == "torchrun" else \
+            ["deepspeed.launcher.runner", "--num_gpus"]
+        cmd += ["-m", *runner, str(ranks), "--master_port", str(free_port() if port is None else port)]
+    cmd += [str(script), *(str(a) for a in script_args)]
+    if echo:
+        print(f"[{NAME}] {shlex.join(cmd)}", flush=True)
+    streams = {"stdout": subprocess.PIPE if capture is True else None, "stderr": subprocess.PIPE if capture else None}
+    with subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=cwd, text=True, start_new_session=True,
+                          **streams) as job:
+        try:
+            out, err = job.communicate(timeout=timeout)
+        except BaseException:  # the timeout, or this process stopped: the whole job goes
+            _kill_job(job)
+            raise
+    done = subprocess.CompletedProcess(cmd, job.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+def _kill_job(job: subprocess.Popen) -> None:
+    """Kill a job of :func:`start_ranks`, its launcher and every process under it, and reap the launcher.
+
+    Process by process: torch's launcher starts each rank in a session of its own (the job's session does not hold
+    them), and a rank holds the pipes the output is read from until it ends."""
+    import psutil
+
+    try:
+        launcher = psutil.Process(job.pid)
+        procs = [launcher, *launcher.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(job.pid, signal.SIGKILL)  # whatever else is left in the job's own session
+    except (ProcessLookupError, PermissionError):
+        pass
+    job.communicate()
 
 
 def log(msg: str) -> None:
@@ -428,6 +566,8 @@ def write_result(path: Union[str, Path], payload: Any) -> Path:
     "results": payload}``. A bare file name goes into ``benchmarks/results/``. Returns the path written.
     """
     record = provenance()
+    if isinstance(payload, Mapping) and isinstance(payload.get("args"), Mapping):  # the launcher's, not the run's
+        payload = {**payload, "args": {k: v for k, v in payload["args"].items() if k != "local_rank"}}
     body = ({"provenance": record, **{k: v for k, v in payload.items() if k != "provenance"}}
             if isinstance(payload, Mapping) else {"provenance": record, "results": payload})
     target = result_path(str(path))

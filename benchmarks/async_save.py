@@ -27,9 +27,7 @@ of the blocking one, at both shapes. 4 ranks on 2 cores: the demo's times are th
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_job_flags, free_port, run_as_job, write_result  # noqa: E402
+from _common import add_job_flags, base_parser, run_as_job, start_ranks, write_result  # noqa: E402
 from long_seq import read_peak, reset_peak  # noqa: E402
 
 TAG = "[async_save]"
@@ -157,25 +155,21 @@ def run(args: argparse.Namespace) -> dict:
 
 def _job(shape: str, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp(prefix="async_save_")) / "row.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(SHAPES[shape][0]), "--master_port",
-           str(free_port()), __file__, "--role", shape, "--out", str(out),
-           "--reps", str(args.reps or (8 if shape == "demo" else 2)),
-           "--layers", str(args.layers), "--dir", str(out.parent / "ckpt")]
-    print(f"{TAG} {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    start_ranks(__file__, ["--role", shape, "--out", out, "--reps", args.reps or (8 if shape == "demo" else 2),
+                           "--layers", args.layers, "--dir", out.parent / "ckpt"], SHAPES[shape][0],
+                env={"OMP_NUM_THREADS": "1"}, check=True)
     row = __import__("json").loads(out.read_text())
     shutil.rmtree(out.parent)
     return row
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__)
     p.add_argument("--shapes", default="demo,1b", help="which shapes to run")
     p.add_argument("--reps", type=int, default=None,
                    help="saves of each kind (default: 8 at the demo's size, where 4 ranks on 2 cores make one noisy; 2 at 1b)")
     p.add_argument("--layers", type=int, default=8, help="decoder layers of the 1b shape (22: the whole 1.1B)")
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
     add_job_flags(p)
     args = p.parse_args()
     if run_as_job(args, run):

@@ -286,7 +286,7 @@ def native_op_note(args: Any, device: torch.device) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Measure every method, check it, print the table (rank 0); raise on any failure."""
-    p = parser(__doc__.split("\n")[0], timing=(5, 2))
+    p = parser(__doc__, timing=(5, 2))
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="meter one more forward+backward per row for its peak memory")

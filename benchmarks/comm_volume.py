@@ -65,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import ds_usp
     from ds_usp.sharding import padded_length
 
-    p = parser(__doc__.split("\n")[0], seq=2048, dtype=["fp32", "bf16"], kv_heads_list=True)
+    p = parser(__doc__, seq=2048, dtype=["fp32", "bf16"], kv_heads_list=True)
     p.add_argument("--masks", type=comma_list(str, MASKS), default=list(MASKS[:3]),
                    help=f"comma-separated, from {', '.join(MASKS)} (default: the first three)")
     p.add_argument("--comm-dtype", default="input", choices=("input", "fp8"), help="usp.comm_dtype (default input)")

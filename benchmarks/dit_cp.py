@@ -33,7 +33,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_job_flags, free_port, run_as_job, write_result  # noqa: E402
+from _common import add_job_flags, base_parser, job_port, run_as_job, start_ranks, write_result  # noqa: E402
 from long_seq import read_peak, reset_peak  # noqa: E402
 
 TAG = "[dit_cp]"
@@ -218,18 +217,13 @@ def count_work(step: Callable[[], torch.Tensor], finish: Callable[[], None]) -> 
 
 def _job(role: str, family: str, split: str, args: argparse.Namespace, reference: Path) -> dict:
     out = Path(f"/tmp/dit_cp_{os.getpid()}_{role}_{family}_{split}.json")
-    common = [__file__, "--role", role, "--family", family, "--split", split, "--out", str(out if role != "reference"
-                                                                                           else reference),
-              "--reference", str(reference), "--iters", str(args.iters), "--heads", str(args.heads),
-              "--latent", ",".join(map(str, args.latent)), "--image", str(args.image)]
-    if role == "reference":
-        cmd = [sys.executable] + common
+    flags = ["--role", role, "--family", family, "--split", split, "--out", out if role != "reference" else reference,
+             "--reference", reference, "--iters", args.iters, "--heads", args.heads,
+             "--latent", ",".join(map(str, args.latent)), "--image", args.image]
+    if role == "reference":  # one process
+        done = start_ranks(__file__, flags, capture=True)
     else:
-        port = free_port() if args.master_port is None else args.master_port + next(_PORTS)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(port)] + common
-    print(f"{TAG} {' '.join(cmd)}", flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
+        done = start_ranks(__file__, flags, 4, port=job_port(args, next(_PORTS)), capture=True)
     if done.returncode:
         lines = (done.stdout + done.stderr).strip().splitlines()
         errors = [line for line in lines if "Error:" in line and "ChildFailedError" not in line]  # a rank's
@@ -240,7 +234,7 @@ def _job(role: str, family: str, split: str, args: argparse.Namespace, reference
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__, master_port=0)
     p.add_argument("--families", default="wan,flux", help="comma-separated: wan, flux")
     p.add_argument("--splits", default="4x1,1x4,2x2", help=f"comma-separated UxR from {', '.join(SPLITS)}")
     p.add_argument("--systems", default="ds-usp,diffusers")
@@ -249,9 +243,6 @@ def main() -> None:
     p.add_argument("--latent", type=lambda s: tuple(int(x) for x in s.split(",")), default=(16, 32, 32),
                    help="Wan's latent frames,height,width (tokens: f * h/2 * w/2)")
     p.add_argument("--image", type=int, default=64, help="Flux's image side in tokens (side x side)")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="the jobs' master ports: this one, then the next ones (default: a free port per job)")
-    p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
     add_job_flags(p)
     p.add_argument("--family", default="wan", help=argparse.SUPPRESS)
     p.add_argument("--split", default="2x2", help=argparse.SUPPRESS)

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_job_flags, free_port, run_as_job, write_result  # noqa: E402
+from _common import add_job_flags, base_parser, run_as_job, start_ranks, write_result  # noqa: E402
 from long_seq import alst_full, alst_tiled_loss, read_peak, reset_peak  # noqa: E402
 
 TAG = "[dynamic_sp]"
@@ -185,26 +184,21 @@ def alst_step(model: Any, config: dict, args: argparse.Namespace) -> Callable[[l
 
 def _job(system: str, args: argparse.Namespace) -> dict:
     out = Path(f"/tmp/dynamic_sp_{os.getpid()}_{system.replace(' ', '_')}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
-           __file__, "--role", system, "--out", str(out), "--steps", str(args.steps), "--step-tokens",
-           str(args.step_tokens), "--max-len", str(args.max_len), "--cap", str(args.cap), "--seed", str(args.seed),
-           "--lengths", args.lengths]
-    print(f"{TAG} {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=True)
+    flags = ["--role", system, "--out", out, "--steps", args.steps, "--step-tokens", args.step_tokens, "--max-len",
+             args.max_len, "--cap", args.cap, "--seed", args.seed, "--lengths", args.lengths]
+    start_ranks(__file__, flags, 4, check=True)
     return json.loads(out.read_text())
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__, seed=0)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (the first is a warm-up)")
     p.add_argument("--step-tokens", type=int, default=32768, help="tokens of documents per optimizer step")
     p.add_argument("--max-len", type=int, default=16384, help="the longest document")
     p.add_argument("--cap", type=int, default=4096, help="tokens_per_rank")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lengths", choices=["lognormal", "longalpaca-chinese"], default="lognormal",
                    help="the document length distribution (see lengths_of_step)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
-    p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
     add_job_flags(p)
     args = p.parse_args()
     if run_as_job(args, run):

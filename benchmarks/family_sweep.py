@@ -19,15 +19,17 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import multiprocessing as mp
-import os
+import json
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from _common import free_port, save_results, table
+from _common import add_job_flags, base_parser, run_as_job, save_results, start_ranks, table
 
 SEQ, VOCAB, ATTN = 67, 128, "usp"
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -131,14 +133,15 @@ def forward_error(topo: Any, reference: tuple[Any, torch.Tensor, torch.Tensor]) 
     return float(err)
 
 
-def _worker(rank: int, family: str, port: int, out: Any) -> None:
+def run(args: argparse.Namespace) -> dict:
+    """One rank of a family's 2-rank job (``--role FAMILY``): the family's verdict, on rank 0 (the others: nothing)."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo")
     torch.set_num_threads(1)
     from ds_usp.topology import USPTopology
 
+    family = args.role
     topo = USPTopology.build(1, 2)
     try:
         reference = reference_logits(family)
@@ -155,37 +158,35 @@ def _worker(rank: int, family: str, port: int, out: Any) -> None:
             named = isinstance(e, ValueError) or "ds-usp" in str(e)
             verdict = ("refused", str(e)) if named else \
                 ("error", f"{type(e).__name__}: {e} | {traceback.format_exc(limit=-2)}")
-    if rank == 0:
-        out.put(verdict)
+    rank = dist.get_rank()
     dist.destroy_process_group()
+    return {"verdict": verdict} if rank == 0 else {}
 
 
 def sweep_one(family: str, timeout: float) -> tuple[str, str]:
     """The verdict of one family, from a fresh 2-process world (killed after ``timeout`` seconds)."""
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, family, port, out)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return out.get(timeout=timeout)
-    except Exception:  # noqa: BLE001 - queue.Empty: no verdict in time (or a crash before one)
-        return ("timeout", f"no verdict within {timeout:.0f} s")
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+    with tempfile.TemporaryDirectory(prefix="family_sweep_") as scratch:
+        out = Path(scratch) / "verdict.json"
+        try:
+            done = start_ranks(__file__, ["--role", family, "--out", out], 2, timeout=timeout, capture=True,
+                               echo=False)
+        except subprocess.TimeoutExpired:
+            return ("timeout", f"no verdict within {timeout:.0f} s")
+        if not out.exists():  # a crash before the verdict
+            lines = (done.stdout + done.stderr).strip().splitlines()
+            return ("error", f"exit {done.returncode}, no verdict: {lines[-1] if lines else '?'}")
+        return tuple(json.loads(out.read_text())["verdict"])
 
 
 def main() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__, timeout=150.0)  # here: seconds per family
     p.add_argument("--families", default="", help="comma-separated model types (default: every causal-LM family)")
-    p.add_argument("--timeout", type=float, default=150.0, help="seconds per family")
-    p.add_argument("--json", default=None, help="result file (benchmarks/results/ when a bare name)")
+    add_job_flags(p)
     args = p.parse_args()
+    if run_as_job(args, run):
+        return
     families = [f for f in args.families.split(",") if f] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     rows = []
     for family in families:
@@ -194,7 +195,7 @@ def main() -> None:
         print(f"{family:28s} {verdict:8s} {detail[:150]}", flush=True)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in sorted({r["verdict"] for r in rows})}
     print(table([{"verdict": v, "families": n} for v, n in counts.items()]))
-    save_results(args.json, vars(args), rows)
+    save_results(args.json, {k: v for k, v in vars(args).items() if k not in ("role", "out")}, rows)
 
 
 if __name__ == "__main__":

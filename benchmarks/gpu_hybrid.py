@@ -13,7 +13,6 @@ the loss difference and the largest relative gradient difference over the parame
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from _common import save_results, table, world_of_one
+from _common import base_parser, save_results, table, world_of_one
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 TAG = "[gpu_hybrid]"
@@ -68,11 +67,10 @@ def run_family(family: str, device: torch.device, seq: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__)
     p.add_argument("--families", default="qwen3_5_text,qwen3_next,jamba,nemotron_h,lfm2")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--tol", type=float, default=1e-3, help="largest relative gradient difference accepted")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     world_of_one()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

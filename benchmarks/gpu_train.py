@@ -60,7 +60,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from _common import comma_list, save_results, table, world_of_one
+from _common import base_parser, comma_list, save_results, start_ranks, table, world_of_one
 from long_seq import alst_full, alst_tiled_loss
 
 TAG = "[gpu_train]"
@@ -79,7 +79,7 @@ Step = Callable[[], float]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__)
     p.add_argument("--shape", choices=list(SHAPES), default="1b")
     p.add_argument("--systems", type=comma_list(str), default=["ds-usp", "ds-usp off", "ALST full"])
     p.add_argument("--start", type=int, default=16384, help="first S")
@@ -99,7 +99,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seqs", type=comma_list(int), default=[16384, 32768, 65536, 131072],
                    help="the lengths of --attention")
     p.add_argument("--iters", type=int, default=3, help="timed iterations of --attention (after one warm-up)")
-    p.add_argument("--json", default=None, help="result file (bare name: benchmarks/results/)")
     p.add_argument("--plot", default="", help="write a plot of tokens/s and peak memory against S here")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "system|rows file"
     args = p.parse_args(argv)
@@ -510,8 +509,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{TAG} {name}: running", flush=True)
         failed: Any = [f"stopped from outside (e.g. a session step's time limit) while {name} ran"]
         try:
-            proc = subprocess.run([sys.executable, __file__, *argv, "--worker", f"{name}|{path}"],
-                                  timeout=args.budget + 300, stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
+            proc = start_ranks(__file__, [*argv, "--worker", f"{name}|{path}"], timeout=args.budget + 300,
+                               capture="stderr", echo=False)  # one process: a world of one (world_of_one)
             failed = proc.returncode != 0 and [ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:]
         except subprocess.TimeoutExpired:
             failed = [f"timed out after {args.budget + 300:.0f} s"]

@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from _common import (MIB, NATIVE_OP, close_distributed, free_port, parse, parser, result_path, save_results,
-                     table)
+                     start_ranks, table)
 
 DEFAULT_SYSTEMS = ("ds-usp off", "ds-usp", "ds-usp 2x2", "ALST plain", "ALST full")
 LOSS_RTOL = 1e-4
@@ -64,10 +64,9 @@ System = Callable[[str, int, argparse.Namespace], tuple[Step, Callable[[], str]]
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The shared flags (``--seqs``, ``--dtype`` of training, ``--heads``, ``--kv-heads``, ...) and the step's own."""
-    p = parser(__doc__.split("\n")[0], seq=[8192, 16384, 32768, 65536], head_dim=None)
+    p = parser(__doc__, seq=[8192, 16384, 32768, 65536], head_dim=None, ranks=4, timeout=3600.0)  # one job's
     p.add_argument("--systems", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    default=list(DEFAULT_SYSTEMS), help=f"comma-separated (default: {','.join(DEFAULT_SYSTEMS)})")
-    p.add_argument("--ranks", type=int, default=4, help="ranks of each job (= the sequence-parallel size)")
     p.add_argument("--steps", type=int, default=3, help="training steps per job (the first is not timed)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -81,7 +80,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "them (a later file's row replaces one of the same system and S), report, run nothing")
     p.add_argument("--plot", default="", help="write a plot of peak memory against S here (needs matplotlib)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "system|seq|result path"
-    p.set_defaults(timeout=3600.0)  # here: seconds one job may take
     args = parse(p, argv)
     args.head_dim = args.head_dim or args.hidden // args.heads
     for name in args.systems:
@@ -327,11 +325,10 @@ def run_worker(args: argparse.Namespace) -> None:
 def run_job(name: str, seq: int, args: argparse.Namespace, argv: Sequence[str], scratch: Path) -> dict:
     """Launch one job of ``--ranks`` ranks and reduce it to a table row."""
     path, port = scratch / f"{name.replace(' ', '_')}_{seq}", free_port()
-    cmd = ["deepspeed", "--num_gpus", str(args.ranks), "--master_port", str(port), __file__, *argv,
-           "--worker", f"{name}|{seq}|{path}"]
     print(f"{TAG} {name} S={seq}: running ({args.steps} steps)", flush=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = start_ranks(__file__, [*argv, "--worker", f"{name}|{seq}|{path}"], args.ranks, launcher="deepspeed",
+                           port=port, timeout=args.timeout, capture=True, echo=False)
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
         tail = "" if proc.returncode == 0 else (errors[-1] if errors else proc.stderr[-300:])[-300:]
     except subprocess.TimeoutExpired:

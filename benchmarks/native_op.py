@@ -24,7 +24,6 @@ is the op faster.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -33,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from _common import comma_list, log, result_path, save_results, table
+from _common import base_parser, comma_list, log, result_path, save_results, table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,14 +170,12 @@ def markdown(rows: list[dict], threads: Sequence[int]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__, seed=0)
     p.add_argument("--setups", type=comma_list(str, list(SETUPS)), default=list(SETUPS),
                    help=f"comma-separated, from {', '.join(SETUPS)}")
     p.add_argument("--threads", type=comma_list(int), default=[1], help="intra-op threads, comma-separated")
     p.add_argument("--iters", type=int, default=20, help="timed calls per method (the fastest is reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before them")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the raw run here (a bare name: benchmarks/results/)")
     p.add_argument("--table", default="", help="print the Markdown table of this results file, run nothing")
     args = p.parse_args(argv)
     if args.table:

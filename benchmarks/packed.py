@@ -91,7 +91,7 @@ def time_attention(args: Any, topo: Any, layout: str, full: Sequence[torch.Tenso
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Measure every split and layout; print the table and the targets on rank 0."""
-    p = parser(__doc__.split("\n")[0], seq=16384, timing=(3, 1))
+    p = parser(__doc__, seq=16384, timing=(3, 1))
     p.add_argument("--window", type=int, default=4096, help="sliding window (tokens a query sees, itself included)")
     p.add_argument("--docs-seed", type=int, default=0, help="seed of the document mix")
     args = parse(p, argv)

@@ -17,7 +17,6 @@ them; ``--table`` each row's ratio with the library's constants (docs/planner.md
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -138,12 +137,11 @@ def fit(path: str) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", default="plan_calibration.json",
-                   help="where the measured rows go (a bare name: in benchmarks/results/)")
+    from _common import base_parser
+
+    p = base_parser(__doc__, json_file="plan_calibration.json")  # --json: where the measured rows go
     p.add_argument("--fit", default="", help="fit the constants to this file of measured rows instead of running")
     p.add_argument("--table", default="", help="print this file's rows against the library's constants, run nothing")
-    p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fit:
         fit(args.fit)

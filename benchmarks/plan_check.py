@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from _common import parse, parser, save_results, table
+from _common import parse, parser, save_results, start_ranks, table
 
 TAG = "[plan_check]"
 TARGET = 1.10
@@ -50,12 +49,11 @@ def measured_hardware(ranks: int) -> dict:
 
 
 def main() -> int:
-    p = parser(__doc__.split("\n")[0], seq=8192, dtype=None, heads=8)
+    p = parser(__doc__, seq=8192, dtype=None, heads=8, ranks=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=896)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--ranks", type=int, default=4)
     args = parse(p)
     if args.kv_heads == args.heads:
         args.kv_heads = args.heads // 2
@@ -71,11 +69,10 @@ def main() -> int:
           + ", ".join(f"{c.settings.ulysses}x{c.settings.ring} ({c.time.total:.2f} s)" for c in priced), flush=True)
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"plan_check_{os.getpid()}.json"
     systems = [f"ds-usp {c.settings.ulysses}x{c.settings.ring}" for c in priced]
-    cmd = [sys.executable, str(Path(__file__).with_name("long_seq.py")), "--seqs", str(args.seq), "--systems",
-           ",".join(systems), "--ranks", str(args.ranks), "--zero", "3", "--layers", str(args.layers), "--hidden",
-           str(args.hidden), "--intermediate", str(args.intermediate), "--vocab", str(args.vocab), "--heads",
-           str(args.heads), "--kv-heads", str(args.kv_heads), "--json", str(out)]
-    subprocess.run(cmd, check=True)
+    start_ranks(Path(__file__).with_name("long_seq.py"),  # one process, which starts a job per split
+                ["--seqs", args.seq, "--systems", ",".join(systems), "--ranks", args.ranks, "--zero", 3, "--layers",
+                 args.layers, "--hidden", args.hidden, "--intermediate", args.intermediate, "--vocab", args.vocab,
+                 "--heads", args.heads, "--kv-heads", args.kv_heads, "--json", out], check=True)
     measured = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     rows = [{"split": f"{c.settings.ulysses}x{c.settings.ring}", "planner_rank": i + 1, "predicted_s": c.time.total,
              "predicted_GiB": c.memory.total / 2 ** 30, "measured_s": measured[s]["step_s"],

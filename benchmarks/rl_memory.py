@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_job_flags, free_port, run_as_job, write_result  # noqa: E402
+from _common import add_job_flags, base_parser, run_as_job, start_ranks, write_result  # noqa: E402
 from long_seq import read_peak, reset_peak  # noqa: E402
 
 TAG = "[rl_memory]"
@@ -122,28 +121,20 @@ def run_usp(args: argparse.Namespace) -> dict:
 
 def _job(system: str, args: argparse.Namespace) -> dict:
     out = Path(f"/tmp/rl_memory_{os.getpid()}_{system}.json")
-    common = ["--seq", str(args.seq), "--pad", str(args.pad), "--completion", str(args.completion),
-              "--ulysses", str(args.ulysses), "--ring", str(args.ring), "--role", system, "--out", str(out)]
-    if system == "usp":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ulysses * args.ring),
-               "--master_port", str(free_port()), __file__, *common]
-    else:
-        cmd = [sys.executable, __file__, *common]
-    print(f"{TAG} {' '.join(cmd)}", flush=True)
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                                 str(Path.home() / ".cache/torch_extensions"))}
-    subprocess.run(cmd, check=True, env=env)
+    flags = ["--seq", args.seq, "--pad", args.pad, "--completion", args.completion, "--ulysses", args.ulysses,
+             "--ring", args.ring, "--role", system, "--out", out]
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions"))}
+    start_ranks(__file__, flags, args.ulysses * args.ring if system == "usp" else None, env=env, check=True)
     return json.loads(out.read_text())
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__)
     p.add_argument("--seq", type=int, default=16384, help="tokens of the row")
     p.add_argument("--pad", type=int, default=1000, help="left padding of the prompt")
     p.add_argument("--completion", type=int, default=4096, help="completion tokens (scored)")
     p.add_argument("--ulysses", type=int, default=2)
     p.add_argument("--ring", type=int, default=2)
-    p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
     add_job_flags(p)
     args = p.parse_args()
     if run_as_job(args, lambda a: run_single(a) if a.role == "single" else run_usp(a)):

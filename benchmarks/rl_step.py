@@ -33,10 +33,10 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,10 +45,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_job_flags, comma_list, run_as_job, write_result  # noqa: E402
+from _common import add_job_flags, base_parser, comma_list, job_port, run_as_job, start_ranks, write_result  # noqa: E402
 from long_seq import read_peak, reset_peak  # noqa: E402
 
 TAG = "[rl_step]"
+_PORTS = itertools.count()
 VOCAB = 32000
 SYSTEMS = {"trl": "TRL one process", "redundant": "ds-usp redundant", "split": "ds-usp split"}
 TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "epoch", "total_flos",
@@ -212,17 +213,14 @@ def _summary(name: str, row: dict, warmup: int) -> dict:
 
 def _job(role: str, zero: int, args: argparse.Namespace, model_dir: str) -> dict:
     out = Path(tempfile.mkdtemp()) / f"rl_step_{role}.json"
-    common = ["--prompts", str(args.prompts), "--gens", str(args.gens), "--prompt-len", str(args.prompt_len),
-              "--completion", str(args.completion), "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--ulysses", str(args.ulysses), "--ring", str(args.ring), "--zero-stage", str(zero),
-              "--model-dir", model_dir, "--role", role, "--out", str(out)]
-    if role == "trl":
-        cmd = [sys.executable, __file__, *common]
+    flags = ["--prompts", args.prompts, "--gens", args.gens, "--prompt-len", args.prompt_len, "--completion",
+             args.completion, "--steps", args.steps, "--warmup", args.warmup, "--ulysses", args.ulysses, "--ring",
+             args.ring, "--zero-stage", zero, "--model-dir", model_dir, "--role", role, "--out", out]
+    env = {"TRL_EXPERIMENTAL_SILENCE": "1"}
+    if role == "trl":  # TRL's own trainer, one process
+        start_ranks(__file__, flags, env=env, check=True)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ulysses * args.ring),
-               "--master_port", str(args.master_port), __file__, *common]
-    print(f"{TAG} {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+        start_ranks(__file__, flags, args.ulysses * args.ring, port=job_port(args, next(_PORTS)), env=env, check=True)
     return json.loads(out.read_text())
 
 
@@ -238,7 +236,7 @@ def _same_logs(got: list, want: list) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__, master_port=29660)
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (global batch)")
     p.add_argument("--gens", type=int, default=4, help="num_generations")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens of the longest prompt")
@@ -250,8 +248,6 @@ def main() -> None:
     p.add_argument("--zero", type=comma_list(int), default=[2, 3], help="ZeRO stages of the ds-usp systems")
     p.add_argument("--zero-stage", type=int, default=2, help=argparse.SUPPRESS)  # one job's
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--master-port", type=int, default=29660, help="the ds-usp jobs' rendezvous port")
-    p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
     add_job_flags(p)
     args = p.parse_args()
     if run_as_job(args, run_job):

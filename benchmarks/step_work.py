@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_job_flags, comma_list, run_as_job, table, write_result  # noqa: E402
+from _common import (add_job_flags, base_parser, comma_list, job_port, run_as_job, start_ranks, table,  # noqa: E402
+                     write_result)
 from work_meter import StepMeter, ZeroCompute  # noqa: E402
 
 TAG = "[step_work]"
@@ -74,19 +75,15 @@ COUNTS = (("ops", "aten ops", "d"), ("zero3_param_ops", "of them ZeRO-3 gatherin
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__, ranks=2, master_port=29900, timeout=7200.0)
     p.add_argument("--shape", choices=list(SHAPES), default="1.5b")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seqs", type=comma_list(int), default=[8192, 16384], help="comma-separated global lengths")
     p.add_argument("--systems", type=comma_list(str, SYSTEMS), default=list(SYSTEMS),
                    help=f"comma-separated, from {', '.join(SYSTEMS)}")
-    p.add_argument("--ranks", type=int, default=2, help="ranks of each job (= the sequence-parallel size)")
     p.add_argument("--warmup", type=int, default=2, help="steps before the metered one (ZeRO-3's trace: 2)")
     p.add_argument("--real-warmup", action="store_true", help="warm-up steps compute (default: ZeroCompute)")
     p.add_argument("--memory-gib", type=float, default=80.0, help="ds-usp's usp.memory_gib")
-    p.add_argument("--master-port", type=int, default=29900, help="the first job's port (each next job: +1)")
-    p.add_argument("--timeout", type=float, default=7200.0, help="seconds one job may take")
-    p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
     p.add_argument("--note", default="", help="a line kept with the results (e.g. which ds_usp tree was counted)")
     add_job_flags(p)
     args = p.parse_args(argv)
@@ -228,15 +225,13 @@ def launch(system: str, seq: int, port: int, args: argparse.Namespace, argv: Seq
     """Run one job of ``--ranks`` ranks and return its row (``error`` set when it failed)."""
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"step_work_{os.getpid()}_{system.replace(' ', '_')}_{seq}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks), "--master_port",
-           str(port), __file__, *argv, "--role", f"{system}|{seq}", "--out", str(out)]
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", "/tmp/meter_ext"),
-               OMP_NUM_THREADS="1")
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", "/tmp/meter_ext"), "OMP_NUM_THREADS": "1"}
     print(f"{TAG} {system} S={seq}: counting ({args.ranks} ranks, port {port})", flush=True)
     start = time.perf_counter()
     log = out.with_suffix(".log")
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = start_ranks(__file__, [*argv, "--role", f"{system}|{seq}", "--out", out], args.ranks, port=port,
+                           env=env, timeout=args.timeout, capture=True, echo=False)
         log.write_text(proc.stdout + proc.stderr)
         errors = [line for line in proc.stderr.splitlines() if "Error" in line and "elastic" not in line]
         failed = proc.returncode != 0 and f"{(errors or ['exit ' + str(proc.returncode)])[0][:300]} (log: {log})"
@@ -360,11 +355,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if run_as_job(args, run_job):
         return 0
-    rows, port = [], args.master_port
+    rows = []
     for seq in args.seqs:
         for system in args.systems:
-            rows.append(launch(system, seq, port, args, argv))
-            port += 1
+            rows.append(launch(system, seq, job_port(args, len(rows)), args, argv))
     for r in rows:
         if "error" in r:
             print(f"{TAG} {r['system']} S={r['S']} FAILED: {r['error']}")

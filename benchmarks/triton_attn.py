@@ -137,7 +137,7 @@ def sweep_rows(args, seq: int, dtype: torch.dtype) -> list[dict]:
 
 
 def main() -> None:
-    p = parser(__doc__.split("\n")[0], seq=[8192, 16384, 32768, 65536], dtype="bf16", heads=32, head_dim=128,
+    p = parser(__doc__, seq=[8192, 16384, 32768, 65536], dtype="bf16", heads=32, head_dim=128,
                timing=(10, 3), native_op=False)
     p.add_argument("--sweep", action="store_true", help="first time the Triton kernels under several tile configs")
     p.add_argument("--softcap", type=float, default=0.0,

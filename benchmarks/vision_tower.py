@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_job_flags, free_port, run_as_job, write_result  # noqa: E402
+from _common import add_job_flags, base_parser, run_as_job, start_ranks, write_result  # noqa: E402
 from long_seq import read_peak, reset_peak  # noqa: E402
 
 TAG = "[vision_tower]"
@@ -92,22 +91,18 @@ def run(args: argparse.Namespace) -> dict:
 
 def _job(system: str, frames: int, side: int, args: argparse.Namespace) -> dict:
     out = Path(f"/tmp/vision_tower_{os.getpid()}_{system}_{frames}x{side}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
-           __file__, "--role", system, "--frame-count", str(frames), "--side-count", str(side), "--hidden",
-           str(args.hidden), "--depth", str(args.depth), "--out", str(out)]
-    print(f"{TAG} {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=True)
+    start_ranks(__file__, ["--role", system, "--frame-count", frames, "--side-count", side, "--hidden", args.hidden,
+                           "--depth", args.depth, "--out", out], 4, check=True)
     return json.loads(out.read_text())
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__)
     p.add_argument("--videos", default="1x8,1x16,2x16,2x28,8x28",
                    help="videos as TxS: T temporal patches of S x S patches (28: a 392x392 frame), one run each")
     p.add_argument("--systems", default="replicated,sharded", help="which systems to run")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--json", default=None, help="result file (a bare name goes into benchmarks/results/)")
     add_job_flags(p)
     p.add_argument("--frame-count", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--side-count", type=int, default=0, help=argparse.SUPPRESS)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -26,7 +25,7 @@ from typing import Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import MIB, log, save_results, table  # noqa: E402
+from _common import MIB, base_parser, job_port, log, save_results, start_ranks, table  # noqa: E402
 
 DEMO_CONFIG = ROOT / "ds_configs" / "cpu_demo.json"
 SHAPE = {"seq-len": 1024, "hidden": 128, "heads": 4, "kv-heads": 2}  # passed to the demo: the bytes below are its
@@ -40,11 +39,11 @@ def run_demo(wire: str, seed: int, steps: int, out: Path, port: int) -> list[dic
     path = out / "ds_config.json"
     path.write_text(json.dumps(config))
     (out / "log.jsonl").unlink(missing_ok=True)
-    cmd = ["deepspeed", "--num_gpus", "4", "--master_port", str(port), str(ROOT / "examples" / "train_llama.py"),
-           "--deepspeed_config", str(path), "--steps", str(steps), "--seed", str(seed), "--save-every", "0",
-           "--out", str(out)] + [x for key, value in SHAPE.items() for x in (f"--{key}", str(value))]
-    log(f"{wire} seed {seed}: {' '.join(cmd)}")
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    flags = ["--deepspeed_config", path, "--steps", steps, "--seed", seed, "--save-every", 0, "--out", out]
+    log(f"{wire} seed {seed}:")
+    start_ranks(ROOT / "examples" / "train_llama.py", flags + [x for key, value in SHAPE.items()
+                                                              for x in (f"--{key}", value)],
+                4, launcher="deepspeed", port=port, cwd=ROOT, check=True)
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
     if len(rows) != steps:
         raise RuntimeError(f"{out}/log.jsonl has {len(rows)} steps, expected {steps}")
@@ -99,18 +98,18 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the demo per ``--runs`` entry, print the comparison, write JSON and a plot."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = base_parser(__doc__, master_port=29720)
+    p.add_argument("--port", dest="master_port", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # --master-port's old name
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     p.add_argument("--runs", default="input:0,fp8:0,input:1", help="comma-separated comm_dtype:seed, the first is "
                    "the reference")
     p.add_argument("--out", default="runs/wire_loss", help="each run's log goes to OUT/<comm_dtype>-<seed>")
-    p.add_argument("--port", type=int, default=29720, help="master port of the first run (+1 per run)")
-    p.add_argument("--json", default=None, help="results file (a bare name goes to benchmarks/results/)")
     args = p.parse_args(argv)
     runs = {}
     for i, entry in enumerate(args.runs.split(",")):
         wire, seed = entry.split(":")
-        runs[entry] = run_demo(wire, int(seed), args.steps, ROOT / args.out / f"{wire}-{seed}", args.port + i)
+        runs[entry] = run_demo(wire, int(seed), args.steps, ROOT / args.out / f"{wire}-{seed}", job_port(args, i))
     rows = compare(runs, args.steps)
     print(f"demo (examples/train_llama.py, 4 CPU ranks, U=2 x R=2, ZeRO-3, fp32, {args.steps} steps), each run against "
           f"{rows[0]['run']}:\n" + table(rows, fmt={c: ".4f" for c in rows[0] if "loss" in c} |
