@@ -5,10 +5,12 @@ refused by name wherever DeepSpeed is initialized (the stock HF ``Trainer``, TRL
 Installing ds-usp puts ``ds_usp_auto.pth`` in site-packages (and ``ds_usp_auto.start``, the same entry point for
 Python 3.15's PEP 829); at interpreter start it calls :func:`install`, which puts one finder at the front of
 ``sys.meta_path``, as setuptools' ``distutils-precedence.pth`` and virtualenv's ``_virtualenv.pth`` do. The finder
-answers only for three module names; for every other import it returns ``None`` after one dictionary lookup, and it
-imports nothing. When one of the three has been imported, it wraps one function of it with a gate:
+answers only for four module names; for every other import it returns ``None`` after one dictionary lookup, and it
+imports nothing. When one of the four has been imported, it wraps one function of it with a gate:
 
 * ``deepspeed``: ``deepspeed.initialize``;
+* ``deepspeed.runtime.config``: ``DeepSpeedConfig.__init__`` (where DeepSpeed first reads the batch size, in
+  ``zero.Init`` before any ``deepspeed.initialize``: a batch counted over every rank is counted over replicas);
 * ``transformers.integrations.deepspeed``: ``HfTrainerDeepSpeedConfig.trainer_config_process`` (where HF fills the
   config's ``"auto"`` values, when ``TrainingArguments`` is created);
 * ``transformers.trainer``: ``Trainer.create_accelerator_and_postprocess`` (called in ``Trainer.__init__`` before
@@ -18,7 +20,7 @@ A gate reads the DeepSpeed config of the call. Without ``"sequence_parallel"`` i
 unchanged, having imported nothing. With the key it calls its handler from :data:`HANDLERS`, a table this module
 holds and the package named by :data:`PROVIDER` fills (:func:`serve`) when it is imported; a gate imports that
 package by name when the table is still empty. The bootstrap knows nothing else of the package, and the package's
-checked patches (``ds_usp/upstream/``, registered in its ``PATCHES`` table, the gates' three wraps included) do the
+checked patches (``ds_usp/upstream/``, registered in its ``PATCHES`` table, the gates' wraps included) do the
 work: ``ds_usp.initialize`` instead of DeepSpeed's, the batch size counted over replicas, the Trainer turned into
 ds-usp's. ``import ds_usp`` fills the table and calls :func:`install` too, so the gates are the same whether or not
 the ``.pth`` ran (``python -S``, a source checkout on ``PYTHONPATH``), and there is one wrapper of each function,
@@ -197,8 +199,9 @@ def serve(handlers: "dict[str, Callable[..., Any]]") -> None:
     """Fill the handler table (the provider calls it when it is imported; a gate whose key is set calls its handler).
 
     Args:
-        handlers: ``{"deepspeed.initialize": f(original, call), "trainer_config": f(original, hf_config, args,
-            kwargs), "trainer": f(trainer, *args, **kwargs)}``.
+        handlers: ``{"deepspeed.initialize": f(original, call), "deepspeed_config": f(original, config_object,
+            config, args, kwargs), "trainer_config": f(original, hf_config, args, kwargs), "trainer": f(trainer,
+            *args, **kwargs)}``.
     """
     HANDLERS.update(handlers)
 
@@ -288,12 +291,23 @@ def _gate_trainer(module: "Any") -> None:
     _wrap(module.Trainer, "create_accelerator_and_postprocess", make)
 
 
-GATES = {"deepspeed": _gate_deepspeed, "transformers.integrations.deepspeed": _gate_hf_deepspeed_config,
-         "transformers.trainer": _gate_trainer}
+def _gate_deepspeed_config(module: "Any") -> None:
+    def make(original: "Callable") -> "Callable":
+        def __init__(self: "Any", config: "Any", *args: "Any", **kwargs: "Any") -> "Any":
+            if not sets_key(config):
+                return original(self, config, *args, **kwargs)
+            return _handler("deepspeed_config", "DeepSpeed's config")(original, self, config, args, kwargs)
+        return __init__
+
+    _wrap(module.DeepSpeedConfig, "__init__", make)
+
+
+GATES = {"deepspeed": _gate_deepspeed, "deepspeed.runtime.config": _gate_deepspeed_config,
+         "transformers.integrations.deepspeed": _gate_hf_deepspeed_config, "transformers.trainer": _gate_trainer}
 
 
 def install() -> None:
-    """Install the finder and the three gates (idempotent); the ``.pth`` calls it at interpreter start, ``import
+    """Install the finder and the four gates (idempotent); the ``.pth`` calls it at interpreter start, ``import
     ds_usp`` too. A watched module already imported gets its gate now."""
     for name, gate in GATES.items():
         when_imported(name, gate)

@@ -24,7 +24,7 @@ from ds_usp.integration.step.dynamic import dynamic_sp_step
 from ds_usp.integration.step.loss import sp_cross_entropy
 from ds_usp.sharding import gather_sequence, shard_sequence
 from ds_usp.topology import GroupRanks, USPMpu, USPTopology, group_ranks
-from ds_usp.upstream.deepspeed import route_initialize
+from ds_usp.upstream.deepspeed import count_batch_over_replicas, route_initialize
 
 __version__ = "0.1.0"
 
@@ -53,9 +53,9 @@ def _trainer_gate(trainer: object, *args: object, **kwargs: object) -> object:
     return adopt(trainer, *args, **kwargs)
 
 
-# the gates: deepspeed.initialize, HF's "auto" batch size, the Trainer (their handlers first, then the finder)
-_ds_usp_auto.serve({"deepspeed.initialize": _initialize_gate, "trainer_config": _trainer_config_gate,
-                    "trainer": _trainer_gate})
+# the gates: deepspeed.initialize, DeepSpeed's config, HF's "auto" batch size, the Trainer (handlers, then the finder)
+_ds_usp_auto.serve({"deepspeed.initialize": _initialize_gate, "deepspeed_config": count_batch_over_replicas,
+                    "trainer_config": _trainer_config_gate, "trainer": _trainer_gate})
 _ds_usp_auto.install()
 _ds_usp_auto.when_imported("transformers.modeling_utils", _register_attention)
 
@@ -65,7 +65,8 @@ _RL_TRAINERS = ("USPGRPOTrainer", "USPRLOOTrainer", "USPDPOTrainer")
 
 def __getattr__(name: str):
     """The trainers, imported on first use (they import transformers and TRL)."""
-    if name in ("USPTrainer", "USPSFTTrainer", "USPGRPOTrainer", "USPRLOOTrainer", "USPDPOTrainer"):
+    if name in ("USPTrainer", "USPSeq2SeqTrainer", "USPSFTTrainer", "USPGRPOTrainer", "USPRLOOTrainer",
+                "USPDPOTrainer"):
         import importlib
 
         module = importlib.import_module("ds_usp.integration.trainers." + ("rl" if name in _RL_TRAINERS else "trainer"))
@@ -78,4 +79,4 @@ __all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupRanks", "USPM
            "USPAttention", "gather_sequence", "ring_attention", "shard_sequence", "ulysses_attention",
            "usp_attention", "data", "hf", "USPDataLoader", "shard_batch", "sp_cross_entropy",
            "dynamic_sp_step", "plan_step",
-           "USPState", "initialize", "USPTrainer", "USPSFTTrainer", *_RL_TRAINERS, "__version__"]
+           "USPState", "initialize", "USPTrainer", "USPSeq2SeqTrainer", "USPSFTTrainer", *_RL_TRAINERS, "__version__"]

@@ -256,15 +256,22 @@ def _sft(use_usp: bool, out: str, stage: int = 2):
     return tokenizer, args, data
 
 
-def train_sft(out: str) -> list[float]:
-    """On every rank: USPSFTTrainer with packing, 2x2 balanced, ZeRO-2."""
+def _sft_logs(trainer) -> dict:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {key: [h[key] for h in logs] for key in ("loss", "num_tokens", "mean_token_accuracy", "entropy")}
+
+
+def train_sft(out: str) -> dict:
+    """On every rank: USPSFTTrainer with packing, 2x2 balanced, ZeRO-2 (TRL's own compute_loss, its fused LM head
+    answered on the shards)."""
     from ds_usp import USPSFTTrainer
 
     reference = _llama("sdpa").state_dict()
     tokenizer, args, data = _sft(True, out)
-    trainer = USPSFTTrainer(model=_same_weights(_llama("usp"), reference), args=args, train_dataset=data, processing_class=tokenizer)
+    trainer = USPSFTTrainer(model=_same_weights(_llama("usp"), reference), args=args, train_dataset=data,
+                            processing_class=tokenizer)
     trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return _sft_logs(trainer)
 
 
 def _plain_cross_entropy(outputs, labels, num_items_in_batch=None):
@@ -281,15 +288,18 @@ def test_sft_packing_equals_single_process(world4, tmp_path_factory):
     reference = SFTTrainer(model=_llama("sdpa"), args=args, train_dataset=data, processing_class=tokenizer,
                            compute_loss_func=_plain_cross_entropy)
     reference.train()
-    want = [h["loss"] for h in reference.state.log_history if "loss" in h]
+    want = _sft_logs(reference)
     _fresh_accelerate()
     got = world4.run(train_sft, str(tmp_path_factory.mktemp("sft")))[0]
-    assert len(got) == len(want) == 3
+    assert len(got["loss"]) == len(want["loss"]) == 3
     # rtol 5e-5: inside SFTTrainer.train the reference's own first loss (4.8740010) is 1.2e-5 relative off the
     # fp64 per-document loss of the same batch and weights (4.8739449; the same model called outside the trainer
     # gives 4.8739448); ds-usp's is 4.8740125. Attending across the documents moves it by 1.2e-3, counting one
     # target more or fewer by ~4e-3: both far outside.
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=5e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(want["loss"]), rtol=5e-5, atol=1e-6)
+    assert got["num_tokens"] == want["num_tokens"]  # each token once, not once per rank of the group
+    for metric in ("mean_token_accuracy", "entropy"):  # TRL's metrics from the whole sequences' log-probs
+        torch.testing.assert_close(torch.tensor(got[metric]), torch.tensor(want[metric]), rtol=5e-4, atol=1e-6)
 
 
 # ---- dynamic SP through the Trainer: a config key, nothing else ------------------------------------------------------

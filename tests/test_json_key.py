@@ -398,8 +398,9 @@ def test_the_finder_acts_after_an_import_only(tmp_path, monkeypatch):
 
 
 def test_subclasses_and_other_trainers_are_taken_or_refused_by_name():
-    """The key alone takes transformers' Trainer, TRL's SFTTrainer and subclasses; it refuses by name a subclass that
-    overrides what ds-usp's trainer replaces, and another trainer class (naming ds-usp's where there is one)."""
+    """The key alone takes transformers' Trainer and Seq2SeqTrainer, TRL's SFTTrainer and subclasses, their overrides
+    of compute_loss and prediction_step included; it refuses another trainer class by name (naming ds-usp's where
+    there is one)."""
     from transformers import Seq2SeqTrainer, Trainer
     from trl import GRPOTrainer, SFTTrainer
 
@@ -416,16 +417,19 @@ def test_subclasses_and_other_trainers_are_taken_or_refused_by_name():
     assert made.__mro__[1:3] == (USPTrainerMixin, USPTrainerMixin.__mro__[1]) and made.__mro__[3] is Logged
     assert usp_trainer_class(Logged) is made
 
-    class OwnLoss(Trainer):
+    class OwnLoss(Seq2SeqTrainer):  # LLaMA-Factory's SFT trainer overrides both: they run, called by ds-usp's
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return 0.0
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    with pytest.raises(ValueError, match=r"OwnLoss overrides compute_loss, which ds-usp's trainer does itself"):
-        usp_trainer_class(OwnLoss)
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
+
+    own = usp_trainer_class(OwnLoss)
+    assert own.__mro__[1] is USPTrainerMixin and own.__mro__.index(OwnLoss) > 1
+    assert own.compute_loss is USPTrainerMixin.compute_loss and own.prediction_step is USPTrainerMixin.prediction_step
+    assert usp_trainer_class(Seq2SeqTrainer).__name__ == "USPSeq2SeqTrainer"
     with pytest.raises(ValueError, match=r"trl\..*GRPOTrainer .*use ds_usp\.USPGRPOTrainer instead"):
         usp_trainer_class(GRPOTrainer)
-    with pytest.raises(ValueError, match=r"ds-usp has no sequence-parallel Seq2SeqTrainer"):
-        usp_trainer_class(Seq2SeqTrainer)
 
 
 def test_the_switch_refuses_a_plain_trainer_when_ds_usp_is_imported(monkeypatch):
@@ -500,10 +504,11 @@ def test_the_hook_changes_only_what_the_patch_table_records():
                      "(a) spec.loader = _Loader(spec.loader, self)",
                      "(a) spec.loader = module.__loader__ = self.loader"], found
     targets = " ".join(p.target for p in PATCHES.values())
-    for wrapped in ("deepspeed.initialize", "HfTrainerDeepSpeedConfig.trainer_config_process",
-                    "Trainer.create_accelerator_and_postprocess"):
+    for wrapped in ("deepspeed.initialize", "DeepSpeedConfig.__init__",
+                    "HfTrainerDeepSpeedConfig.trainer_config_process", "Trainer.create_accelerator_and_postprocess"):
         assert f"{wrapped} (wrapped once, by the gate _ds_usp_auto installs" in targets, wrapped
-    assert set(_ds_usp_auto.GATES) == {"deepspeed", "transformers.integrations.deepspeed", "transformers.trainer"}
+    assert set(_ds_usp_auto.GATES) == {"deepspeed", "deepspeed.runtime.config", "transformers.integrations.deepspeed",
+                                       "transformers.trainer"}
 
 
 # In CPU time of the thread (time.thread_time): on a shared machine the wall clock mostly says how busy the other
@@ -548,3 +553,37 @@ def test_start_up_pays_nothing_measurable(python, tmp_path):
         runs.append((float(install_ms), float(per_import_ns)))
     install_ms, per_import_ns = min(r[0] for r in runs[1:]), min(r[1] for r in runs[1:])
     assert install_ms < 2.0 and per_import_ns < 2000, runs  # measured 0.3-0.6 ms and 100-150 ns (2 cores, loaded)
+
+
+def _deepspeed_configs() -> dict:
+    """On every rank of a 2-rank world: DeepSpeed's config built from configs the way zero.Init builds them (no mpu),
+    with a batch counted over every rank (what axolotl fills from WORLD_SIZE)."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    import ds_usp  # noqa: F401 - fills the gates' handlers
+
+    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's own view of the world (torch's is up already)
+
+    counted_everywhere = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                          "sequence_parallel": "usp", "sequence_parallel_size": 2}
+    left_out = {k: v for k, v in counted_everywhere.items() if k != "sequence_parallel_size"}
+    left_out["sequence_parallel"] = "ulysses"  # the size left to ds-usp: every rank
+    plain = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    out = {}
+    for name, config in (("counted everywhere", counted_everywhere), ("size left out", left_out), ("plain", plain)):
+        given = dict(config)
+        built = DeepSpeedConfig(given)
+        out[name] = (built.train_batch_size, built.world_size, given == config)
+    return out
+
+
+def test_a_batch_counted_over_every_rank_is_counted_over_replicas(world2):
+    """axolotl's ZeRO-3 JSON (``train_batch_size: "auto"``, filled from WORLD_SIZE before any TrainingArguments):
+    zero.Init builds DeepSpeed's config without an mpu, and DeepSpeed divides the world by the sequence-parallel size,
+    so its batch assertion ``2 != 1 * 1 * 1.0`` fired while the model loaded. The gate counts the batch over the
+    replicas (the user's dict unchanged); a config without the key is DeepSpeed's own."""
+    for result in world2.run(_deepspeed_configs):
+        assert result["counted everywhere"] == (1, 1, True), result
+        assert result["size left out"] == (1, 1, True), result
+        assert result["plain"] == (2, 2, True), result

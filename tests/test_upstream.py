@@ -211,7 +211,8 @@ def test_no_private_call_outside_upstream():
 
 BOOTSTRAP = ROOT / "_ds_usp_auto.py"
 # the bootstrap's only changes to other objects, each a registered patch: the import finder's loaders
-# ("import_finder") and the gates' wraps ("deepspeed_initialize", "trainer_batch_size", "trainer_adoption")
+# ("import_finder") and the gates' wraps ("deepspeed_initialize", "deepspeed_config_batch", "trainer_batch_size",
+# "trainer_adoption")
 BOOTSTRAP_CHANGES = {"_Loader.exec_module": "import_finder", "_Watcher.find_spec": "import_finder",
                      "_wrap": "deepspeed_initialize"}
 
@@ -240,8 +241,8 @@ def test_the_bootstrap_changes_only_what_the_patch_table_records():
     assert found and not outside, "the bootstrap changes other objects outside its recorded places:\n" + "\n".join(
         outside)
     assert {BOOTSTRAP_CHANGES[where[int(line.split(":")[1])]] for line in found} == set(BOOTSTRAP_CHANGES.values())
-    assert all(key in PATCHES for key in ("import_finder", "deepspeed_initialize", "trainer_batch_size",
-                                          "trainer_adoption"))
+    assert all(key in PATCHES for key in ("import_finder", "deepspeed_initialize", "deepspeed_config_batch",
+                                          "trainer_batch_size", "trainer_adoption"))
     assert "sys.meta_path" in PATCHES["import_finder"].target
 
 

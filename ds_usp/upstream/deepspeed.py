@@ -87,6 +87,59 @@ register("async_save_state", Patch(
     "writes to its decoupled checkpoint engine"))
 
 
+register("deepspeed_config_batch", Patch(
+    "deepspeed.runtime.config.DeepSpeedConfig.__init__ (wrapped once, by the gate _ds_usp_auto installs when "
+    "deepspeed.runtime.config is imported; ds-usp's part runs when the config sets \"sequence_parallel\")",
+    "its parameters (config, mpu, ...), and its batch check train_batch_size == micro x accumulation x world, the "
+    "world being the mpu's data-parallel size, or the ranks over sequence_parallel_size without one (zero.Init)",
+    "a framework that fills the batch size itself from WORLD_SIZE before the Trainer exists (axolotl's "
+    "train_batch_size: \"auto\") counts every rank, and DeepSpeed's assertion fires while the model loads, in a message "
+    "that never mentions sequence parallelism",
+    "DeepSpeed counting the batch over the data-parallel replicas wherever it reads sequence_parallel_size"))
+
+
+def count_batch_over_replicas(original: Callable[..., Any], config_object: Any, config: Any, args: tuple,
+                              kwargs: Mapping[str, Any]) -> Any:
+    """``DeepSpeedConfig(config, ...)`` for a config that sets ``"sequence_parallel"`` (the gate found the key): a
+    ``train_batch_size`` counted over every rank (``world x micro x accumulation``) is counted over the replicas, and
+    ``sequence_parallel_size`` is written where the key left it to ds-usp, so that ``zero.Init`` (no ``mpu``) counts
+    the same replicas as the engine. The caller's config is not changed (DeepSpeed reads a copy).
+
+    Args:
+        original: DeepSpeed's ``DeepSpeedConfig.__init__``.
+        config_object: the config being built.
+        config: its config (a path or a mapping).
+        args: the call's other positional arguments (``mpu``, ``mesh_device``).
+        kwargs: its keyword arguments.
+
+    Returns:
+        What DeepSpeed's ``__init__`` returns.
+
+    Raises:
+        UpstreamChanged: ``DeepSpeedConfig.__init__`` takes other parameters.
+    """
+    from ds_usp.config import USPConfigError, load_usp_config, read_ds_config
+
+    require_parameters("deepspeed_config_batch", innermost(original), ("config", "mpu"))
+    mpu = kwargs.get("mpu", args[0] if args else None)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(
+        os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        parsed = dict(read_ds_config(config))
+        sp = (mpu.get_sequence_parallel_world_size() if isinstance(mpu, USPMpu) else
+              load_usp_config(parsed, world).sequence_parallel_size)
+    except (USPConfigError, ValueError):
+        return original(config_object, config, *args, **kwargs)  # ds_usp.initialize names what is wrong
+    micro, steps, batch = (parsed.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                                   "train_batch_size"))
+    if sp > 1 and all(isinstance(v, int) and not isinstance(v, bool) for v in (micro, steps, batch)) \
+            and batch == world * micro * steps:
+        parsed["train_batch_size"] = world // sp * micro * steps
+    if sp > 1 and mpu is None:
+        parsed["sequence_parallel_size"] = sp
+    return original(config_object, parsed, *args, **kwargs)
+
+
 TRAINER_ROUTE: contextvars.ContextVar[bool] = contextvars.ContextVar("ds_usp_trainer_route", default=False)
 
 

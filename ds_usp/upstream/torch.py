@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from typing import Any, Iterator
 
 import torch
@@ -59,7 +61,8 @@ register("module_forward", Patch(
     "an nn.Module instance's forward (a causal LM's, its decoder layers', their feed-forward blocks', the sequence "
     "mixers ds-usp shards)",
     "nn.Module.__call__ running the instance's forward attribute, so that one set on the instance replaces the "
-    "class's method for that module only",
+    "class's method for that module only (a class's own __call__ is accepted only where it is transformers' "
+    "GradientCheckpointingLayer.__call__, transformers < 5.19, whose two paths both end in nn.Module.__call__)",
     "the SP loss, the memory stack and the sharded sequence mixers are applied to the model from outside (as "
     "torchtitan applies parallelisms): without it ds-usp would have to copy each family's forward",
     "module hooks that can replace a module's computation (a forward pre-hook can only change its inputs)"))
@@ -83,9 +86,24 @@ def replace_forward(module: torch.nn.Module, forward: Any) -> None:
     """
     if not callable(getattr(module, "forward", None)):
         refuse("module_forward", f"{type(module).__name__} has no callable forward")
-    if type(module).__call__ is not torch.nn.Module.__call__:
+    call = type(module).__call__
+    if call is not torch.nn.Module.__call__ and not _calls_module_call(call):
         refuse("module_forward", f"{type(module).__name__} overrides __call__")
     set_module_attribute(module, "forward", forward)
+
+
+@functools.cache
+def _calls_module_call(call: Any) -> bool:
+    """Whether a ``__call__`` override is transformers' ``GradientCheckpointingLayer.__call__`` (transformers before
+    5.19: every decoder layer's class has it), which ends in ``nn.Module.__call__`` on both of its paths (the plain
+    call, and HF's checkpointing of it), so the instance's forward is what runs."""
+    if getattr(call, "__qualname__", "") != "GradientCheckpointingLayer.__call__":
+        return False
+    try:
+        source = inspect.getsource(call)
+    except (OSError, TypeError):
+        return False
+    return source.count("super().__call__") == 2
 
 
 _OWN_PREFIXES = ("_usp_", "_ds_usp")  # the attributes ds-usp itself names (its context, marks, call records)

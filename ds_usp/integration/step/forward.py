@@ -17,16 +17,17 @@ module:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds_usp.cost import StepSettings
-from ds_usp.integration.data.batch import IGNORE_INDEX, MULTIMODAL_KEY, VISUAL_KEYS, packed_documents
+from ds_usp.integration.data.batch import IGNORE_INDEX, MULTIMODAL_KEY, VISUAL_KEYS, packed_documents, shard_batch
 from ds_usp.integration.data.batch import shift_labels as shift_sequence_labels
 from ds_usp.integration.models.attention import context_of
 from ds_usp.integration.models.multimodal import body_and_language_model, sharded_language_model
@@ -180,6 +181,76 @@ def _tiled_mlp_forward(original: Callable[[Tensor], Tensor], params: tuple, ctx:
     return forward
 
 
+# sharded with the batch, besides the ids, labels, positions and mask
+WHOLE_KEYS = ("seq_lens", "cu_seq_lens_q", *VISUAL_KEYS)
+# what a padding-free collator derives from the documents, which the shard derives again
+DERIVED_KEYS = ("cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+@dataclass
+class WholeBatches:
+    """A trainer whose batches are whole sequences, the same on every rank of an SP group: the model's forward shards
+    them (:meth:`CausalLMStep.whole_call`), so any Trainer subclass's ``compute_loss`` and ``prediction_step`` run
+    unchanged.
+
+    Attributes:
+        pad_token_id: the token the shards' end padding takes.
+        caller: the ``compute_loss`` running now (named when it asks for logits to compute a loss from).
+        whole_logits: a prediction step: ``out.logits`` are the whole sequences'.
+        paused: the batches given now are shards already (dynamic SP's micro batches).
+    """
+
+    pad_token_id: int = 0
+    caller: Optional[str] = None
+    whole_logits: bool = False
+    paused: bool = False
+
+    @contextlib.contextmanager
+    def calling(self, caller: str) -> Iterator[None]:
+        """While ``caller`` (a ``compute_loss``) runs: named if it asks for logits to compute a loss from."""
+        self.caller = caller
+        try:
+            yield
+        finally:
+            self.caller = None
+
+    @contextlib.contextmanager
+    def predicting(self, whole_logits: bool) -> Iterator[None]:
+        """While a prediction step runs: ``out.logits`` are the whole sequences' when ``whole_logits``."""
+        self.whole_logits = whole_logits
+        try:
+            yield
+        finally:
+            self.whole_logits = False
+
+    @contextlib.contextmanager
+    def shards_given(self) -> Iterator[None]:
+        """While the batches given are shards already (dynamic SP's micro batches): not sharded again."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+
+def feed_whole_batches(model: nn.Module, feed: WholeBatches) -> None:
+    """Make ``model``'s wrapped forward take whole sequences (:class:`WholeBatches`).
+
+    Args:
+        model: the model ``ds_usp.initialize`` adapted (or a wrapper holding it).
+        feed: the feed's settings, kept and changed by the trainer.
+
+    Raises:
+        ValueError: no module of ``model`` has ds-usp's causal-LM forward (not a causal LM ds-usp wrapped).
+    """
+    steps = [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), CausalLMStep)]
+    if not steps:
+        raise ValueError(f"{type(model).__name__} has no causal-LM forward of ds-usp's: the HF Trainer path of "
+                         f"\"sequence_parallel\" trains causal LMs and VLMs (get_decoder().layers and an lm_head)")
+    for step in steps:
+        step.take_whole_batches(feed)
+
+
 class CausalLMStep:
     """The forward of an HF causal LM under sequence parallelism (what :func:`apply` makes ``model.forward``).
 
@@ -196,6 +267,11 @@ class CausalLMStep:
                  ctx: MemoryContext, tail: ModelTail) -> None:
         self.model, self.original, self.decoder, self.head, self.ctx, self.tail = (model, original, decoder, head,
                                                                                    ctx, tail)
+        self.whole: Optional[WholeBatches] = None  # set by a trainer that gives every rank whole sequences
+
+    def take_whole_batches(self, feed: WholeBatches) -> None:
+        """From now on, calls get whole sequences (:class:`WholeBatches`), sharded here."""
+        self.whole = feed
 
     def __call__(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                  position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None,
@@ -203,7 +279,20 @@ class CausalLMStep:
                  num_items_in_batch: Optional[Tensor] = None, output_router_logits: Optional[bool] = None,
                  **kwargs: Any) -> Any:
         """The model's call: without labels its own forward; with them the SP loss; with ``fused_lm_head=True``
-        TRL's per-token log-probs of the whole batch."""
+        TRL's per-token log-probs of the whole batch. Under :class:`WholeBatches` (a trainer's batches, every rank of
+        the group the same whole sequences) the inputs are sharded here first (:meth:`whole_call`)."""
+        args = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                    shift_labels=shift_labels, return_logits=return_logits, num_items_in_batch=num_items_in_batch,
+                    output_router_logits=output_router_logits)
+        if self.whole is not None and not self.whole.paused and not kwargs.get("fused_lm_head", False):
+            return self.whole_call(args, kwargs)
+        return self.shard_call(**args, **kwargs)
+
+    def shard_call(self, input_ids: Optional[Tensor], attention_mask: Optional[Tensor],
+                   position_ids: Optional[Tensor], labels: Optional[Tensor], shift_labels: Optional[Tensor],
+                   return_logits: bool, num_items_in_batch: Optional[Tensor], output_router_logits: Optional[bool],
+                   **kwargs: Any) -> Any:
+        """The call on this rank's shard (what ``engine(**shard_batch(...))`` gives), or TRL's fused call."""
         multimodal = kwargs.pop(MULTIMODAL_KEY, None)
         if multimodal is not None and labels is None and shift_labels is None:
             raise ValueError("a multimodal shard is trained with its shift_labels (ds_usp.shard_batch gives them)")
@@ -223,6 +312,53 @@ class CausalLMStep:
             return out
         return self.loss(input_ids, attention_mask, position_ids, labels, shift_labels, return_logits,
                          num_items_in_batch, routed, multimodal, kwargs)
+
+    def whole_call(self, args: dict, kwargs: dict) -> Any:
+        """A trainer's whole sequences (every rank of the SP group holds the same batch): sharded with
+        :func:`ds_usp.shard_batch` (labels shifted over the whole sequence first), then the SP loss of the shard,
+        which is the group's whole loss on every rank (over ``num_items_in_batch`` when given, HF's count of the
+        step's targets on every rank, so the Trainer's own arithmetic holds). Without labels: in training refused by
+        name (a loss computed from logits would see only this rank's shard), in evaluation the whole sequences'
+        logits, gathered over the group.
+
+        Raises:
+            ValueError: a training forward without labels, ``shift_labels`` given whole, or a sequence-long input
+                ds-usp does not know how to shard (named).
+        """
+        feed, ctx = self.whole, self.ctx
+        ids = args["input_ids"]
+        if ids is None:
+            raise ValueError(f"{self.tail.name} is given no input_ids: ds-usp shards a trainer's batches by them")
+        if args["shift_labels"] is not None:
+            raise ValueError("the batch carries shift_labels: under sequence parallelism ds-usp shifts the labels over "
+                             "the whole sequence itself; give the collator's labels instead")
+        if args["labels"] is None and self.model.training and torch.is_grad_enabled():
+            raise ValueError(f"{feed.caller or 'the training step'} calls {self.tail.name} without labels, to compute "
+                             f"the loss from its logits: under sequence parallelism each rank holds one shard of every "
+                             f"sequence and ds-usp never builds the whole logits, so that loss would be wrong. Let the "
+                             f"model compute its loss (pass labels; its loss_function with num_items_in_batch is the "
+                             f"sequence-parallel loss over the group), or train without \"sequence_parallel\"")
+        batch = {k: args[k] for k in ("input_ids", "labels", "position_ids", "attention_mask") if args[k] is not None}
+        batch.update({k: kwargs.pop(k) for k in WHOLE_KEYS if kwargs.get(k) is not None})
+        for key in DERIVED_KEYS:
+            kwargs.pop(key, None)  # derived again from the documents
+        unknown = sorted(k for k, v in kwargs.items()
+                         if isinstance(v, Tensor) and tuple(v.shape[:2]) == tuple(ids.shape))
+        if unknown:
+            raise ValueError(f"the batch's {', '.join(unknown)} run along the sequence, and ds-usp does not know how "
+                             f"to shard them under sequence parallelism: drop them from the batch")
+        shard = shard_batch(batch, ctx.topo, layout=ctx.layout, pad_token_id=feed.pad_token_id)
+        targets = shard.pop("shift_labels")
+        wanted = feed.whole_logits or args["labels"] is None
+        out = self.shard_call(**shard, labels=None, shift_labels=targets if args["labels"] is not None else None,
+                              return_logits=args["return_logits"] or wanted,
+                              num_items_in_batch=args["num_items_in_batch"],
+                              output_router_logits=args["output_router_logits"], **kwargs)
+        if wanted and getattr(out, "logits", None) is not None:
+            docs = packed_documents(shard["cu_seq_lens_q"], ids.shape[0])[1]
+            out["logits"] = gather_sequence(out.logits, ctx.topo, dim=1, layout=ctx.layout, seq_len=ids.shape[1],
+                                            doc_lens=docs)  # (b, S, V): the whole sequences, on every rank
+        return out
 
     # ---- the paths ---------------------------------------------------------------------------------------------
     def loss(self, input_ids: Optional[Tensor], attention_mask: Optional[Tensor], position_ids: Optional[Tensor],
@@ -284,6 +420,11 @@ class CausalLMStep:
         if tail.logits is None:
             raise ValueError(f"{tail.name} transforms its logits after lm_head in a way ds-usp does not reproduce (see "
                              f"docs/models.md), so its per-token log-probs under sequence parallelism are refused")
+        documented = [k for k in ("seq_lens", "cu_seq_lens_q", *DERIVED_KEYS)
+                      if kwargs.pop(k, None) is not None]  # a padding-free collator's: found from position_ids
+        if documented and position_ids is None:
+            raise ValueError(f"fused_lm_head=True with {', '.join(documented)} but no position_ids: under sequence "
+                             f"parallelism ds-usp finds packed documents from the position_ids TRL's collator gives")
         visual = sorted(k for k in VISUAL_KEYS if kwargs.get(k) is not None)
         if visual:  # the decoder below is the text model: it would drop them without a word
             raise ValueError(f"{tail.name} is given {', '.join(visual)} with fused_lm_head=True: RL and preference "

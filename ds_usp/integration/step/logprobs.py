@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ds_usp.comm import sum_over_group
-from ds_usp.integration.data.batch import IGNORE_INDEX, shard_batch
+from ds_usp.integration.data.batch import IGNORE_INDEX, packed_documents, shard_batch
 from ds_usp.integration.data.batch import shift_labels as shift_labels_of
 from ds_usp.integration.step.loss import NO_TAIL, LogitsTail, gathered
 from ds_usp.sharding import gather_sequence, shard_sequence
@@ -184,7 +184,10 @@ def fused_forward(run_decoder: Callable[..., Tensor], head: nn.Module, tail: Log
         raise ValueError("fused_lm_head=True under sequence parallelism needs input_ids and labels (or shift_labels)")
     rows, seq = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-    docs = padded_rows(mask)
+    # padded rows (TRL's prompts and completions) are documents by their mask; padding-free rows (TRL's SFT packing)
+    # by their position_ids, which shard_batch reads
+    packed = attention_mask is None and position_ids is not None
+    docs = None if packed else padded_rows(mask)
     if position_ids is None:
         position_ids = torch.arange(seq, device=input_ids.device).expand(rows, seq)
     if shift_labels is None:
@@ -192,7 +195,10 @@ def fused_forward(run_decoder: Callable[..., Tensor], head: nn.Module, tail: Log
         out_len = seq - 1
     else:
         targets, out_len = shift_labels, seq
-    shard = shard_batch({"input_ids": input_ids, "position_ids": position_ids, "seq_lens": docs}, topo, layout=layout)
+    batch = {"input_ids": input_ids, "position_ids": position_ids, **({} if packed else {"seq_lens": docs})}
+    shard = shard_batch(batch, topo, layout=layout)
+    if packed:
+        docs = packed_documents(shard["cu_seq_lens_q"], rows)[1]
     local_targets = shard_sequence(targets.long(), topo, dim=1, layout=layout, pad_value=IGNORE_INDEX, doc_lens=docs)
     real = shard_sequence(mask, topo, dim=1, layout=layout, pad_value=0, doc_lens=docs)
     hidden = run_decoder(shard, real)

@@ -54,7 +54,6 @@ from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, FusedHead
 from ds_usp.integration.trainers import rollout as rollouts
 from ds_usp.integration.trainers.rollout import Rollout
 from ds_usp.integration.trainers.trainer import USPTrainerBase
-from ds_usp.upstream.accelerate import replicas_view
 from ds_usp.upstream.deepspeed import torch_linear
 from ds_usp.upstream.trl import (generate_arguments, generation_batch_per_group, record_fused_head,
                                              rollout_gathered_once)
@@ -108,8 +107,6 @@ _HYBRID_PER_FORWARD_GATHERS = (
 class USPRLMixin(USPTrainerBase):
     """What turns TRL's GRPO / RLOO / DPO trainer into a USP one; see the module docstring."""
 
-    _trl_modules: tuple = ()  # TRL modules whose imported gather / gather_object the replicas view replaces
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
         trl_args = bound.get("args")
@@ -143,22 +140,9 @@ class USPRLMixin(USPTrainerBase):
                                                                bool(getattr(self.args, "cast_lm_head_to_fp32", False))))
 
     # ---- accelerate's processes are the replicas while TRL's own code runs ---------------------------------------
-    @contextlib.contextmanager
-    def _replicas(self) -> Iterator[None]:
-        usp = self._usp
-        if usp is None or self._usp_sp == 1 or getattr(self, "_usp_in_view", False):
-            yield
-            return
-        topo = usp.topo
-        self._usp_in_view = True
-        try:
-            with replicas_view(self.accelerator, self._trl_modules, topo.dp_group, topo.dp_size, topo.dp_rank):
-                yield
-        finally:
-            self._usp_in_view = False
-
     def _seeing_replicas(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """TRL's method ``name``, run while accelerate's processes are the data-parallel replicas."""
+        """TRL's method ``name``, run while accelerate's processes are the data-parallel replicas
+        (:meth:`~ds_usp.integration.trainers.trainer.USPTrainerBase._replicas`)."""
         with self._replicas():
             return getattr(super(), name)(*args, **kwargs)
 

@@ -26,14 +26,17 @@ naming it, see :func:`check_hooks`):
   groups and hands DeepSpeed the ``mpu``, so ZeRO-1/2/3 shard and reduce over the sequence x data ranks; while the
   trainer's ``accelerator.prepare`` runs it marks the call as a USP trainer's (any other accelerate call is refused);
 * data: the loaders split batches over replicas only (every rank of an SP group gets the same
-  batch), and each batch is sharded by :func:`ds_usp.shard_batch` (layout of ``usp.layout``,
+  batch), which the model's forward shards with :func:`ds_usp.shard_batch` (layout of ``usp.layout``,
   labels shifted before sharding, packed documents found as HF's collators describe them);
-* loss: ``model(**shard)`` returns the SP token-weighted mean (the chunked loss at long lengths), and
-  the Trainer's ``num_items_in_batch`` is the count of targets of the whole optimizer step, each
-  counted once; the loss is returned already scaled for gradient accumulation
-  (``loss_is_scaled_for_ga``), so accumulation and ``max_grad_norm`` behave as without SP;
-* logging shows the true loss (the same on every rank of a group), tokens/s counts each real token
-  once (the shards' ``attention_mask`` marks the real tokens), evaluation gives the loss and ``predict`` the logits of
+* the step: the Trainer's own ``compute_loss`` and ``prediction_step`` run, a subclass's overrides included
+  (LLaMA-Factory's, axolotl's): every rank of a group holds the same whole batch, and the model's forward shards it
+  (:class:`ds_usp.integration.step.forward.WholeBatches`) and returns the SP loss over the group, over the Trainer's
+  ``num_items_in_batch``. The Trainer counts each group's targets once per rank and multiplies the loss by its
+  processes: the two factors of the sequence-parallel size cancel, so accumulation, ``average_tokens_across_devices``
+  and ``max_grad_norm`` behave as without SP at every transformers version. A loss ds-usp cannot keep exact (one
+  computed from logits, ``compute_loss_func``, label smoothing) is refused, naming the method;
+* logging shows the true loss (the mean over the ranks that HF logs), tokens/s counts each real token
+  once (a group's first rank counts its batch), evaluation gives the loss and ``predict`` the logits of
   the whole sequences, gathered inside each SP group and over replicas only; ``save_model`` and checkpoint resume are
   DeepSpeed's own.
 
@@ -43,10 +46,12 @@ that one value when the config sets the key (:func:`process_trainer_config`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,14 +60,15 @@ from torch import Tensor
 from _ds_usp_auto import SWITCH, auto_enabled, sets_key, trainer_ds_config
 from ds_usp.comm import all_reduce_sum_, barrier
 from ds_usp.config import USPConfig, USPConfigError, load_usp_config
-from ds_usp.integration.data.batch import IGNORE_INDEX, VISUAL_KEYS, packed_documents, shard_batch
+from ds_usp.integration.data.batch import VISUAL_KEYS
 from ds_usp.integration.engine.checkpoints import complete_or_newest, write_manifest
 from ds_usp.integration.engine.preflight import installed_version
 from ds_usp.integration.models.attention import ATTN_NAME, refuse_non_interface_family, register_usp_attention
 from ds_usp.integration.step.dynamic import accelerator_backward, run_micro_batches
+from ds_usp.integration.step.forward import WholeBatches, feed_whole_batches
 from ds_usp.upstream.accelerate import (check_accelerate_reads_deepspeed_initialize, gather_for_metrics,
-                                                    parallelism_config_for_usp, route_prepare, set_sync_gradients,
-                                                    shard_over_replicas)
+                                       parallelism_config_for_usp, replicas_view, route_prepare, set_sync_gradients,
+                                       shard_over_replicas)
 from ds_usp.upstream.transformers import attention_implementation, process_with_replicas_batch
 from ds_usp.upstream.transformers_trainer import become, rotation_held_back
 from ds_usp.log import log_rank0
@@ -95,8 +101,7 @@ HOOKS = (
     ("accelerate.data_loader", "BatchSamplerShard", "__init__", ("num_processes", "process_index")),
 )
 # Trainer attributes this module sets for the Trainer to read: each must still be read by transformers.trainer.
-READ_BY_TRAINER = ("loss_is_scaled_for_ga", "gather_function", "current_gradient_accumulation_steps",
-                   "compute_loss_func", "label_smoother", "model_wrapped", "save_total_limit")
+READ_BY_TRAINER = ("gather_function", "compute_loss_func", "label_smoother", "model_wrapped", "save_total_limit")
 
 
 def check_hooks(hooks: tuple = HOOKS, read_by_trainer: tuple = READ_BY_TRAINER) -> None:
@@ -250,6 +255,26 @@ class USPTrainerBase:
     def _usp(self) -> Any:
         return getattr(self.model_wrapped, "usp", None)
 
+    # ---- accelerate's processes are the replicas: to the Trainer's own code, an SP group is one process ----------
+    _trl_modules: tuple = ()  # TRL modules whose imported gather / gather_object the replicas view replaces
+
+    @contextlib.contextmanager
+    def _replicas(self) -> Iterator[None]:
+        """While it lasts, accelerate's processes are the data-parallel replicas (one rank of each SP group counts:
+        :func:`ds_usp.upstream.accelerate.replicas_view`): the Trainer's and its subclasses' counts, gathers and
+        loss scaling see a data-parallel job of replicas, each holding the whole batch it would hold alone."""
+        usp = self._usp
+        if usp is None or self._usp_sp == 1 or getattr(self, "_usp_in_view", False):
+            yield
+            return
+        topo = usp.topo
+        self._usp_in_view = True
+        try:
+            with replicas_view(self.accelerator, self._trl_modules, topo.dp_group, topo.dp_size, topo.dp_rank):
+                yield
+        finally:
+            self._usp_in_view = False
+
     # ---- data: one batch per SP group, sharded --------------------------------------------------------------
     def _replicas_only(self, loader: Any) -> Any:
         if self._usp_sp == 1:
@@ -313,43 +338,75 @@ class USPTrainerBase:
 class USPTrainerMixin(USPTrainerBase):
     """What turns a Trainer (or a subclass such as TRL's ``SFTTrainer``) into a USP one; see the module docstring."""
 
+    _usp_feed: Optional[WholeBatches] = None  # the model's forward shards the trainer's whole batches (set once)
+
     def create_accelerator_and_postprocess(self) -> None:
-        """:class:`USPTrainerBase`'s, and ``compute_loss`` returns the loss already divided as the step needs."""
+        """:class:`USPTrainerBase`'s, and the refusals of what the whole-batch path cannot keep exact."""
         super().create_accelerator_and_postprocess()
         if self._usp_config.enabled:
-            self.loss_is_scaled_for_ga = True
+            if getattr(self.args, "predict_with_generate", False):
+                raise ValueError(f"{type(self).__name__}: predict_with_generate is not supported with "
+                                 f"\"sequence_parallel\" (generation runs on whole sequences, one token at a time, "
+                                 f"with a cache the sharded attention does not keep); set it to false, or generate "
+                                 f"after training without the key")
             if self._usp_config.dynamic_sp and self.args.gradient_accumulation_steps != 1:
                 raise ValueError(f"USPTrainer with \"usp\": {{\"dynamic_sp\": true}} plans each optimizer step's "
                                  f"micro batches itself: set gradient_accumulation_steps=1 (not "
                                  f"{self.args.gradient_accumulation_steps}) and per_device_train_batch_size to the "
                                  f"sequences of one step")
 
-    def _shard(self, batch: dict) -> dict:
-        usp = self._usp
-        pad = getattr(getattr(self, "processing_class", None), "pad_token_id", None) or 0
-        return shard_batch({k: v for k, v in batch.items() if k in _BATCH_KEYS}, usp.topo, layout=usp.layout,
-                           pad_token_id=pad)
+    def _whole_feed(self) -> Optional[WholeBatches]:
+        """The model's forward told to shard the whole sequences every rank of a group holds (once the engine exists);
+        None without sequence parallelism."""
+        if self._usp_sp == 1 or self._usp is None:
+            return None
+        if self._usp_feed is None:
+            pad = getattr(getattr(self, "processing_class", None), "pad_token_id", None) or 0
+            feed = WholeBatches(pad_token_id=pad)
+            feed_whole_batches(self.model_wrapped.module, feed)
+            self._usp_feed = feed
+            if any(c.__name__ == "SFTTrainer" and _project(c) == "trl" for c in type(self).__mro__):
+                self._sft_under_sp()
+        return self._usp_feed
+
+    def _sft_under_sp(self) -> None:
+        """TRL's SFTTrainer computes its loss and metrics through its fused LM head (``model(...,
+        fused_lm_head=True)``), which it installs with the defaults of ``add_fused_lm_head``: ds-usp's forward answers
+        that call on the shards with the same settings."""
+        from ds_usp.integration.step.logprobs import FUSED_HEAD_ATTR, FusedHead
+        from ds_usp.upstream.trl import record_fused_head
+
+        model = self.model_wrapped.module
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        if getattr(base, FUSED_HEAD_ATTR, None) is None:
+            record_fused_head(base, FUSED_HEAD_ATTR, FusedHead())
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
-        """The step's batches, sharded, and the number of targets of the whole step (all ranks, each once)."""
-        if self._usp_sp == 1 or self._usp is None:
+        """The Trainer's (whole batches, the same on every rank of a group), its count of the step's targets taken
+        over the replicas; under dynamic SP the step's micro batches planned by degree."""
+        if self._whole_feed() is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         self._refuse_other_losses()
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
+        if len(self._usp.topo.degrees) > 1:
+            if self._running("get_batch_samples") != "Trainer.get_batch_samples":
+                raise ValueError(f"{self._running('get_batch_samples')} would not run: under \"dynamic_sp\" ds-usp "
+                                 f"plans each step's micro batches from the documents itself; remove the override or "
+                                 f"set usp.dynamic_sp to false")
+            batches = list(itertools.islice(epoch_iterator, num_batches))
+            if not batches:
+                return batches, None
+            self._refuse_lost_documents(batches[0])
+            return self._dynamic_step([self._prepare_inputs(b) for b in batches], device)
+        with self._replicas():
+            batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
         if batches:
             self._refuse_lost_documents(batches[0])
-        if len(self._usp.topo.degrees) > 1 and batches:
-            return self._dynamic_step([self._prepare_inputs(b) for b in batches], device)
-        shards = [self._shard(self._prepare_inputs(b)) for b in batches]
-        count = torch.tensor(sum(int((s["shift_labels"] != IGNORE_INDEX).sum()) for s in shards), device=device)
-        # the shards partition a group's targets, the replicas hold different ones
-        all_reduce_sum_(count, None, "targets of the step")
-        return shards, count
+        return batches, count
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        """HF's count of the tokens seen, over the replicas (each batch once)."""
+        with self._replicas():
+            return super()._track_num_input_tokens(inputs)
 
     def _refuse_lost_documents(self, batch: Mapping[str, Any]) -> None:
         """Padding-free rows (several documents each, TRL's ``padding_free`` / ``packing``) whose collator gave no
@@ -390,9 +447,10 @@ class USPTrainerMixin(USPTrainerBase):
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
         try:
-            losses = run_micro_batches(
-                inputs.shards, lambda shard: self.compute_loss(model, shard, num_items_in_batch=num_items_in_batch),
-                accelerator_backward(self.accelerator))
+            with self._whole_feed().shards_given():  # the micro batches are shards already
+                losses = run_micro_batches(
+                    inputs.shards, lambda shard: self.compute_loss(model, shard, num_items_in_batch=num_items_in_batch),
+                    accelerator_backward(self.accelerator))
         finally:
             set_sync_gradients(self.accelerator, True)
         return sum((loss.cpu() for loss in losses), torch.zeros(()))
@@ -408,42 +466,37 @@ class USPTrainerMixin(USPTrainerBase):
                 raise ValueError(f"USPTrainer: {what} is not supported with \"sequence_parallel\": the loss is the "
                                  f"token-weighted cross entropy computed chunk by chunk over the sequence shards")
 
-    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False,
-                     num_items_in_batch: Optional[Tensor] = None) -> Any:
-        """The SP token-weighted mean over the whole step's targets, scaled for DeepSpeed's average over replicas."""
-        if self._usp_sp == 1 or self._usp is None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        out = model(**inputs, num_items_in_batch=num_items_in_batch)
-        loss = out.loss
-        if num_items_in_batch is not None:
-            loss = loss * self._usp.topo.dp_size  # DeepSpeed sums over SP x DP ranks and divides by DP
-        elif model.training:
-            loss = loss / self.current_gradient_accumulation_steps
-        return (loss, out) if return_outputs else loss
+    def _running(self, method: str) -> str:
+        """``Class.method`` of the class whose ``method`` runs under ds-usp's (a subclass's override, or HF's)."""
+        owner = next(c for c in type(self).__mro__[1:] if method in vars(c) and not issubclass(c, USPTrainerBase))
+        return f"{owner.__name__}.{method}"
+
+    def compute_loss(self, model: Any, inputs: dict, *args: Any, **kwargs: Any) -> Any:
+        """The class's own ``compute_loss`` (a subclass's override included), called as it was called: the model's
+        forward shards the whole batch and its loss is the SP loss over the group, the Trainer's scaling seeing the
+        replicas as its processes; a loss ds-usp cannot keep exact is refused, the method named."""
+        feed = self._whole_feed()
+        if feed is None:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        self._refuse_other_losses()
+        with feed.calling(self._running("compute_loss")), self._replicas():
+            return super().compute_loss(model, inputs, *args, **kwargs)
 
     # ---- evaluation and prediction ----------------------------------------------------------------------------
-    def prediction_step(self, model: Any, inputs: dict, prediction_loss_only: bool,
-                        ignore_keys: Any = None) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-        """Loss of a batch (and the whole sequences' logits unless ``prediction_loss_only``)."""
-        if self._usp_sp == 1 or self._usp is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+    def prediction_step(self, model: Any, inputs: dict, prediction_loss_only: bool, *args: Any,
+                        **kwargs: Any) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """The class's own ``prediction_step`` (a subclass's override included), called as it was called: the
+        model's logits are the whole sequences' (gathered inside the group), and the Trainer gathers the results
+        over the replicas only."""
+        feed = self._whole_feed()
+        if feed is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, *args, **kwargs)
         self._refuse_other_losses()
-        inputs = self._prepare_inputs(inputs)
-        shard = self._shard(inputs)
-        with torch.no_grad():
-            out = model(**shard, return_logits=not prediction_loss_only)
         # the Trainer gathers right after this call: over the replicas only (also where accelerate's own count of
         # processes is not torch.distributed's: accelerate launch with DeepSpeed on a host without accelerators)
         self.gather_function = self._gather_over_replicas
-        if prediction_loss_only:
-            return out.loss.detach(), None, None
-        from ds_usp.sharding import gather_sequence
-
-        usp = self._usp
-        seq = int(shard["cu_seq_lens_q"][-1]) // shard["input_ids"].shape[0]
-        logits = gather_sequence(out.logits, usp.topo, dim=1, layout=usp.layout, seq_len=seq,
-                                 doc_lens=_doc_lens(shard))  # (b, S, V): the same on every rank of the group
-        return out.loss.detach(), logits, inputs.get("labels")
+        with feed.predicting(whole_logits=not prediction_loss_only), self._replicas():
+            return super().prediction_step(model, inputs, prediction_loss_only, *args, **kwargs)
 
     def _gather_over_replicas(self, tensor: Any) -> Any:
         """``gather_for_metrics`` over the replicas only: the ranks of an SP group hold the same results."""
@@ -463,25 +516,24 @@ class DynamicStep(dict):
         self.shards = shards
 
 
-_BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "seq_lens", "cu_seq_lens_q", *VISUAL_KEYS)
-
-
-def _doc_lens(shard: dict) -> Optional[list[list[int]]]:
-    return packed_documents(shard["cu_seq_lens_q"], shard["input_ids"].shape[0])[1]
-
-
 check_hooks()
 check_accelerate_reads_deepspeed_initialize()
 register_usp_attention()
 
-from transformers import Trainer  # noqa: E402 - after the hook check
+from transformers import Seq2SeqTrainer, Trainer  # noqa: E402 - after the hook check
 
 
 class USPTrainer(USPTrainerMixin, Trainer):
     """``transformers.Trainer`` with USP when the DeepSpeed JSON sets ``"sequence_parallel"``."""
 
 
-USP_CLASSES: dict[type, type] = {Trainer: USPTrainer}  # ds-usp's class of each HF trainer class it has one for
+class USPSeq2SeqTrainer(USPTrainerMixin, Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` with USP (LLaMA-Factory's SFT trainer is one): its ``predict_with_generate``
+    is refused under sequence parallelism, its loss-and-logits prediction is the Trainer's."""
+
+
+# ds-usp's class of each HF trainer class it has one for
+USP_CLASSES: dict[type, type] = {Trainer: USPTrainer, Seq2SeqTrainer: USPSeq2SeqTrainer}
 
 
 if installed_version("trl") is not None:
@@ -497,10 +549,6 @@ if installed_version("trl") is not None:
 
 # ---- the DeepSpeed config's key alone: a Trainer made ds-usp's while it is created -----------------------------------
 
-# What USPTrainerMixin does instead of the class's own under sequence parallelism (never calling it): a subclass that
-# overrides one of them would silently lose its version, so it is refused by name. The mixin's other methods call the
-# class's through super(), so a subclass's versions of those run.
-REPLACED = ("compute_loss", "prediction_step", "get_batch_samples")
 # TRL trainers that have a ds-usp class of their own (made by name: they set things up before the Trainer's __init__).
 BY_NAME = {"GRPOTrainer": "USPGRPOTrainer", "RLOOTrainer": "USPRLOOTrainer", "DPOTrainer": "USPDPOTrainer"}
 
@@ -522,8 +570,8 @@ def usp_trainer_class(cls: type) -> type:
 
     Raises:
         ValueError: naming a class of the lineage ds-usp cannot take by the config alone (another transformers or TRL
-            trainer: the one to use instead where ds-usp has one) or a subclass's override of a method ds-usp's
-            trainer replaces (:data:`REPLACED`).
+            trainer: the one to use instead where ds-usp has one). A subclass's overrides (``compute_loss``,
+            ``prediction_step``, its collator) run as they are: ds-usp's methods call them.
     """
     from transformers import Trainer as HFTrainer
 
@@ -539,12 +587,6 @@ def usp_trainer_class(cls: type) -> type:
                                     f'ds-usp has no sequence-parallel {c.__name__}: remove "sequence_parallel" from '
                                     f"the DeepSpeed config"))
             continue
-        overridden = [name for name in REPLACED if name in vars(c)]
-        if overridden:
-            raise ValueError(f"{c.__qualname__} overrides {', '.join(overridden)}, which ds-usp's trainer does itself "
-                             f'under "sequence_parallel" (every rank holds a shard of each sequence: the batch '
-                             f"preparation, the loss over the group and the prediction step are ds-usp's), so your "
-                             f"version would not run. Remove the override, or train without \"sequence_parallel\"")
     if cls in USP_CLASSES:
         return USP_CLASSES[cls]
     return type(f"USP{cls.__name__}", (USPTrainerMixin, cls),
