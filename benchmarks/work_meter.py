@@ -45,6 +45,10 @@ Limits, by construction: on CPU every tensor is a host tensor, so a sync is a re
 tensor on a GPU (only tensors copied with ``.cpu()``/``.to("cpu")``, ``.to`` when its source line names ``"cpu"``,
 are known to live on the host); op decompositions depend on the torch version, so counts compare only under the
 same torch, transformers and DeepSpeed versions. :class:`ZeroCompute` skips the heavy kernels of warm-up steps.
+
+:class:`LayerHostReads` (layer hooks pushing a ``TorchFunctionMode``, apart from the meter) counts the host's reads
+of tensor values (``.tolist()``, ``.item()``, ``bool()``...) and the tensors it makes of host data (``torch.tensor``)
+inside decoder layers, per forward and per recomputation, with their call sites.
 """
 from __future__ import annotations
 
@@ -467,3 +471,121 @@ class ZeroCompute(TorchDispatchMode):
 
 def _to_meta(x: Any) -> Any:
     return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+# ---- host reads inside decoder layers (issue 61, item 5) -------------------------------------------------------------
+# Tensor methods and functions by which the host reads a tensor's values (on a GPU: waits for it) or makes a tensor
+# of host data (on a GPU: a copy to the device); counted by name while a decoder layer's forward runs.
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+HOST_MADE = ("tensor", "as_tensor")
+
+
+def _caller(skip: str) -> str:
+    """``path:line function`` of the first frame outside torch, the standard library and ``skip`` (a file)."""
+    f = sys._getframe(2)
+    while f is not None:
+        path = f.f_code.co_filename
+        inside = path.startswith(_TORCH_DIR) or path.startswith("<") or os.path.abspath(path) == skip or (
+            path.startswith(_STDLIB) and not path.startswith(_PACKAGES))
+        if not inside:
+            return f"{short_path(path)}:{f.f_lineno} {f.f_code.co_name}"
+        f = f.f_back
+    return "<torch>"
+
+
+class LayerHostReads:
+    """Count the host's reads of tensor values (:data:`HOST_READS`) and the tensors it makes from host data
+    (:data:`HOST_MADE`) while one of ``layers``' forwards runs, apart for the forward and for its recomputation in the
+    backward (activation checkpointing)::
+
+        with LayerHostReads(model.model.layers) as reads:
+            model(**shard).logits.sum().backward()
+        reads.counts()  # {"fwd": {"reads": 0, "made": 0, "module_calls": 14}, "recompute": {...}}
+
+    A ``torch.overrides.TorchFunctionMode`` (:class:`_HostCalls`) sees every torch call of Python code (not those
+    inside a function it hands on: a custom op's body). Module hooks push it while a layer runs: the forward
+    pre-hooks and always-called forward hooks of each layer and of every module inside it. A layer's own hooks alone
+    would miss the recomputation, which the checkpointing of transformers and of ds-usp runs below the layer's
+    ``__call__``: there the modules inside the layer push it (the layer's own code between them is not seen). The
+    mode is not on the stack when ``backward`` is called (a mode does not see what runs inside a call it handles). The
+    hooks also count the calls of the modules inside the layers per phase (``module_calls``: equal in both phases
+    when every layer was recomputed). On CPU every tensor is a host tensor: a count is what the code would read of a
+    device tensor on a GPU.
+
+    Args:
+        layers: the modules whose forwards are watched (a model's decoder layers).
+    """
+
+    def __init__(self, layers: Any) -> None:
+        self.layers = list(layers)
+        self.by_site: collections.Counter = collections.Counter()  # (phase, kind, name, site) -> count
+        self.module_calls: collections.Counter = collections.Counter()  # phase -> calls of modules inside the layers
+        self._mode = _HostCalls(self.by_site)
+        self._depth = 0
+        self._handles: list = []
+
+    def _enter(self, module: Any, args: Any, inner: bool) -> None:
+        if inner:
+            self.module_calls[_phase()] += 1
+        if self._depth == 0:
+            torch.overrides._push_mode(self._mode)
+        self._depth += 1
+
+    def _leave(self, module: Any, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            torch.overrides._pop_mode()
+
+    def __enter__(self) -> "LayerHostReads":
+        for layer in self.layers:
+            for m in layer.modules():
+                self._handles.append(m.register_forward_pre_hook(
+                    lambda module, args, inner=m is not layer: self._enter(module, args, inner)))
+                self._handles.append(m.register_forward_hook(self._leave, always_call=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        """Forget what was counted (between steps)."""
+        self.by_site.clear()
+        self.module_calls.clear()
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per phase (``fwd``, ``recompute``): host reads, host-made tensors and calls of modules inside the layers."""
+        out = {phase: {"reads": 0, "made": 0, "module_calls": self.module_calls[phase]}
+               for phase in ("fwd", "recompute")}
+        for (phase, kind, _, _), n in self.by_site.items():
+            out[phase][kind] += n
+        return out
+
+    def sites(self) -> list[str]:
+        """One line per call site: ``phase kind .name count at site``."""
+        return [f"{phase} {kind} .{name} {n}x at {site}" for (phase, kind, name, site), n in self.by_site.most_common()]
+
+
+def _phase() -> str:
+    """``recompute`` while autograd's engine runs (checkpointed layers run again), else ``fwd``."""
+    return "recompute" if torch._C._current_graph_task_id() != -1 else "fwd"
+
+
+class _HostCalls(torch.overrides.TorchFunctionMode):
+    """Counts the calls of :data:`HOST_READS` and :data:`HOST_MADE` into ``by_site`` by phase and call site."""
+
+    def __init__(self, by_site: collections.Counter) -> None:
+        super().__init__()
+        self.by_site = by_site
+        self._kinds = {**{getattr(torch.Tensor, n): ("reads", n) for n in HOST_READS},
+                       **{getattr(torch, n): ("made", n) for n in HOST_MADE}}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        try:
+            kind = self._kinds.get(func)
+        except TypeError:  # an unhashable callable: none of ours
+            kind = None
+        if kind is not None:
+            self.by_site[(_phase(), *kind, _caller(_HERE))] += 1
+        return func(*args, **(kwargs or {}))
