@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.attention.ulysses import check_heads
-from ds_usp.comm import all_gather_rows, backend_device_type
+from ds_usp.comm import all_gather_rows, backend_device_type, group_device
 from ds_usp.config import LAYOUTS
 from ds_usp.sharding import per_row
 
@@ -227,9 +228,77 @@ def check_device(device: torch.device, group: Any) -> None:
 
 _SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "v head_dim", "dtype", "causal",
               "layout", "seq_len", "softmax_scale", "documents, window, softcap and sinks (a hash)")
-# SP group name -> input signatures every rank of that group has been checked to share. A cache like the
-# native op's: it only saves the check's all-gather on later calls with the same shapes.
-_AGREED: dict[str, set] = {}
+_DOCUMENTS_SIGNATURE = ("batch", "seq_len", "documents (a hash)")
+
+
+class Recent:
+    """A set of at most ``size`` keys that forgets the one least recently seen (a bounded cache of agreements).
+
+    Args:
+        size: how many keys it keeps.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._keys: OrderedDict[Any, None] = OrderedDict()
+
+    def seen(self, key: Any) -> bool:
+        """Whether ``key`` is kept (then it becomes the most recent).
+
+        Args:
+            key: a hashable key.
+
+        Returns:
+            True when it is kept.
+        """
+        if key not in self._keys:
+            return False
+        self._keys.move_to_end(key)
+        return True
+
+    def add(self, key: Any) -> None:
+        """Keep ``key`` as the most recent, forgetting the least recent beyond ``size``.
+
+        Args:
+            key: a hashable key.
+        """
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+# (SP group name, input signature) and (SP group name, documents) every rank of that group has been checked to share.
+# A cache like the native op's: it only saves the check's all-gather on later calls with the same shapes. Bounded: a
+# signature forgotten is checked again (the same on every rank, which make the same calls).
+_AGREED = Recent(1024)
+
+
+def _show(name: str, x: int) -> str:
+    if name == "dtype":
+        return str(DTYPES[x]).replace("torch.", "")
+    if name == "layout":
+        return LAYOUTS[x]
+    if name == "softmax_scale":
+        return f"{struct.unpack('<d', struct.pack('<q', x))[0]:g}"
+    return str(bool(x)) if name == "causal" else str(x)
+
+
+def _agree(sig: tuple[int, ...], names: tuple[str, ...], sp_group: Any, device: torch.device) -> None:
+    """One all-gather of ``sig`` over the group; raise, the same on every rank, naming the values that differ."""
+    rows = [tuple(r.tolist()) for r in all_gather_rows(torch.tensor(sig, device=device), sp_group,
+                                                          "usp_attention input check")]
+    bad = [i for i in range(len(names)) if len({r[i] for r in rows}) > 1]
+    if bad:
+        ranks = dist.get_process_group_ranks(sp_group)
+        diffs = "; ".join(names[i] + ": " + ", ".join(f"rank {ranks[p]}={_show(names[i], r[i])}"
+                                                      for p, r in enumerate(rows)) for i in bad)
+        raise ValueError(f"usp_attention was called with different inputs on the ranks of one sequence-parallel "
+                         f"group ({diffs}); every rank must pass its shard of the same sequences (shard them with "
+                         f"ds_usp.shard_sequence / ds_usp.shard_batch) with the same arguments")
 
 
 def check_same_across_ranks(q: Tensor, k: Tensor, v: Tensor, sp_group: Any, causal: bool, layout: str, seq_len: int,
@@ -260,26 +329,51 @@ def check_same_across_ranks(q: Tensor, k: Tensor, v: Tensor, sp_group: Any, caus
         return
     sig = (*q.shape[:3], k.shape[2], q.shape[3], v.shape[3], DTYPES.index(q.dtype), int(causal), LAYOUTS.index(layout),
            seq_len, struct.unpack("<q", struct.pack("<d", scale))[0], hash(mask))
-    agreed = _AGREED.setdefault(sp_group.group_name, set())
-    if sig in agreed:
+    key = (sp_group.group_name, sig)
+    if _AGREED.seen(key):
         return
-    rows = [tuple(r.tolist()) for r in all_gather_rows(torch.tensor(sig, device=q.device), sp_group,
-                                                          "usp_attention input check")]
-    bad = [i for i, name in enumerate(_SIGNATURE) if len({r[i] for r in rows}) > 1]
-    if bad:
-        def show(i: int, x: int) -> str:
-            if _SIGNATURE[i] == "dtype":
-                return str(DTYPES[x]).replace("torch.", "")
-            if _SIGNATURE[i] == "layout":
-                return LAYOUTS[x]
-            if _SIGNATURE[i] == "softmax_scale":
-                return f"{struct.unpack('<d', struct.pack('<q', x))[0]:g}"
-            return str(bool(x)) if _SIGNATURE[i] == "causal" else str(x)
+    _agree(sig, _SIGNATURE, sp_group, q.device)
+    _AGREED.add(key)
 
-        ranks = dist.get_process_group_ranks(sp_group)
-        diffs = "; ".join(_SIGNATURE[i] + ": " + ", ".join(f"rank {ranks[p]}={show(i, r[i])}"
-                                                           for p, r in enumerate(rows)) for i in bad)
-        raise ValueError(f"usp_attention was called with different inputs on the ranks of one sequence-parallel "
-                         f"group ({diffs}); every rank must pass its shard of the same sequences (shard them with "
-                         f"ds_usp.shard_sequence / ds_usp.shard_batch) with the same arguments")
-    agreed.add(sig)
+
+def documents_agreed(documents: Any, sp_group: Any) -> bool:
+    """Whether every rank of the SP group was shown to hold ``documents`` (:func:`agree_documents`, or
+    :func:`mark_documents_agreed` after a check of the whole batch); a group of one always agrees.
+
+    Args:
+        documents: a :class:`ds_usp.attention.documents.Documents`.
+        sp_group: the sequence-parallel group.
+
+    Returns:
+        True when they were (the attention then leaves them out of its per-layer signature).
+    """
+    return dist.get_world_size(sp_group) == 1 or _AGREED.seen((sp_group.group_name, documents))
+
+
+def mark_documents_agreed(documents: Any, sp_group: Any) -> None:
+    """Record that every rank of the SP group holds ``documents`` (its caller compared them across the ranks).
+
+    Args:
+        documents: a :class:`ds_usp.attention.documents.Documents`.
+        sp_group: the sequence-parallel group.
+    """
+    if dist.get_world_size(sp_group) > 1:
+        _AGREED.add((sp_group.group_name, documents))
+
+
+def agree_documents(documents: Any, sp_group: Any) -> None:
+    """Check that every rank of the SP group holds the same documents: once per model call, before its first layer,
+    with one small all-gather unless they were shown to agree before (a bounded cache, :data:`_AGREED`).
+
+    Args:
+        documents: a :class:`ds_usp.attention.documents.Documents`.
+        sp_group: the sequence-parallel group.
+
+    Raises:
+        ValueError: the same message on every rank of the group, naming each differing value per rank.
+    """
+    if documents_agreed(documents, sp_group):
+        return
+    _agree((documents.rows, documents.seq_len, hash(documents)), _DOCUMENTS_SIGNATURE, sp_group,
+           group_device(sp_group))
+    mark_documents_agreed(documents, sp_group)

@@ -39,8 +39,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ds_usp.attention.checks import (check_device, check_keys, check_qkv, check_same_across_ranks, check_scale,
-                                     check_sinks, check_softcap, check_spans)
+                                     check_sinks, check_softcap, check_spans, documents_agreed)
 from ds_usp.attention.counter import count_sp_layer
+from ds_usp.attention.documents import Documents, doc_tensor
 from ds_usp.attention.masks import MaskSpec, chunk_docs
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
 from ds_usp.attention.ulysses import head_to_seq, seq_to_head
@@ -281,7 +282,8 @@ class AttentionMask:
     Attributes:
         causal: causal attention over global positions.
         seq_len: the real global length (None: no padding).
-        doc_lens: packed documents, one list for every row or one per row.
+        doc_lens: packed documents, one list for every row or one per row, or one
+            :class:`~ds_usp.attention.documents.Documents` (decoded once for all the model's layers).
         window: sliding window ``(left, right)``.
         chunk: chunked attention's chunk length.
         spans: bidirectional spans, one list for every row or one per row.
@@ -290,7 +292,7 @@ class AttentionMask:
 
     causal: bool = True
     seq_len: Optional[int] = None
-    doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, None] = None
+    doc_lens: Union[Sequence[int], Sequence[Sequence[int]], Tensor, Documents, None] = None
     window: Optional[tuple[int, int]] = None
     chunk: Optional[int] = None
     spans: Union[Sequence[Sequence[int]], Sequence[Sequence[Sequence[int]]], Tensor, None] = None
@@ -404,7 +406,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
     check_native_op(native_op)
     if comm_dtype not in COMM_DTYPES:
         raise ValueError(f"usp.comm_dtype={comm_dtype!r} is not valid: choose from {', '.join(map(repr, COMM_DTYPES))}")
-    docs = normalize_docs(doc_lens, q.shape[0], real_len)
+    documents, docs = _doc_starts(doc_lens, q.shape[0], real_len)
     left, right = check_window(window, causal)
     row_spans = check_spans(spans, q.shape[0], real_len, docs)
     row_keys = check_keys(mask.keys, q.shape[0], real_len)
@@ -416,10 +418,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
     if not torch.compiler.is_compiling():  # (compiled code has checked these while tracing)
         get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
         check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
-                                (docs or (), left, right, cap, sinks is not None, COMM_DTYPES.index(comm_dtype),
-                                 chunk or 0, row_spans or (), row_keys or ()))
+                                (_doc_signature(documents, docs, topo.sp_group), left, right, cap, sinks is not None,
+                                 COMM_DTYPES.index(comm_dtype), chunk or 0, row_spans or (), row_keys or ()))
     native = str(native_op).lower()
-    docs_t = None if docs is None else _doc_tensor(docs, real_len)
+    docs_t = documents.tensor if documents is not None else None if docs is None else doc_tensor(docs, real_len)
     spans_t = None if row_spans is None else _spans_tensor(row_spans)
     keys_t = None if row_keys is None else _spans_tensor(row_keys)
     ulysses, ring, _ = topo.group_names
@@ -446,11 +448,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
     return _head_to_seq(out_heads, [hq // u], [1], ulysses, native, comm_dtype)[0]  # (b, s, hq, dv)
 
 
-def _doc_tensor(docs: tuple[tuple[int, ...], ...], seq_len: int) -> Tensor:
-    """Document starts per row -> ``(b, n)`` int64 CPU tensor of lengths, zero-padded (the ring op's argument)."""
-    lens = [[e - s for s, e in zip(row, row[1:] + (seq_len,))] for row in docs]
-    n = max(len(x) for x in lens)
-    return torch.tensor([x + [0] * (n - len(x)) for x in lens], dtype=torch.int64)
+def _doc_starts(doc_lens: Any, batch: int,
+                seq_len: int) -> tuple[Optional[Documents], Optional[tuple[tuple[int, ...], ...]]]:
+    """``(the Documents value, document starts per row)``: a :class:`Documents` value's own starts when it describes
+    ``batch`` rows of ``seq_len`` tokens (no work per layer), else (None, the starts read from the lengths by
+    :func:`~ds_usp.sharding.normalize_docs`, raising as for lists)."""
+    if isinstance(doc_lens, Documents):
+        if doc_lens.fits(batch, seq_len):
+            return doc_lens, doc_lens.starts
+        doc_lens = doc_lens.lens
+    return None, normalize_docs(doc_lens, batch, seq_len)
+
+
+def _doc_signature(documents: Optional[Documents], docs: Optional[tuple[tuple[int, ...], ...]], group: Any) -> Any:
+    """The documents' part of the cross-rank check: nothing when the ranks were shown to hold them (the model's call
+    checked them once for all its layers, :func:`ds_usp.attention.checks.agree_documents`), else the documents."""
+    if documents is None:
+        return docs or ()
+    return () if documents_agreed(documents, group) else documents
 
 
 def _spans_tensor(spans: tuple[tuple[tuple[int, int], ...], ...]) -> Tensor:

@@ -14,11 +14,16 @@ The loss of those shards, the whole sequence's token-weighted mean on every rank
 """
 from __future__ import annotations
 
+import itertools
+import weakref
+from collections import OrderedDict
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from ds_usp.attention.checks import mark_documents_agreed
+from ds_usp.attention.documents import Documents
 from ds_usp.comm import disagreements
 from ds_usp.sharding import check_layout, gather_sequence, normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
@@ -137,7 +142,9 @@ def documents_of_shard(positions: Tensor, topo: USPTopology, layout: str) -> Opt
                          "use layout 'zigzag'")
     if docs is None and real == padded:
         return None
-    return cu_seq_lens(docs, rows, real, positions.device)
+    cu = cu_seq_lens(docs, rows, real, positions.device)
+    mark_documents_agreed(documents_of(cu, rows), topo.sp_group)  # found from the positions the ranks gathered
+    return cu
 
 
 def right_padded_docs(attention_mask: Tensor) -> list[list[int]]:
@@ -170,23 +177,116 @@ def docs_from_cu_seq_lens(cu: Tensor, rows: int) -> tuple[int, list[list[int]]]:
     Raises:
         ValueError: the boundaries do not split into ``rows`` rows of equal length.
     """
-    bounds = [int(x) for x in cu.flatten().tolist()]
+    return _split_rows(host_bounds(cu), rows)
+
+
+def _split_rows(bounds: Sequence[int], rows: int) -> tuple[int, list[list[int]]]:
+    """:func:`docs_from_cu_seq_lens` of boundaries already on the host."""
     total = bounds[-1]
     if total % rows or bounds[0] != 0:
-        raise ValueError(f"cu_seq_lens ({bounds[:6]}...) does not describe {rows} rows of one length")
+        raise ValueError(f"cu_seq_lens ({list(bounds[:6])}...) does not describe {rows} rows of one length")
     seq = total // rows
     cuts = sorted(set(bounds) | {r * seq for r in range(rows + 1)})
     docs = [[b - a for a, b in zip(cuts, cuts[1:]) if r * seq <= a < (r + 1) * seq] for r in range(rows)]
     return seq, docs
 
 
-def packed_documents(cu: Optional[Tensor], rows: int) -> tuple[Optional[int], Optional[list[list[int]]]]:
-    """``(real length, document lengths per row)`` from ``cu_seq_lens`` (:func:`docs_from_cu_seq_lens`), the documents
-    None when every row is one document (nothing packed); ``(None, None)`` when ``cu`` is None."""
+class _Read:
+    """What :func:`host_bounds` read of one tensor: the tensor (weakly), its version and storage when read, the
+    values, and the :class:`Documents` decoded from them per row count."""
+
+    def __init__(self, t: Tensor, stamp: tuple[int, int], bounds: tuple[int, ...]) -> None:
+        self.ref, self.stamp, self.bounds = weakref.ref(t), stamp, bounds
+        self.documents: dict[int, Documents] = {}
+
+
+# id(tensor) -> what was read of it: the boundaries a model's call gives all its layers, read once, not per layer.
+# Bounded (least recently used first out); an entry is valid while the same tensor object holds the same values.
+_READS: OrderedDict[int, _Read] = OrderedDict()
+_READS_SIZE = 32
+
+
+def _stamp(t: Tensor) -> Optional[tuple[int, int]]:
+    """``(version, data pointer)``: in-place writes bump the version (None: an inference tensor, which has none)."""
+    try:
+        return t._version, t.data_ptr()
+    except (RuntimeError, NotImplementedError):  # an inference tensor, a tensor subclass without storage
+        return None
+
+
+def _read(t: Tensor) -> Optional[_Read]:
+    """The cached read of ``t`` when it is still valid (and then the most recent), else None."""
+    entry = _READS.get(id(t))
+    if entry is None or entry.ref() is not t or entry.stamp != _stamp(t):
+        return None
+    _READS.move_to_end(id(t))
+    return entry
+
+
+def _remember(t: Tensor, bounds: tuple[int, ...]) -> _Read:
+    """Cache ``bounds`` as the values of ``t`` (no entry while compiling or for an inference tensor)."""
+    stamp = None if torch.compiler.is_compiling() else _stamp(t)
+    entry = _Read(t, stamp, bounds)
+    if stamp is not None:
+        _READS[id(t)] = entry
+        _READS.move_to_end(id(t))
+        while len(_READS) > _READS_SIZE:
+            _READS.popitem(last=False)
+    return entry
+
+
+def _entry(t: Tensor) -> _Read:
+    """What was read of ``t``: cached, or read now (one host read) and cached."""
+    entry = None if torch.compiler.is_compiling() else _read(t)
+    return entry if entry is not None else _remember(t, tuple(int(x) for x in t.flatten().tolist()))
+
+
+def host_bounds(cu: Tensor) -> tuple[int, ...]:
+    """The values of ``cu`` (flattened) on the host, read once per tensor object: the model's call and every layer
+    it runs, recomputations included, get the same tuple without a second read (and none for a ``cu_seq_lens``
+    ds-usp made, :func:`cu_seq_lens`).
+
+    Args:
+        cu: cumulative document lengths (HF's ``cu_seq_lens_q``) or any integer tensor of boundaries.
+
+    Returns:
+        Its values as Python ints.
+    """
+    return _entry(cu).bounds
+
+
+def documents_of(cu: Optional[Tensor], rows: int) -> Optional[Documents]:
+    """The documents ``cu_seq_lens`` describes over ``rows`` rows, as one immutable value decoded once per tensor
+    object (:func:`host_bounds`): every attention layer of a model's call reads the same value.
+
+    Args:
+        cu: cumulative lengths over the flattened rows (HF's ``cu_seq_lens_q``), or None.
+        rows: the batch's rows.
+
+    Returns:
+        The :class:`Documents` (its ``lens`` None when every row is one document), or None when ``cu`` is.
+
+    Raises:
+        ValueError: the boundaries do not split into ``rows`` rows of equal length, or describe empty documents.
+    """
     if cu is None:
+        return None
+    entry = _entry(cu)
+    documents = entry.documents.get(rows)
+    if documents is None:
+        seq, docs = _split_rows(entry.bounds, rows)
+        lens = None if all(len(row) == 1 for row in docs) else tuple(tuple(row) for row in docs)
+        documents = entry.documents[rows] = Documents(rows, seq, lens)
+    return documents
+
+
+def packed_documents(cu: Optional[Tensor], rows: int) -> tuple[Optional[int], Optional[list[list[int]]]]:
+    """``(real length, document lengths per row)`` from ``cu_seq_lens`` (:func:`documents_of`: read once per tensor),
+    the documents None when every row is one document (nothing packed); ``(None, None)`` when ``cu`` is None."""
+    documents = documents_of(cu, rows)
+    if documents is None:
         return None, None
-    seq, docs = docs_from_cu_seq_lens(cu, rows)
-    return seq, None if all(len(row) == 1 for row in docs) else docs
+    return documents.seq_len, None if documents.lens is None else [list(row) for row in documents.lens]
 
 
 def cu_seq_lens(doc_lens: Optional[Sequence[Sequence[int]]], rows: int, seq: int, device: Any) -> Tensor:
@@ -202,7 +302,9 @@ def cu_seq_lens(doc_lens: Optional[Sequence[Sequence[int]]], rows: int, seq: int
         ``[0, ...]`` ending at ``rows * seq``.
     """
     lens = [x for row in (doc_lens or [[seq]] * rows) for x in row]
-    return torch.tensor([0] + lens, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
+    out = torch.tensor([0] + lens, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
+    _remember(out, tuple(itertools.accumulate([0] + [int(x) for x in lens])))  # its values, known without a read
+    return out
 
 
 def check_same_batch(tensors: Mapping[str, Tensor], topo: USPTopology) -> None:
@@ -294,6 +396,7 @@ def shard_batch(batch: Mapping[str, Any], topo: USPTopology, layout: str = "zigz
         positions = torch.arange(s, device=ids.device).expand(b, s) if rule is None else rule(ids)
     cu = cu_seq_lens(docs, b, s, ids.device)
     check_same_batch({"input_ids": ids, "labels": labels, "position_ids": positions, "cu_seq_lens": cu}, topo)
+    mark_documents_agreed(documents_of(cu, b), topo.sp_group)  # the check above compared them across the ranks
 
     def shard(x: Tensor, pad: float = 0) -> Tensor:
         return shard_sequence(x, topo, dim=1, layout=layout, pad_value=pad, doc_lens=docs)

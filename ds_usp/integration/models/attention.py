@@ -27,7 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from ds_usp.attention import AttentionMask, AttentionRun, attention
-from ds_usp.integration.data.batch import documents_of_shard, packed_documents
+from ds_usp.attention.checks import agree_documents
+from ds_usp.attention.documents import Documents
+from ds_usp.integration.data.batch import documents_of, documents_of_shard, host_bounds
 from ds_usp.integration.models.masks import HFMask, usp_mask
 from ds_usp.integration.models.multimodal import BODY_SPANS_KEY
 from ds_usp.upstream.torch import set_module_attribute
@@ -201,8 +203,8 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     check_keywords(module, ctx, kwargs)
     if cu_seq_lens_q is None:
         cu_seq_lens_q = ctx.cu_seq_lens  # a decoder layer that does not pass the batch's documents on
-    elif cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not bool((cu_seq_lens_k ==
-                                                                                          cu_seq_lens_q).all()):
+    elif cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and \
+            host_bounds(cu_seq_lens_k) != host_bounds(cu_seq_lens_q):  # read once per call, not per layer
         _refuse(module, ctx, "cu_seq_lens_k", cu_seq_lens_k, "keys with other documents than the queries "
                 "(cross-attention) are not supported; ds-usp shards self-attention")
     causal, window, chunk = _mask_of(module, ctx, attention_mask, is_causal, sliding_window)
@@ -212,16 +214,17 @@ def usp_hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
             _refuse(module, ctx, "attention_mask", attention_mask, "the VLM's body made a mask with bidirectional "
                     "blocks for one layer type, and this layer has another (a window or chunks)")
         spans = body_spans
-    seq_len, docs = packed_documents(cu_seq_lens_q, query.shape[0])
-    query = _global_query_temperature(module, ctx, query, seq_len, docs)
+    documents = documents_of(cu_seq_lens_q, query.shape[0])  # decoded once per model call, not per layer
+    seq_len = None if documents is None else documents.seq_len
+    query = _global_query_temperature(module, ctx, query, seq_len, None if documents is None else documents.lens)
     # (b, h, s, d) -> (b, s, h, d): ds-usp's layout
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ctx.topo,
-                    AttentionMask(causal, seq_len, docs, window, chunk, spans), ctx.run, scaling, softcap, s_aux)
+                    AttentionMask(causal, seq_len, documents, window, chunk, spans), ctx.run, scaling, softcap, s_aux)
     return out, None
 
 
 def _global_query_temperature(module: nn.Module, ctx: USPContext, query: Tensor, seq_len: Optional[int],
-                              docs: Optional[list[list[int]]]) -> Tensor:
+                              docs: Optional[tuple[tuple[int, ...], ...]]) -> Tensor:
     """Llama 4's attention temperature tuning, by the global row index instead of the shard's.
 
     Llama 4's NoPE layers (``attn_temperature_tuning``, ``use_rope`` False) scale each query by
@@ -364,10 +367,32 @@ def _documents_of_call(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     if ctx.cu_seq_lens is None and isinstance(positions, Tensor) and positions.dim() == 2:
         cu = documents_of_shard(positions, ctx.topo, ctx.layout)
         if cu is not None:
-            longest = int((cu[1:] - cu[:-1]).max())
+            bounds = host_bounds(cu)  # known: ds-usp made it
+            longest = max(b - a for a, b in zip(bounds, bounds[1:]))
             kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
             ctx.set_documents(cu)
+    _decode_documents(ctx, kwargs)
     return args, kwargs
+
+
+def _decode_documents(ctx: USPContext, kwargs: dict) -> Optional[Documents]:
+    """The call's documents decoded before its first layer, so that no layer reads them (a host read waits for the
+    device): one read of ``cu_seq_lens_q`` at most (none for those :func:`ds_usp.shard_batch` made) and of a distinct
+    ``cu_seq_lens_k``, and one check across the ranks (none when ``shard_batch`` compared the batch, or for documents
+    checked before). The layers find the value by the tensor they are given
+    (:func:`~ds_usp.integration.data.batch.documents_of`). Nothing is done when the batch's rows are not known here
+    (no ``input_ids`` or ``inputs_embeds``) or while compiling: the layers decode them then."""
+    inputs = kwargs.get("input_ids")
+    inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
+    if ctx.cu_seq_lens is None or not isinstance(inputs, Tensor) or inputs.dim() < 2 or \
+            torch.compiler.is_compiling():
+        return None
+    documents = documents_of(ctx.cu_seq_lens, inputs.shape[0])
+    keys = kwargs.get("cu_seq_lens_k")
+    if isinstance(keys, Tensor) and keys is not ctx.cu_seq_lens:
+        host_bounds(keys)  # for the layers' check that keys and queries have the same documents
+    agree_documents(documents, ctx.topo.sp_group)
+    return documents
 
 
 def degree_topology(full: USPTopology, degree: Optional[int]) -> USPTopology:

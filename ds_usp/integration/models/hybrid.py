@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ds_usp.integration.data.batch import packed_documents
+from ds_usp.integration.data.batch import documents_of
 from ds_usp.integration.models.attention import USPContext, context_of
 from ds_usp.upstream.torch import replace_forward, set_module_attribute
 from ds_usp.upstream.transformers import replace_family_functions, replace_private_method
@@ -407,11 +407,12 @@ def _shard_family_functions(family: Any) -> None:
                              optional=("mamba_inner_fn",))
 
 
-def _documents(hidden_states: Tensor, ctx: USPContext, kwargs: dict) -> tuple[Optional[int], Optional[list]]:
-    """``(real global length, packed documents or None)`` from the call's ``cu_seq_lens_q`` or the context's."""
+def _documents(hidden_states: Tensor, ctx: USPContext, kwargs: dict) -> tuple[Optional[int], Optional[tuple]]:
+    """``(real global length, packed documents per row or None)`` from the call's ``cu_seq_lens_q`` or the context's,
+    decoded once per model call (:func:`~ds_usp.integration.data.batch.documents_of`), not per layer."""
     cu = kwargs.get("cu_seq_lens_q")
-    cu = ctx.cu_seq_lens if cu is None else cu
-    return packed_documents(cu, hidden_states.shape[0])
+    documents = documents_of(ctx.cu_seq_lens if cu is None else cu, hidden_states.shape[0])
+    return (None, None) if documents is None else (documents.seq_len, documents.lens)
 
 
 def _masked(hidden_states: Tensor, attention_mask: Optional[Tensor]) -> Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ds_usp.comm import sum_grads_over_group
+from ds_usp.integration.data.batch import host_bounds
 from ds_usp.integration.models.attention import VISION_ATTN_NAME, context_of
 from ds_usp.integration.models.multimodal import body_and_language_model
 from ds_usp.upstream.torch import set_module_attribute
@@ -93,10 +94,11 @@ def _shard_block_call(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     hidden = args[0] if args else kwargs["hidden_states"]
     cu = kwargs.get("cu_seqlens")
     n = hidden.shape[0]
-    if cu is None or int(cu[-1]) != n:
+    bounds = None if cu is None else host_bounds(cu)  # read once per tower call, not per block
+    if bounds is None or bounds[-1] != n:
         raise ValueError(f"{type(block).__name__} is called without cu_seqlens covering its {n} patches; ds-usp shards "
                          f"a vision block's patches by them")
-    docs = (cu[1:] - cu[:-1]).tolist()
+    docs = [b - a for a, b in zip(bounds, bounds[1:])]
 
     def cut(x: Any) -> Any:
         if isinstance(x, Tensor) and x.dim() >= 1 and x.shape[0] == n:
