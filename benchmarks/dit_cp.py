@@ -23,8 +23,8 @@ the per-rank peak memory of a forward and backward (the growth of the resident s
 ``5 > /proc/self/clear_refs`` first, ``VmHWM`` minus the resident size then; the largest rank); and the step time
 (forward, backward and, for diffusers, the gradient sum; the slowest rank, median of ``--iters`` after one warm-up).
 4 ranks share this machine's cores: the times measure the group's total work, not a GPU cluster's; so one more
-forward and backward is counted per rank by ``benchmarks/work_meter.py`` (GFLOP by torch's formulas, aten ops a GPU
-would launch as kernels, host syncs: the same count whatever the machine's load), the largest rank reported.
+forward and backward is counted per rank by ``ds_usp/instruments/work_meter.py`` (GFLOP by torch's formulas, aten ops
+a GPU would launch as kernels, host syncs: the same count whatever the machine's load), the largest rank reported.
 """
 from __future__ import annotations
 
@@ -201,11 +201,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def count_work(step: Callable[[], torch.Tensor], finish: Callable[[], None]) -> Optional[dict]:
-    """One more forward and backward counted by ``benchmarks/work_meter.py``'s ``StepMeter`` (aten ops a GPU would
-    launch as kernels, FLOPs by torch's formulas, host syncs): the same count whatever the machine's load; None
+    """One more forward and backward counted by ``ds_usp/instruments/work_meter.py``'s ``StepMeter`` (aten ops a GPU
+    would launch as kernels, FLOPs by torch's formulas, host syncs): the same count whatever the machine's load; None
     where the meter is missing."""
     try:
-        from work_meter import StepMeter
+        from ds_usp.instruments.work_meter import StepMeter
     except ImportError:
         return None
     with StepMeter() as meter:

@@ -6,9 +6,10 @@
 Each system at each length is its own job of ``--ranks`` gloo ranks (``torch.distributed.run``, ``--master-port``
 counting up), fp32 (CPU bf16 matmuls without AVX512-BF16 run about 100x slower), ZeRO-3 with AdamW, one sequence of
 S random tokens per step: ``--warmup`` steps (optimizer states made; ZeRO-3 records its trace in the second, so its
-prefetch runs from the third) whose matmuls and attention kernels write zeros (:class:`work_meter.ZeroCompute`, the
-same counts after as after real steps: tests/test_step_work.py), then one step counted by
-:class:`work_meter.StepMeter` and a second counted under ``ZeroCompute`` (what both do is what every step repeats).
+prefetch runs from the third) whose matmuls and attention kernels write zeros
+(:class:`ds_usp.instruments.work_meter.ZeroCompute`, the same counts after as after real steps:
+tests/test_step_work.py), then one step counted by :class:`ds_usp.instruments.work_meter.StepMeter` and a second
+counted under ``ZeroCompute`` (what both do is what every step repeats).
 
 The model (``--shape``): a HuggingFace Llama with ``--layers`` decoder layers (default 2) of the ``1.5b`` sizes (hidden
 2048, intermediate 8192, 32 query and 8 key/value heads of 64; vocab 32768, whose fp32 optimizer state fits this
@@ -46,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (add_job_flags, base_parser, comma_list, job_port, run_as_job, start_ranks, table,  # noqa: E402
                      write_result)
-from work_meter import StepMeter, ZeroCompute  # noqa: E402
+from ds_usp.instruments.work_meter import StepMeter, ZeroCompute  # noqa: E402
 
 TAG = "[step_work]"
 SHAPES = {

@@ -7,11 +7,11 @@ forward and in the recomputation of checkpointed layers alike (on a GPU each suc
 
 On a 2-rank gloo world, a 2-layer tiny Llama (``attn_implementation="usp"``, HF gradient checkpointing) trains a few
 steps on fresh shards (new ``cu_seq_lens`` tensors each step, packings that change from step to step, plain rows in
-between); :class:`work_meter.LayerHostReads` counts, while a decoder layer's forward runs (in the recomputation:
-while a module inside it runs, since transformers recomputes a layer's forward below its hooks), ``Tensor.tolist``,
-``.item``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``.cpu``, ``.numpy`` and ``torch.tensor`` /
-``torch.as_tensor`` calls. After the first step (which checks each layer's shapes across the ranks once) the record
-is 0 per forward and 0 per recomputation, on a Ulysses and on a ring split.
+between); :class:`ds_usp.instruments.work_meter.LayerHostReads` counts, while a decoder layer's forward runs (in the
+recomputation: while a module inside it runs, since transformers recomputes a layer's forward below its hooks),
+``Tensor.tolist``, ``.item``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``.cpu``, ``.numpy`` and
+``torch.tensor`` / ``torch.as_tensor`` calls. After the first step (which checks each layer's shapes across the ranks
+once) the record is 0 per forward and 0 per recomputation, on a Ulysses and on a ring split.
 
 In one process: a tensor is read once whoever asks (and not at all when ds-usp made it), again after an in-place
 write, and the caches (tensors read, documents and signatures agreed across ranks) are bounded.
@@ -43,11 +43,11 @@ def _batch(step: int) -> dict:
 
 def count_layer_host_reads(u: int, r: int, layout: str) -> list[dict]:
     """On every rank: the steps of :data:`PACKINGS` with a fresh shard each, the host reads inside the decoder layers
-    counted per step (:meth:`work_meter.LayerHostReads.counts`, with the call sites)."""
+    counted per step (:meth:`ds_usp.instruments.work_meter.LayerHostReads.counts`, with the call sites)."""
     import ds_usp
+    from ds_usp.instruments.work_meter import LayerHostReads
     from ds_usp.integration.models.attention import USPContext, attach
     from test_training import _llama
-    from work_meter import LayerHostReads
 
     ds_usp.hf.register_usp_attention()
     topo = get_topo(u, r)

@@ -1,12 +1,12 @@
-"""The work meter (benchmarks/work_meter.py) on toys, and ds-usp's training step held to its recorded counts.
+"""The work meter (ds_usp/instruments/work_meter.py) on toys, and ds-usp's training step held to its recorded counts.
 
-The toys check what the meter counts against what is known: matmul FLOPs equal ``FlopCounterMode``'s, the CPU
-flash attention at half under ``is_causal``, a read of a device value inside a decoder layer flagged, one ``.cpu()``
-followed by many ``.item()`` one sync, the ops inside a Python custom op and those through selective checkpointing's
-modes counted, and :class:`~work_meter.ZeroCompute` leaving every count as it is. The step: on 2 gloo ranks, the
-small shape of benchmarks/step_work.py with ALST's features forced on in ds-usp ("ds-usp as ALST"), its counts at or
-under those benchmarks/results/step_work_small.json records (``python benchmarks/step_work.py --shape small --seqs
-2048 --systems "ds-usp as ALST,ALST full" --json step_work_small.json``), under the torch, DeepSpeed and
+The toys check what the meter counts against what is known: matmul FLOPs equal ``FlopCounterMode``'s, the CPU flash
+attention at half under ``is_causal``, a read of a device value inside a decoder layer flagged, one ``.cpu()`` followed
+by many ``.item()`` one sync, the ops inside a Python custom op and those through selective checkpointing's modes
+counted, and :class:`~ds_usp.instruments.work_meter.ZeroCompute` leaving every count as it is. The step: on 2 gloo
+ranks, the small shape of benchmarks/step_work.py with ALST's features forced on in ds-usp ("ds-usp as ALST"), its
+counts at or under those benchmarks/results/step_work_small.json records (``python benchmarks/step_work.py --shape small
+--seqs 2048 --systems "ds-usp as ALST,ALST full" --json step_work_small.json``), under the torch, DeepSpeed and
 transformers versions the record names (other versions decompose ops differently: skipped, saying which).
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import step_work
-from work_meter import StepMeter, ZeroCompute
+
+from ds_usp.instruments.work_meter import StepMeter, ZeroCompute
 
 RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "step_work_small.json"
 SYSTEM = "ds-usp as ALST"

@@ -70,7 +70,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 aten = torch.ops.aten
 BIG_BYTES = 64 * 2 ** 20
-ROOT = Path(__file__).resolve().parent.parent  # the repository
+ROOT = Path(__file__).resolve().parents[2]  # the repository (site-packages for an installed ds-usp)
 _TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
 _STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
 _PACKAGES = tuple(os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "platlib"))
@@ -115,6 +115,15 @@ def matmul_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Optional[flo
     ``flop_registry``'s entries as ``FlopCounterMode`` applies them; in-place matmuls (``addmm_``) by their
     functional twin's formula, ``addbmm`` as the batched product it sums; the CPU flash-attention ops by
     ``sdpa_flop_count``/``sdpa_backward_flop_count``; every attention op at half under ``is_causal``.
+
+    Args:
+        func: the aten op (an ``OpOverload``).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        out: what it returned.
+
+    Returns:
+        The FLOPs, or None when ``func`` is none of these ops.
     """
     packet = func.overloadpacket
     if packet in CPU_ATTENTION:
@@ -145,7 +154,14 @@ def _storages(x: Any) -> set[int]:
 
 
 def short_path(path: str) -> str:
-    """``path`` relative to the repository, ``site-packages`` or the longest ``sys.path`` entry holding it."""
+    """``path`` relative to the repository, ``site-packages`` or the longest ``sys.path`` entry holding it.
+
+    Args:
+        path: a source file's path.
+
+    Returns:
+        The short form (``path`` itself, absolute, when none of them holds it).
+    """
     full = os.path.abspath(path)
     try:
         return str(Path(full).relative_to(ROOT))
@@ -187,7 +203,11 @@ class Counts:
     zero3_param_kernels: int = 0
 
     def describe(self) -> str:
-        """One line."""
+        """The counts in one line.
+
+        Returns:
+            The line.
+        """
         return (f"{self.ops} ops ({self.kernels} kernels, {self.custom_ops} custom, {self.sac_ops} through SAC), "
                 f"{self.matmuls} matmuls (smallest dim {self.matmul_min_dim}), {self.flops / 1e12:.4f} TFLOP, "
                 f"{self.syncs} syncs, {self.big_allocs} outputs > 64 MiB ({self.big_alloc_bytes / 2 ** 30:.2f} GiB), "
@@ -234,7 +254,14 @@ class StepMeter(TorchDispatchMode):
     # ---- phases -----------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator["StepMeter"]:
-        """Count what runs inside under ``name`` (else ``fwd``/``bwd``, by whether autograd's engine runs)."""
+        """Count what runs inside under ``name`` (else ``fwd``/``bwd``, by whether autograd's engine runs).
+
+        Args:
+            name: the phase's name.
+
+        Yields:
+            The meter.
+        """
         old, self._phase = self._phase, name
         try:
             yield self
@@ -421,7 +448,14 @@ class StepMeter(TorchDispatchMode):
     # ---- results ----------------------------------------------------------------------------------------------
     def report(self, top: int = 40) -> dict[str, Any]:
         """The counts as plain data (JSON): totals, phases, FLOPs and ops by op, matmul shapes, syncs and host reads
-        by call site, big allocations by op, size and call site."""
+        by call site, big allocations by op, size and call site.
+
+        Args:
+            top: how many of the most frequent ops by name to keep.
+
+        Returns:
+            The report.
+        """
         return {
             "total": asdict(self.total), "phases": {p: asdict(c) for p, c in self.phases.items()},
             "flops_by_op": dict(self.flops_by_op.most_common()), "ops_by_name": dict(self.ops_by_name.most_common(top)),
@@ -433,7 +467,14 @@ class StepMeter(TorchDispatchMode):
         }
 
     def summary(self, top: int = 8) -> str:
-        """The counts in a few lines."""
+        """The counts in a few lines.
+
+        Args:
+            top: how many ops, and big allocations, to name.
+
+        Returns:
+            The lines, joined.
+        """
         lines = [f"total: {self.total.describe()}"] + [f"  {p}: {c.describe()}" for p, c in self.phases.items()]
         lines.append("TFLOP by op: " + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in self.flops_by_op.most_common(top)))
         lines.append("ops by name: " + ", ".join(f"{k} {v}" for k, v in self.ops_by_name.most_common(top)))
@@ -555,7 +596,11 @@ class LayerHostReads:
         self.module_calls.clear()
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """Per phase (``fwd``, ``recompute``): host reads, host-made tensors and calls of modules inside the layers."""
+        """Per phase (``fwd``, ``recompute``): host reads, host-made tensors and calls of modules inside the layers.
+
+        Returns:
+            ``{phase: {"reads": n, "made": n, "module_calls": n}}``.
+        """
         out = {phase: {"reads": 0, "made": 0, "module_calls": self.module_calls[phase]}
                for phase in ("fwd", "recompute")}
         for (phase, kind, _, _), n in self.by_site.items():
@@ -563,7 +608,11 @@ class LayerHostReads:
         return out
 
     def sites(self) -> list[str]:
-        """One line per call site: ``phase kind .name count at site``."""
+        """One line per call site: ``phase kind .name count at site``.
+
+        Returns:
+            The lines, the most frequent first.
+        """
         return [f"{phase} {kind} .{name} {n}x at {site}" for (phase, kind, name, site), n in self.by_site.most_common()]
 
 
