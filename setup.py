@@ -113,19 +113,21 @@ setup(
     package_data={OP_PACKAGE: ["csrc/*.cpp", "csrc/*/*.cpp", "csrc/*/*.cu", "csrc/*/*.h"]},
     python_requires=">=3.11",  # exception notes (BaseException.add_note) name the rank and step of a failure
     # The floors of torch, deepspeed, transformers, accelerate and trl are the versions CI runs (the dev extra pins
-    # them; tests/test_docs.py fails when a floor is not what CI runs). Older releases are not tested: the custom
+    # the newest, tests/test_oldest.py runs a subset at the oldest; tests/test_docs.py fails when a floor is neither). Older releases are not tested: the custom
     # ops need torch>=2.4 (torch.library.custom_op) and the ZeRO-3 correction calls a private method of DeepSpeed's
     # stage-3 optimizer (ds_usp/integration/engine/initialize.py). pydantic, hjson, matplotlib, datasets and
     # diffusers: CI runs the release pip resolves; their floors are the versions whose API is used, not tested as such.
     # The README's install command pins torch==2.13.0; on GPU machines install the torch for your CUDA first.
     install_requires=["torch>=2.13", "deepspeed>=0.19.8", "pydantic>=2", "hjson"],
     extras_require={
-        "hf": ["transformers>=5.23"],  # attn_implementation="usp"
+        "hf": ["transformers>=5.6"],  # attn_implementation="usp" (5.6: tests/test_oldest.py's subset)
         "demo": ["transformers>=5.23", "matplotlib>=3.7"],  # examples/train_llama.py with its loss.png
         "dit": ["diffusers>=0.42", "matplotlib>=3.7"],  # diffusion transformers, examples/train_dit.py
         # ds_usp.USPTrainer, USPSFTTrainer: later releases are accepted when they have every hook the integration uses
-        # (ds_usp.integration.trainers.trainer.check_hooks checks transformers' and accelerate's, not the versions)
-        "trainer": ["transformers>=5.23", "accelerate>=1.15", "trl>=1.16", "datasets>=3"],
+        # (ds_usp.integration.trainers.trainer.check_hooks checks transformers' and accelerate's, not the versions).
+        # The floors are LLaMA-Factory 0.9.5's pins, which tests/test_oldest.py runs a subset at; the SFT and RL
+        # trainers need TRL's fused LM head (TRL 1.x, the dev pin) and refuse an older TRL by name
+        "trainer": ["transformers>=5.6", "accelerate>=1.11", "trl>=0.24", "datasets>=3"],
         # the versions CI runs: torch and deepspeed exactly (README: pip install torch==2.13.0 first), the HF stack
         # within its minor version
         "dev": ["torch==2.13.0", "deepspeed==0.19.8", "pytest>=7", "hypothesis>=6", "transformers>=5.23,<5.24",

@@ -32,6 +32,28 @@ register("fused_head_settings", Patch(
     "add_fused_lm_head recording its settings on the model (a fused-head config attribute)"))
 
 
+def require_fused_head(who: str) -> None:
+    """Refuse a TRL without its fused LM head (``trl.trainer.utils.add_fused_lm_head`` and ``FusedCausalLMOutput``,
+    TRL 1.x), through which ds-usp answers TRL's losses and metrics on the sequence shards.
+
+    Args:
+        who: what needs it, named in the error.
+
+    Raises:
+        ImportError: naming what the installed TRL lacks and the version tested.
+    """
+    import trl
+    import trl.trainer.utils as utils
+
+    lacking = [name for name in ("add_fused_lm_head", "FusedCausalLMOutput") if not hasattr(utils, name)]
+    if lacking:
+        raise ImportError(f"{who} under \"sequence_parallel\" runs TRL's losses through its fused LM head, which TRL "
+                          f"{trl.__version__} does not have (trl.trainer.utils lacks {', '.join(lacking)}; it computes "
+                          f"them from the whole logits, which no rank holds under sequence parallelism); tested with "
+                          f"TRL 1.16. ds-usp's HF Trainer path (Trainer, Seq2SeqTrainer and their subclasses) does not "
+                          f"need TRL")
+
+
 _PER_GROUP = "_ds_usp_per_group"  # set on a config whose generation batch was divided (a second trainer: not again)
 
 

@@ -56,7 +56,7 @@ from ds_usp.integration.trainers.rollout import Rollout
 from ds_usp.integration.trainers.trainer import USPTrainerBase
 from ds_usp.upstream.deepspeed import torch_linear
 from ds_usp.upstream.trl import (generate_arguments, generation_batch_per_group, record_fused_head,
-                                             rollout_gathered_once)
+                                 require_fused_head, rollout_gathered_once)
 
 
 def _refusals(trainer_name: str, args: Any, kwargs: dict, zero_stage: Any = None) -> list[str]:
@@ -409,6 +409,7 @@ def _trainer(base: type, mixin: type, name: str, modules: tuple, turn_pairs: boo
 
 
 if installed_version("trl") is not None:
+    require_fused_head("ds-usp's RL trainers (USPGRPOTrainer, USPRLOOTrainer, USPDPOTrainer)")
     import trl.trainer.dpo_trainer as _dpo
     import trl.trainer.grpo_trainer as _grpo
     import trl.trainer.rloo_trainer as _rloo

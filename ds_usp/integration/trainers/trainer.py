@@ -349,6 +349,10 @@ class USPTrainerMixin(USPTrainerBase):
                                  f"\"sequence_parallel\" (generation runs on whole sequences, one token at a time, "
                                  f"with a cache the sharded attention does not keep); set it to false, or generate "
                                  f"after training without the key")
+            if self._is_trl_sft():
+                from ds_usp.upstream.trl import require_fused_head
+
+                require_fused_head(type(self).__name__)
             if self._usp_config.dynamic_sp and self.args.gradient_accumulation_steps != 1:
                 raise ValueError(f"USPTrainer with \"usp\": {{\"dynamic_sp\": true}} plans each optimizer step's "
                                  f"micro batches itself: set gradient_accumulation_steps=1 (not "
@@ -365,9 +369,12 @@ class USPTrainerMixin(USPTrainerBase):
             feed = WholeBatches(pad_token_id=pad)
             feed_whole_batches(self.model_wrapped.module, feed)
             self._usp_feed = feed
-            if any(c.__name__ == "SFTTrainer" and _project(c) == "trl" for c in type(self).__mro__):
+            if self._is_trl_sft():
                 self._sft_under_sp()
         return self._usp_feed
+
+    def _is_trl_sft(self) -> bool:
+        return any(c.__name__ == "SFTTrainer" and _project(c) == "trl" for c in type(self).__mro__)
 
     def _sft_under_sp(self) -> None:
         """TRL's SFTTrainer computes its loss and metrics through its fused LM head (``model(...,
