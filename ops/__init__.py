@@ -45,6 +45,39 @@ def plain_arch_list(archs: str) -> str:
     return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", archs)
 
 
+def _detected_archs() -> str:
+    """The compute capabilities of the visible GPUs (``"8.0 9.0"``), as DeepSpeed's JIT build probes them when
+    ``TORCH_CUDA_ARCH_LIST`` is unset; ``""`` without a GPU, or where CUDA cannot be asked (a forked child)."""
+    import torch
+
+    try:
+        if not torch.cuda.is_available() or getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
+            return ""
+        found = {"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        return " ".join(sorted(found))
+    except (RuntimeError, AssertionError):
+        return ""
+
+
+def cuda_arch_tag(archs: str | None = None) -> str:
+    """The CUDA architectures a build compiles for, as a part of its build name: ``"8.0;9.0a+PTX"`` -> ``"sm80_90ptx"``.
+
+    Args:
+        archs: a ``TORCH_CUDA_ARCH_LIST`` value; None: the environment's, else the visible GPUs' capabilities (what
+            DeepSpeed's JIT build compiles for, in the same order of precedence).
+
+    Returns:
+        ``"sm"`` and the sorted plain capabilities (``a``/``f`` suffixes dropped, as :meth:`USPCUDABuilder.
+        compute_capability_args` drops them) joined by ``_``; ``"smnone"`` when there are none (no GPU and no list:
+        DeepSpeed's build then refuses by itself).
+    """
+    if archs is None:
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip() or _detected_archs()
+    entries = {e.lower().replace(".", "").replace("+", "") for e in plain_arch_list(archs).replace(";", " ").split()}
+    ordered = sorted(entries, key=lambda e: (int(re.match(r"\d*", e).group() or 0), e))
+    return "sm" + ("_".join(ordered) if ordered else "none")
+
+
 class _USPBuilderMixin:
     """What both variants share: sources, flags, and a build directory of their own per build command."""
 
@@ -57,7 +90,11 @@ class _USPBuilderMixin:
         torch's extension cache keys a build directory by name alone, and ninja rebuilds when the command line
         differs from its log's: two installs (editable and not, two checkouts) or two ninja binaries on ``PATH``
         (pip's and the system's hash command lines differently) shared one directory and rebuilt each other's op
-        for a minute at every switch. With the digest each keeps its own directory, built once.
+        for a minute at every switch. With the digest each keeps its own directory, built once. The CUDA build's name
+        also holds the architectures it compiles for (:func:`cuda_arch_tag`): two nodes with different GPUs sharing
+        ``TORCH_EXTENSIONS_DIR`` never share a build folder (the arch flags are not in the host flags digested
+        above: the nodes rebuilt each other's op, and a node that waited on the other's build lock loaded that
+        build as it was, with kernels for the other GPU: "no kernel image is available").
         """
         ninja = shutil.which("ninja") or "no ninja"
         try:
@@ -65,7 +102,11 @@ class _USPBuilderMixin:
         except (OSError, subprocess.SubprocessError):
             version = "unknown"
         key = "\n".join([str(CSRC), os.environ.get("CXX", "c++"), " ".join(self.cxx_args()), ninja, version])
-        return f"{self.NAME}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+        return "_".join([self.NAME, *self._name_parts(), hashlib.sha256(key.encode()).hexdigest()[:10]])
+
+    def _name_parts(self) -> list[str]:
+        """What the build name holds between ``NAME`` and the digest (nothing for the CPU build)."""
+        return []
 
     def cpu_arch(self) -> str:
         """DeepSpeed's ``-march`` flag, asked once per process (see :meth:`simd_width`)."""
@@ -149,6 +190,10 @@ class USPCUDABuilder(_USPBuilderMixin, CUDAOpBuilder):
     def cxx_args(self) -> list[str]:
         """DeepSpeed's CUDA-op host flags (not -g) plus OpenMP, no FP contraction and ``USP_WITH_CUDA``."""
         return self._without_debug_info(super().cxx_args()) + self._extra_cxx() + ["-DUSP_WITH_CUDA"]
+
+    def _name_parts(self) -> list[str]:
+        """The architectures compiled for (:func:`cuda_arch_tag`)."""
+        return [cuda_arch_tag()]
 
     def nvcc_args(self) -> list[str]:
         """DeepSpeed's nvcc flags without ``--use_fast_math`` (the merge must round like the twin)."""

@@ -18,6 +18,7 @@ The first test that needs the op JIT-builds it (about a minute; cached in ~/.cac
 from __future__ import annotations
 
 import itertools
+import re
 import os
 import shutil
 import subprocess
@@ -427,3 +428,114 @@ def test_the_cpu_flags_are_probed_once_per_process(monkeypatch):
         assert builder.cxx_args() == first
         builder.build_name()
     assert len(calls) == 2, len(calls)
+
+
+# ---- two nodes sharing TORCH_EXTENSIONS_DIR (issue 63 item 10): locks record their host, names their CUDA arch ----
+
+def _free_pid() -> int:
+    """A process id that no process of this host has."""
+    pid = 4_000_000
+    while os.path.exists(f"/proc/{pid}"):
+        pid -= 1
+    return pid
+
+
+def _lock_with_owner(folder: Path, host: str, pid: int) -> Path:
+    import json
+    import time
+
+    folder.mkdir(parents=True)
+    lock = folder / "lock"
+    lock.touch()
+    time.sleep(0.01)
+    (folder / "lock.owner").write_text(json.dumps({"host": host, "pid": pid}))
+    return lock
+
+
+def test_a_build_lock_another_host_holds_is_never_stale_here(tmp_path):
+    """A lock recorded by another host, for a pid no process here has (what this host's /proc called stale before):
+    reported as held there, never as stale; one recorded by this host for a pid that is gone is stale."""
+    import socket
+
+    from ds_usp.native.build_locks import held_elsewhere, lock_state, report, unheld_locks, watch_build_locks
+
+    pid = _free_pid()
+    theirs = _lock_with_owner(tmp_path / "op_a", "other-node-" + socket.gethostname(), pid)
+    mine = _lock_with_owner(tmp_path / "op_b", socket.gethostname(), pid)
+    assert lock_state(theirs) == "elsewhere" and lock_state(mine) == "stale"
+    assert unheld_locks(tmp_path) == [mine]
+    assert list(held_elsewhere(tmp_path)) == [theirs]
+    seen: list[str] = []
+    watch_build_locks(tmp_path, interval=0.1, duration=1.0, emit=seen.append, once=False).join()
+    assert report(mine) in seen and len(seen) == 2, seen  # each named once
+    (elsewhere,) = [m for m in seen if m != report(mine)]
+    assert "held by no live build" not in elsewhere and f"process {pid} on host other-node-" in elsewhere
+    assert f"rm {theirs}" in elsewhere
+
+
+def test_a_record_older_than_its_lock_is_ignored(tmp_path):
+    import os as _os
+
+    from ds_usp.native.build_locks import lock_state, owner_of
+
+    lock = _lock_with_owner(tmp_path / "op", "other-node", _free_pid())
+    _os.utime(lock.with_name("lock.owner"), ns=(1, 1))  # left by an earlier build
+    assert owner_of(lock) is None and lock_state(lock) == "stale"  # the /proc look again: no build here
+
+
+def test_the_process_holding_a_lock_is_recorded_with_this_host(tmp_path):
+    """A process that holds a build lock open (torch's baton does while it builds) is recorded (host, pid); while it
+    lives its lock is held, once it is killed (the lock left behind) the lock is stale."""
+    import socket
+    import sys
+    import time
+
+    from ds_usp.native.build_locks import Owner, lock_state, owner_of, recording_holder, unheld_locks
+
+    folder = tmp_path / "op"
+    folder.mkdir()
+    lock = folder / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)"
+                               "; print(flush=True); time.sleep(60)", str(lock)], stdout=subprocess.PIPE,
+                              cwd=tmp_path)
+    try:
+        holder.stdout.readline()
+        assert lock_state(lock) == "held" and unheld_locks(tmp_path) == []
+        assert owner_of(lock) == Owner(socket.gethostname(), holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_state(lock) == "stale" and unheld_locks(tmp_path) == [lock]
+    lock.unlink()
+    with recording_holder(lock, every=0.01):  # this process's own build: recorded while it holds the lock
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL)
+        deadline = time.monotonic() + 10
+        while owner_of(lock) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert owner_of(lock) == Owner(socket.gethostname(), os.getpid()) and lock_state(lock) == "held"
+        os.close(fd)
+    assert not lock.with_name("lock.owner").exists()  # its record removed after the build
+
+
+def test_the_cuda_build_name_holds_the_arch_and_the_cpu_name_does_not(monkeypatch):
+    """Two nodes with different GPUs never share a CUDA build folder; the CPU build's name is what it was."""
+    builders = native._op_builders()
+    assert builders.cuda_arch_tag("8.0;9.0a+PTX") == "sm80_90ptx" == builders.cuda_arch_tag("9.0+PTX 8.0")
+    assert builders.cuda_arch_tag("10.0f 8.6") == "sm86_100"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    cpu = builders.USPCPUBuilder().build_name()
+    assert builders.cuda_arch_tag() == "smnone"
+    names = {}
+    for archs in ("8.0", "9.0", "8.0;9.0"):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
+        names[archs] = builders.USPCUDABuilder().build_name()
+        assert builders.USPCPUBuilder().build_name() == cpu  # the CPU name ignores the CUDA arch
+    assert names["8.0"].startswith("ds_usp_cuda_sm80_") and names["8.0;9.0"].startswith("ds_usp_cuda_sm80_90_")
+    assert len(set(names.values())) == 3 and all(n.isidentifier() for n in names.values())
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0) if i else (8, 0))
+    assert builders.USPCUDABuilder().build_name().startswith("ds_usp_cuda_sm80_90_")  # the GPUs' capabilities
+    assert re.fullmatch(r"ds_usp_cpu_[0-9a-f]{10}", cpu)

@@ -26,13 +26,14 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from ds_usp.native.build_locks import watch_build_locks
+from ds_usp.native.build_locks import recording_holder, watch_build_locks
 from ds_usp.log import log_rank0
 from ds_usp.native.twins import TorchOps
 
@@ -233,7 +234,8 @@ def _progress(builder: Any, every: float = 15.0) -> Iterator[None]:
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     try:
-        yield
+        with recording_holder(Path(_build_dir(builder)) / "lock"):  # another host sharing the folder sees the holder
+            yield
     finally:
         done.set()
         ticker.join()
