@@ -137,7 +137,19 @@ def count_batch_over_replicas(original: Callable[..., Any], config_object: Any, 
         parsed["train_batch_size"] = world // sp * micro * steps
     if sp > 1 and mpu is None:
         parsed["sequence_parallel_size"] = sp
+        _deepspeed_sees_the_world()
     return original(config_object, parsed, *args, **kwargs)
+
+
+def _deepspeed_sees_the_world() -> None:
+    """DeepSpeed's communication set up over torch's process group when only torch's is (accelerate's CPU state, as
+    under ``use_cpu``): without it DeepSpeed's config counts one rank (its world size falls back to 1 when its
+    communication is not up), and zero.Init's batch check refuses a batch of several replicas."""
+    import deepspeed
+    import deepspeed.comm as ds_comm
+
+    if dist.is_available() and dist.is_initialized() and not ds_comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
 
 
 TRAINER_ROUTE: contextvars.ContextVar[bool] = contextvars.ContextVar("ds_usp_trainer_route", default=False)

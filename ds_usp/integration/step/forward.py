@@ -206,31 +206,24 @@ class WholeBatches:
     paused: bool = False
 
     @contextlib.contextmanager
-    def calling(self, caller: str) -> Iterator[None]:
+    def _while(self, field: str, value: Any, after: Any) -> Iterator[None]:
+        setattr(self, field, value)
+        try:
+            yield
+        finally:
+            setattr(self, field, after)
+
+    def calling(self, caller: str) -> contextlib.AbstractContextManager:
         """While ``caller`` (a ``compute_loss``) runs: named if it asks for logits to compute a loss from."""
-        self.caller = caller
-        try:
-            yield
-        finally:
-            self.caller = None
+        return self._while("caller", caller, None)
 
-    @contextlib.contextmanager
-    def predicting(self, whole_logits: bool) -> Iterator[None]:
+    def predicting(self, whole_logits: bool) -> contextlib.AbstractContextManager:
         """While a prediction step runs: ``out.logits`` are the whole sequences' when ``whole_logits``."""
-        self.whole_logits = whole_logits
-        try:
-            yield
-        finally:
-            self.whole_logits = False
+        return self._while("whole_logits", whole_logits, False)
 
-    @contextlib.contextmanager
-    def shards_given(self) -> Iterator[None]:
+    def shards_given(self) -> contextlib.AbstractContextManager:
         """While the batches given are shards already (dynamic SP's micro batches): not sharded again."""
-        self.paused = True
-        try:
-            yield
-        finally:
-            self.paused = False
+        return self._while("paused", True, False)
 
 
 def feed_whole_batches(model: nn.Module, feed: WholeBatches) -> None:
@@ -340,8 +333,10 @@ class CausalLMStep:
                              f"sequence-parallel loss over the group), or train without \"sequence_parallel\"")
         batch = {k: args[k] for k in ("input_ids", "labels", "position_ids", "attention_mask") if args[k] is not None}
         batch.update({k: kwargs.pop(k) for k in WHOLE_KEYS if kwargs.get(k) is not None})
-        for key in DERIVED_KEYS:
-            kwargs.pop(key, None)  # derived again from the documents
+        derived = DERIVED_KEYS if args["position_ids"] is None else (*DERIVED_KEYS, "seq_lens", "cu_seq_lens_q")
+        for key in derived:  # derived again from the documents; packed rows' documents from their position_ids,
+            batch.pop(key, None)  # as the model's own attention finds them (a collator's cu_seq_lens may add rows)
+            kwargs.pop(key, None)
         unknown = sorted(k for k, v in kwargs.items()
                          if isinstance(v, Tensor) and tuple(v.shape[:2]) == tuple(ids.shape))
         if unknown:
