@@ -13,6 +13,14 @@ recomputation: while a module inside it runs, since transformers recomputes a la
 ``torch.tensor`` / ``torch.as_tensor`` calls. After the first step (which checks each layer's shapes across the ranks
 once) the record is 0 per forward and 0 per recomputation, on a Ulysses and on a ring split.
 
+The same holds in a hybrid model's layers (tiny Qwen3.5: Gated DeltaNet layers and a softmax attention layer; tiny
+LFM2: short convolutions), where factories given no device (``torch.arange``, ``torch.zeros``...: host tensors on a
+GPU, copied to it after) are counted too: the convolution channels, halo tables and documents of each position are
+made once per shape and device, not per call; and the attention backend is looked up
+(:func:`ds_usp.kernels.available_backends`) 0 times per step after the first (before: 5 per step for one attention
+layer, forward, recomputation and backward; 9 host-made tensors per forward and per recomputation in Qwen3.5's
+three Gated DeltaNet layers, 3 in LFM2's three convolutions).
+
 In one process: a tensor is read once whoever asks (and not at all when ds-usp made it), again after an in-place
 write, and the caches (tensors read, documents and signatures agreed across ranks) are bounded.
 """
@@ -128,3 +136,97 @@ def test_documents_are_read_once_per_tensor_and_the_caches_are_bounded():
     assert len(recent) == 3 and not recent.seen(1) and recent.seen(2)
     recent.add(5)  # 2 was seen last: 3 goes
     assert recent.seen(2) and not recent.seen(3)
+
+
+# ------------------------------------------------------------------ hybrid models: linear attention, convolutions
+
+HYBRID_VOCAB = 128
+
+
+def _hybrid_batch(step: int) -> dict:
+    """As :func:`_batch`, in the tiny hybrid models' vocabulary."""
+    batch = _batch(step)
+    return {**batch, "input_ids": batch["input_ids"] % (HYBRID_VOCAB - 3) + 3}
+
+
+def count_hybrid_host_work(family: str, u: int, r: int, layout: str) -> list[dict]:
+    """On every rank: :func:`count_layer_host_reads` for a tiny hybrid model of ``test_linear`` (Qwen3.5's Gated
+    DeltaNet layers beside softmax attention, or LFM2's short convolutions), and per step the backend lookups
+    (:func:`ds_usp.kernels.available_backends` calls: every backend asked whether it can run) while it trains."""
+    from test_linear import _config
+    from transformers import AutoModelForCausalLM
+
+    import ds_usp
+    from ds_usp import kernels
+    from ds_usp.instruments.work_meter import LayerHostReads
+    from ds_usp.integration.models.attention import USPContext, attach
+    from ds_usp.integration.models.hybrid import wrap_linear_layers
+
+    ds_usp.hf.register_usp_attention()
+    topo = get_topo(u, r)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="usp", dtype=torch.float32)
+    attach(model, USPContext(topo=topo, layout=layout, native_op=False))
+    assert wrap_linear_layers(model) > 0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    lookups = [0]
+    asked = kernels.available_backends
+
+    def counted(device):
+        lookups[0] += 1
+        return asked(device)
+
+    kernels.available_backends = counted
+    steps = []
+    try:
+        for step in range(len(PACKINGS)):
+            shard = ds_usp.shard_batch(_hybrid_batch(step), topo, layout=layout)
+            inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
+            lookups[0] = 0
+            with LayerHostReads(model.model.layers) as reads:
+                logits = model(**inputs, use_cache=False).logits
+                loss = ds_usp.sp_cross_entropy(logits, shard["shift_labels"], topo)
+                loss.backward()
+            steps.append({**reads.counts(), "sites": reads.sites(), "lookups": lookups[0],
+                          "loss": float(loss.detach())})
+            model.zero_grad()
+    finally:
+        kernels.available_backends = asked
+    return steps
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
+def test_no_host_made_tensor_nor_backend_lookup_in_hybrid_layers_after_the_first_step(world2, family):
+    """Qwen3.5's Gated DeltaNet layers (their channels of the convolution filter), LFM2's short convolutions (the
+    halo's index tables, the documents of each position) and the softmax attention layers beside them (the
+    backend): nothing is made of host data nor looked up per layer call once the first step has run."""
+    found = []
+    for u, r, layout in ((2, 1, "zigzag"), (1, 2, "zigzag")):
+        per_rank = world2.run(count_hybrid_host_work, family, u, r, layout)
+        for rank, steps in enumerate(per_rank):
+            for step, counts in enumerate(steps[1:], 1):
+                got = {phase: (counts[phase]["reads"], counts[phase]["made"]) for phase in ("fwd", "recompute")}
+                if got != {"fwd": (0, 0), "recompute": (0, 0)} or counts["lookups"]:
+                    found.append(f"(U, R) = {(u, r)}, rank {rank}, step {step}: (host reads, host-made tensors) "
+                                 f"{got}, backend lookups {counts['lookups']}:\n    " + "\n    ".join(counts["sites"]))
+        assert [s["loss"] for s in per_rank[0]] == [s["loss"] for s in per_rank[1]]
+    assert not found, f"{family}: host work inside the layers:\n  " + "\n  ".join(found)
+
+
+def test_layer_tables_and_the_backend_are_kept_per_shape_and_device():
+    """What the meter cannot see on CPU (a ``.to(device)`` of a host tensor is no copy there): the linear layers'
+    channel and halo tables, the documents of each position and the backend are made once per key and handed out
+    again (the same objects), from bounded caches."""
+    from ds_usp.kernels import resolve_backend
+    from ds_usp.linear import conv, sp
+
+    cpu = torch.device("cpu")
+    cached = ((sp._channels, (2, 16, 4, 16, 1, 2, cpu)),
+              (conv._device_halo_rows, (96, 2, 2, "zigzag", None, 4, 1, cpu)),
+              (conv._document_ids, (((0, 30, 31, 71),), 96, 96, cpu)),
+              (resolve_backend, ("auto", cpu, torch.float32)))
+    for fn, args in cached:
+        assert fn(*args) is fn(*args) and fn.cache_info().maxsize == 64, fn
+    assert conv._document_ids(((0, 30),), 40, 48, cpu).tolist() == [[0] * 30 + [1] * 10 + [2] * 8]
+    assert resolve_backend("auto", cpu, torch.float32).name == "torch"

@@ -47,7 +47,7 @@ from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_gr
 from ds_usp.attention.ulysses import head_to_seq, seq_to_head
 from ds_usp.comm import resolve_group
 from ds_usp.config import COMM_DTYPES
-from ds_usp.kernels import BACKEND_CHOICES, get_backend
+from ds_usp.kernels import BACKEND_CHOICES, get_backend, resolve_backend
 from ds_usp.native import TorchOps, check_native_op, resolve_native_op
 from ds_usp.sharding import check_layout, normalize_docs, resolve_seq_len, segment_bounds
 from ds_usp.splits import head_split, kv_replication
@@ -217,8 +217,8 @@ def _ring_attention(qkv: list[Tensor], heads: list[int], dims: list[int], ulysse
     q, k, v = _split(qkv, heads, dims)
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, spans, keys,
                                 window_left, window_right, chunk)
-    return ring_forward(q, k, v, ring, mask, scale, get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q),
-                        softcap, sinks, comm_dtype == "fp8")
+    return ring_forward(q, k, v, ring, mask, scale, resolve_backend(attn_backend, q.device, q.dtype),
+                        _ops(native_op, q), softcap, sinks, comm_dtype == "fp8")
 
 
 @_ring_attention.register_fake
@@ -238,7 +238,7 @@ def _ring_attention_bwd(dout: Tensor, qkv: list[Tensor], out: Tensor, lse: Tenso
     ring, mask = _ring_and_mask(q, ulysses_degree, ring_group, causal, layout, seq_len, docs, spans, keys,
                                 window_left, window_right, chunk)
     grads = ring_backward(dout.contiguous(), q, k, v, out, lse, ring, mask, scale,
-                          get_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap,
+                          resolve_backend(attn_backend, q.device, q.dtype), _ops(native_op, q), softcap,
                           comm_dtype == "fp8")
     if len(qkv) == 1:  # (b, U*s, Hp, g) like qkv_heads
         unit = qkv[0].shape[-1]
@@ -416,7 +416,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
     if attn_backend not in BACKEND_CHOICES:
         get_backend(attn_backend, q.device)  # raises the message that lists what is usable here
     if not torch.compiler.is_compiling():  # (compiled code has checked these while tracing)
-        get_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
+        resolve_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
         check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
                                 (_doc_signature(documents, docs, topo.sp_group), left, right, cap, sinks is not None,
                                  COMM_DTYPES.index(comm_dtype), chunk or 0, row_spans or (), row_keys or ()))

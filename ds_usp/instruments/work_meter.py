@@ -47,8 +47,9 @@ are known to live on the host); op decompositions depend on the torch version, s
 same torch, transformers and DeepSpeed versions. :class:`ZeroCompute` skips the heavy kernels of warm-up steps.
 
 :class:`LayerHostReads` (layer hooks pushing a ``TorchFunctionMode``, apart from the meter) counts the host's reads
-of tensor values (``.tolist()``, ``.item()``, ``bool()``...) and the tensors it makes of host data (``torch.tensor``)
-inside decoder layers, per forward and per recomputation, with their call sites.
+of tensor values (``.tolist()``, ``.item()``, ``bool()``...) and the tensors it makes of host data (``torch.tensor``,
+a factory such as ``torch.arange`` given no device) inside decoder layers, per forward and per recomputation, with
+their call sites.
 """
 from __future__ import annotations
 
@@ -519,6 +520,8 @@ def _to_meta(x: Any) -> Any:
 # of host data (on a GPU: a copy to the device); counted by name while a decoder layer's forward runs.
 HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 HOST_MADE = ("tensor", "as_tensor")
+# factories that make a host tensor when given no device (the CPU default): on a GPU, moved with a copy after
+HOST_FACTORIES = ("arange", "zeros", "ones", "empty", "full", "eye", "linspace", "randperm")
 
 
 def _caller(skip: str) -> str:
@@ -536,8 +539,8 @@ def _caller(skip: str) -> str:
 
 class LayerHostReads:
     """Count the host's reads of tensor values (:data:`HOST_READS`) and the tensors it makes from host data
-    (:data:`HOST_MADE`) while one of ``layers``' forwards runs, apart for the forward and for its recomputation in the
-    backward (activation checkpointing)::
+    (:data:`HOST_MADE`; :data:`HOST_FACTORIES` given no device) while one of ``layers``' forwards runs, apart for the
+    forward and for its recomputation in the backward (activation checkpointing)::
 
         with LayerHostReads(model.model.layers) as reads:
             model(**shard).logits.sum().backward()
@@ -629,10 +632,16 @@ class _HostCalls(torch.overrides.TorchFunctionMode):
         self.by_site = by_site
         self._kinds = {**{getattr(torch.Tensor, n): ("reads", n) for n in HOST_READS},
                        **{getattr(torch, n): ("made", n) for n in HOST_MADE}}
+        self._factories = {getattr(torch, n): ("made", n) for n in HOST_FACTORIES}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         try:
             kind = self._kinds.get(func)
+            if kind is None:  # a factory given no device (the default: the CPU) makes a host tensor
+                kind = self._factories.get(func)
+                if kind is not None and ((kwargs or {}).get("device") is not None
+                                         or torch.get_default_device().type != "cpu"):
+                    kind = None
         except TypeError:  # an unhashable callable: none of ours
             kind = None
         if kind is not None:

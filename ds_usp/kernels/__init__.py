@@ -14,7 +14,8 @@ Conventions shared by every backend:
 * ``backward`` uses the (out, lse) it is given as the final softmax statistics, so ring attention
   can call it per KV block with the globally merged out/lse.
 
-Backends, selected with :func:`get_backend` (``usp.attn_backend``):
+Backends, selected with :func:`get_backend` (``usp.attn_backend``; :func:`resolve_backend` keeps its answer per
+setting, device and dtype for the hot path):
 
 * "torch": PyTorch's fused SDPA ATen ops (:mod:`ds_usp.kernels.torch_sdpa`); CPU and CUDA, fp32/bf16/fp16.
 * "flash_attn": flash-attn 2.x (:mod:`ds_usp.kernels.flash_attn`); CUDA, fp16/bf16. Supported but untested on a
@@ -31,6 +32,7 @@ Backends, selected with :func:`get_backend` (``usp.attn_backend``):
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,7 +48,8 @@ from ds_usp.kernels import flash_attn as _flash_attn
 from ds_usp.kernels import torch_sdpa as _torch_sdpa
 from ds_usp.kernels import triton_attn as _triton  # imports triton itself only when a kernel first runs
 
-__all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "backward_pieces", "forward_pieces", "get_backend"]
+__all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "backward_pieces", "forward_pieces", "get_backend",
+           "resolve_backend"]
 
 ForwardFn = Callable[[Tensor, Tensor, Tensor, bool, float, float], tuple[Tensor, Tensor]]
 BackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float, float],
@@ -214,6 +217,28 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
                            band_forward_merge_=_triton.band_forward_merge_, band_backward=_triton.band_backward)
     return AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward,
                        _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
+
+
+@functools.lru_cache(maxsize=64)
+def resolve_backend(name: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> AttnBackend:
+    """:func:`get_backend`, decided once per setting, device and dtype: what a layer and a ring step call.
+
+    :func:`get_backend` asks every backend whether it can run (flash-attn's import, Triton's spec, the environment)
+    each time; here the answer of the first call is kept (a bounded cache; a refusal is not kept, so it is raised
+    again), so a layer call after the first does no lookup. ``resolve_backend.cache_clear()`` forgets the answers.
+
+    Args:
+        name: the ``usp.attn_backend`` setting (see :func:`get_backend`).
+        device: the device attention runs on (a ``torch.device``: a hashable key).
+        dtype: the inputs' dtype (None: not checked).
+
+    Returns:
+        The backend (the same object for the same arguments).
+
+    Raises:
+        ValueError: as :func:`get_backend`.
+    """
+    return get_backend(name, device, dtype)
 
 
 def _common_dim(q: Tensor, v: Tensor) -> int:

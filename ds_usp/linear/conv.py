@@ -78,14 +78,27 @@ class _Exchange(torch.autograd.Function):
         return grad[ctx.rank], None, None
 
 
+@functools.lru_cache(maxsize=64)
+def _device_halo_rows(padded: int, u: int, r: int, layout: str, bounds: Optional[tuple[int, ...]], kernel: int,
+                      sp_rank: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """:func:`_halo_rows` on ``device``: copied there once per layout, shape, rank and device, not per call."""
+    with torch.inference_mode(False):  # kept across calls: normal tensors, whatever mode the first call ran in
+        return tuple(t.to(device) if isinstance(t, Tensor) else t  # type: ignore[return-value]
+                     for t in _halo_rows(padded, u, r, layout, bounds, kernel, sp_rank))
+
+
+@functools.lru_cache(maxsize=64)
 def _document_ids(docs: Optional[tuple], seq_len: int, padded: int, device: torch.device) -> Tensor:
-    """``(b or 1, padded)`` the document of every global position (the end padding: one of its own)."""
+    """``(b or 1, padded)`` the document of every global position (the end padding: one of its own), made on
+    ``device`` from the starts (fills of ranges, nothing copied from the host) once per documents and device: the
+    model's convolution layers share it, in the forward and the recomputation."""
     rows = docs if docs is not None else ((0,),)
-    ids = torch.zeros(len(rows), padded, dtype=torch.long)
-    for i, starts in enumerate(rows):
-        for start in (*starts[1:], seq_len):
-            ids[i, start:] += 1
-    return ids.to(device)
+    with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode the first call ran in
+        ids = torch.zeros(len(rows), padded, dtype=torch.long, device=device)
+        for i, starts in enumerate(rows):
+            for start in (*starts[1:], seq_len):
+                ids[i, start:] += 1
+    return ids
 
 
 def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo: USPTopology, *,
@@ -120,9 +133,8 @@ def sharded_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], topo:
     h = x.to(weight.dtype)
     y = h * weight[:, -1]
     if kernel > 1:
-        send, source, before, mine, count = (
-            t.to(x.device) if isinstance(t, Tensor) else t for t in
-            _halo_rows(padded, u, r, layout, layout_bounds(layout, doc_lens, real_len, padded), kernel, topo.sp_rank))
+        send, source, before, mine, count = _device_halo_rows(
+            padded, u, r, layout, layout_bounds(layout, doc_lens, real_len, padded), kernel, topo.sp_rank, x.device)
         rows = torch.zeros(b, count, channels, dtype=h.dtype, device=h.device)
         rows[:, :send.numel()] = h.index_select(1, send)
         gathered = exchange(rows, topo)

@@ -26,6 +26,7 @@ Around it, the all-to-alls are custom ops with their derivatives; the family's o
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -68,13 +69,17 @@ def check_linear_heads(num_k_heads: int, num_v_heads: int, ulysses_degree: int) 
                          f"multiple or a divisor of the key heads; put the rest in ring_degree")
 
 
+@functools.lru_cache(maxsize=64)
 def _channels(num_k_heads: int, dk: int, num_v_heads: int, dv: int, ulysses_rank: int, ulysses_degree: int,
               device: torch.device) -> Tensor:
-    """The convolution channels ``[q | k | v]`` (head-major) of this Ulysses rank's heads."""
+    """The convolution channels ``[q | k | v]`` (head-major) of this Ulysses rank's heads, made on ``device`` (no copy
+    from the host) once per layer shape, rank and device: the layers read it, never write it."""
     hk, hv, key_dim = local_heads(num_k_heads, ulysses_degree), num_v_heads // ulysses_degree, num_k_heads * dk
     q0, v0 = key_head_offset(num_k_heads, ulysses_rank, ulysses_degree) * dk, ulysses_rank * hv * dv
-    return torch.cat([torch.arange(q0, q0 + hk * dk), key_dim + torch.arange(q0, q0 + hk * dk),
-                      2 * key_dim + torch.arange(v0, v0 + hv * dv)]).to(device)
+    with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode the first call ran in
+        return torch.cat([torch.arange(q0, q0 + hk * dk, device=device),
+                          torch.arange(key_dim + q0, key_dim + q0 + hk * dk, device=device),
+                          torch.arange(2 * key_dim + v0, 2 * key_dim + v0 + hv * dv, device=device)])
 
 
 def gated_delta_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,

@@ -20,6 +20,7 @@ the query/key one) needs nothing special: the output has the value head dim, as 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Union
 
@@ -238,15 +239,26 @@ def _global_query_temperature(module: nn.Module, ctx: USPContext, query: Tensor,
     topo, s_local = ctx.topo, query.shape[2]
     padded = s_local * topo.sp_size
     real = padded if seq_len is None else seq_len
-    bounds = layout_bounds(ctx.layout, docs, real, padded)
-    rows = shard_positions(padded, topo.ulysses_degree, topo.ring_degree, topo.sp_rank, ctx.layout, bounds)
+    ratio = _temperature_ratio(float(module.floor_scale), float(module.attn_scale), padded, topo.ulysses_degree,
+                               topo.ring_degree, topo.sp_rank, ctx.layout,
+                               layout_bounds(ctx.layout, docs, real, padded), query.device, query.dtype)
+    return (query * ratio).to(query.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _temperature_ratio(floor_scale: float, attn_scale: float, padded: int, u: int, r: int, sp_rank: int, layout: str,
+                       bounds: Optional[tuple[int, ...]], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``(1, 1, s_local, 1)`` the factor of each held token's global row over its shard row's, on ``device``: made
+    (a copy from the host) once per layout, shape, rank, device and dtype, not in every NoPE layer's call."""
+    rows = shard_positions(padded, u, r, sp_rank, layout, bounds)
 
     def factor(i: Tensor) -> Tensor:
-        return torch.log1p(torch.floor((i.double() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+        return torch.log1p(torch.floor((i.double() + 1.0) / floor_scale)) * attn_scale + 1.0
 
-    ratio = factor(rows) / factor(torch.arange(s_local))
-    # (s,) -> (1, 1, s, 1) over (b, h, s, d)
-    return (query * ratio.to(query.device, query.dtype).view(1, 1, -1, 1)).to(query.dtype)
+    with torch.inference_mode(False):  # kept across calls: a normal tensor, whatever mode the first call ran in
+        ratio = factor(rows) / factor(torch.arange(rows.numel()))
+        # (s,) -> (1, 1, s, 1) over (b, h, s, d)
+        return ratio.to(device, dtype).view(1, 1, -1, 1)
 
 
 def _mask_of(module: nn.Module, ctx: USPContext, mask: Optional[HFMask], is_causal: Optional[bool],
