@@ -483,3 +483,72 @@ def test_masked_tiles_fused_cpu_kernel_matches_math(hq, hkv):
     for got, want in zip(torch_sdpa.masked_backward(dout, q, k, v, out, lse, keep, 0.3),
                          band.masked_backward(dout, q, k, v, want_out, want_lse, keep, 0.3)):
         assert_close(got, want, 1e-5)
+
+
+# ------------------------------------------------------------------------------ cuDNN's layout (CPU)
+
+
+class _CudnnStandIn:
+    """``torch.ops.aten`` with cuDNN's two attention ops replaced by the CPU flash ops, recording the shape, strides
+    and bhsd-over-bshd-contiguity of every tensor they receive."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, tuple, tuple, bool]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(torch.ops.aten, name)
+
+    def _record(self, op: str, *xs: Tensor) -> None:
+        # what _cudnn_agrees validated: bhsd views of bshd-contiguous tensors
+        self.seen += [(op, tuple(x.shape), x.stride(), x.transpose(1, 2).is_contiguous()) for x in xs]
+
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, attn_bias, compute_lse, dropout_p, is_causal,
+                                            return_debug_mask, scale=None):
+        self._record("forward", q, k, v)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        return out, lse.unsqueeze(-1)  # lse as cuDNN's: (b, h, sq, 1)
+
+    def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, seed, offset, attn_bias,
+                                                     cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale=None):
+        self._record("backward", dout, q, k, v, out)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.squeeze(-1), 0.0, is_causal, scale=scale)
+
+
+def test_cudnn_gets_only_the_layout_it_was_validated_on(monkeypatch):
+    """The ring hands the kernel strided K/V blocks (slices of ``cat([k, v])``, and of those the parts a mask keeps);
+    cuDNN's aten op, called without SDPA's layout checks, was validated (:func:`torch_sdpa._cudnn_agrees`) on bhsd
+    views of bshd-contiguous tensors only. With the cuDNN path forced on CPU (its two ops stood in for by the CPU
+    flash ops), every tensor it receives in a ring's forward and backward has that layout, and the ring's results
+    equal the CPU torch backend's."""
+    from ds_usp.attention.masks import MaskSpec
+    from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward
+    from ds_usp.native import TorchOps
+
+    stand_in = _CudnnStandIn()
+    monkeypatch.setattr(torch_sdpa, "_aten", stand_in)
+    handed = []  # whether the K/V the ring handed the kernel entry were contiguous
+
+    def forward(q, k, v, causal, scale, softcap=0.0):
+        handed.append(k.is_contiguous() and v.is_contiguous())
+        return torch_sdpa._cuda_cudnn_forward(q, k, v, causal, scale)
+
+    def backward(dout, q, k, v, out, lse, causal, scale, softcap=0.0):
+        handed.append(k.is_contiguous() and v.is_contiguous())
+        return torch_sdpa._cuda_cudnn_backward(dout, q, k, v, out, lse, causal, scale)
+
+    cudnn = AttnBackend("torch", forward, backward)
+    q, k, v = make_qkv(2, 24, 24, 4, 2, 8, torch.float32, device=CPU)
+    dout = torch.randn_like(q)
+    spec = RingSpec(group=None, ranks=(0,), rank=0, layout="contiguous", padded_len=24)
+    mask = MaskSpec(causal=True, seq_len=21)  # padding: the block is cut, the loop over K/V blocks runs
+    results = []
+    for backend in (cudnn, get_backend("torch", CPU)):
+        out, lse = ring_forward(q, k, v, spec, mask, 0.3, backend, TorchOps())
+        results.append((out, lse, *ring_backward(dout, q, k, v, out, lse, spec, mask, 0.3, backend, TorchOps())))
+    assert handed and not any(handed), "the ring handed the kernel contiguous K/V: the strided case is not tested"
+    assert {op for op, *_ in stand_in.seen} == {"forward", "backward"}
+    strided = [(op, shape, stride) for op, shape, stride, packed in stand_in.seen if not packed]
+    assert not strided, f"cuDNN's op received layouts it was not validated on: {strided}"
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

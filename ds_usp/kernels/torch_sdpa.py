@@ -23,8 +23,9 @@ Facts about the ops that this module relies on (checked on torch 2.13, see tests
   each dtype, head size, GQA-or-not and causal-or-not runs both ops on a small random problem, forward and
   backward, and compares (:func:`_cudnn_agrees`; ``DS_USP_CUDNN_ATTENTION=0`` turns it off). It takes GQA
   natively, returns its lse as (b, h, sq, 1) fp32, wants it back in that shape, and a None ``attn_bias`` /
-  ``cum_seq`` in its backward (an undefined tensor: the dense kernel). It is taken for calls of at least
-  :data:`_CUDNN_MIN_PAIRS` query-key pairs: measured on an H200 (torch 2.11, cuDNN 9.19, heads 32/8 x 64, bf16,
+  ``cum_seq`` in its backward (an undefined tensor: the dense kernel). It gets only the layout it was validated on:
+  bhsd views of bshd-contiguous tensors (strided inputs, such as the ring's K/V blocks, are copied first). It is
+  taken for calls of at least :data:`_CUDNN_MIN_PAIRS` query-key pairs: measured on an H200 (torch 2.11, cuDNN 9.19, heads 32/8 x 64, bf16,
   causal; docs/benchmarks.md), it ran 1.5x the flash op's speed forward and backward at 32K to 128K tokens, as fast
   at 8K and 16K, and slower below (2K: 0.4 ms forward against 0.2).
 * CUDA ``_scaled_dot_product_efficient_attention`` (used for everything else, notably fp32)
@@ -261,9 +262,16 @@ def _cuda_use_cudnn(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
     return _cudnn_agrees(q.device.index or 0, q.dtype, d, q.shape[2] != k.shape[2], causal)
 
 
+def _packed_bhsd(x: Tensor) -> Tensor:
+    """The bhsd view of a bshd-contiguous copy of ``x`` (no copy when it is one already): the only layout cuDNN's op
+    gets, the one :func:`_cudnn_agrees` validated it on. The ring hands the kernels strided views (a K/V block is a
+    slice of ``cat([k, v])``, a part of it a slice of that); the aten op is called without SDPA's layout checks."""
+    return x.contiguous().transpose(1, 2)  # (b, s, h, d) -> (b, h, s, d)
+
+
 def _cuda_cudnn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    res = _aten._scaled_dot_product_cudnn_attention(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False,
-                                                     scale=scale)
+    res = _aten._scaled_dot_product_cudnn_attention(_packed_bhsd(q), _packed_bhsd(k), _packed_bhsd(v), None, True,
+                                                     0.0, causal, False, scale=scale)
     out, lse = res[0], res[1]  # (b, hq, sq, d), (b, hq, sq, 1) fp32
     b, sq, h, _ = q.shape
     return _bshd(out), lse.reshape(b, h, sq).contiguous()
@@ -274,7 +282,7 @@ def _cuda_cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
     rng = _unused_rng_state(q.device)
     # attn_bias and cum_seq_q/k None: undefined tensors, the dense kernel without a bias; GQA is handled inside
     dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.to(torch.float32).contiguous().unsqueeze(-1),
+        *(_packed_bhsd(x) for x in (dout, q, k, v, out)), lse.to(torch.float32).contiguous().unsqueeze(-1),
         rng, rng, None, None, None, q.shape[1], k.shape[1], 0.0, causal, scale=scale)
     return _bshd(dq), _bshd(dk), _bshd(dv)
 
