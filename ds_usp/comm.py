@@ -14,7 +14,8 @@
 * :func:`all_reduce_sum_`, :func:`all_reduce_max_` (:func:`all_reduce_max_int`), :func:`all_gather_rows`,
   :func:`all_gather_objects` and :func:`barrier`: small collectives (token counts, agreed sizes, gathers over
   replicas, checkpoint commits); :func:`disagreements`: which ranks hold which value of facts that must agree
-  (configs, batches, rollouts), by :func:`checksum` for tensors.
+  (configs, batches, rollouts), by :func:`checksum` for tensors; :func:`warm_up`: a new group's first collective
+  and ring exchange, at build, so that a group whose ranks cannot reach each other fails there, named.
 
 These functions are not autograd-aware themselves: the attention's forward and backward are each one
 custom op that calls them (:mod:`ds_usp.attention.usp`).
@@ -325,6 +326,32 @@ def barrier(group: Any, what: str) -> None:
     """
     with _named(what, group):
         dist.barrier(group=group)
+
+
+def warm_up(group: Any, what: str, ring: Optional[tuple[Sequence[int], int]] = None) -> None:
+    """A new group's first collective (one one-element all-reduce) and, for a ring, its first exchange with its
+    neighbours (one :func:`ring_shift`), waited for, so that the backend connects the group's ranks now: a group whose
+    ranks cannot reach each other fails here, named, not inside the first training step.
+
+    Args:
+        group: the process group (of more than one rank).
+        what: its name for error messages (e.g. ``"ulysses group"``).
+        ring: ``(ring ranks in ring order, this rank's position)`` when ``group`` is a ring.
+
+    Raises:
+        USPCommError: a collective failed, or the all-reduce did not count the group's ranks.
+    """
+    size = dist.get_world_size(group)
+    x = torch.ones(1, dtype=torch.float32, device=group_device(group))
+    with _named(f"warm-up all-reduce of the {what}", group):
+        dist.all_reduce(x, group=group)
+        got = x.item()  # waits: an asynchronous backend reports its failure here
+    if got != size:
+        raise USPCommError(f"the warm-up all-reduce of the {what} over ranks {dist.get_process_group_ranks(group)} "
+                           f"counted {got:g} ranks, not {size}: the group does not connect its ranks")
+    if ring is not None:
+        ranks, position = ring
+        ring_shift(x, group, ranks, position)().item()
 
 
 _BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}  # the tensors each backend moves (for ours)

@@ -271,8 +271,27 @@ def _renamed(block: Mapping[str, Any]) -> dict[str, Any]:
 
 # Where launchers say how many ranks run on this node, the first one set wins. The deepspeed launcher's LOCAL_SIZE comes
 # first: accelerate, run inside it with TrainingArguments(use_cpu=True), writes LOCAL_WORLD_SIZE=1 (its CPU default)
-# over nothing; MPI launchers' own variables next; torchrun's (and accelerate launch's) LOCAL_WORLD_SIZE last.
-LOCAL_SIZE_VARIABLES = ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE")
+# over nothing; MPI launchers' own variables next; torchrun's (and accelerate launch's) LOCAL_WORLD_SIZE; SLURM's last
+# (srun sets them for its tasks, but a launcher started by srun once per node, torchrun or deepspeed, sets its own
+# above them): SLURM_NTASKS_PER_NODE (only with --ntasks-per-node), SLURM_TASKS_PER_NODE ("8(x2),4": this node's
+# entry, by SLURM_NODEID).
+LOCAL_SIZE_VARIABLES = ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE",
+                        "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def _slurm_tasks_on_this_node(value: str) -> str:
+    """This node's count in SLURM's ``SLURM_TASKS_PER_NODE`` (``"8(x2),4"``: 8 tasks on each of the first two nodes,
+    4 on the third), by ``SLURM_NODEID``; ``""`` when the value cannot be read."""
+    counts: list[str] = []
+    for part in value.split(","):
+        count, _, repeat = part.strip().partition("(x")
+        repeat = repeat.rstrip(")") or "1"
+        if not (count.isdigit() and repeat.isdigit()):
+            return ""
+        counts += [count] * int(repeat)
+    node = os.environ.get("SLURM_NODEID", "0")
+    index = int(node) if node.isdigit() else 0
+    return counts[index] if index < len(counts) else ""
 
 
 def ranks_per_node_and_source(world_size: int) -> tuple[int, str]:
@@ -286,14 +305,16 @@ def ranks_per_node_and_source(world_size: int) -> tuple[int, str]:
     """
     for var in LOCAL_SIZE_VARIABLES:
         value = os.environ.get(var, "")
+        if var == "SLURM_TASKS_PER_NODE":
+            value = _slurm_tasks_on_this_node(value)
         if value.isdigit() and int(value) > 0:
             return int(value), var
     return world_size, "no launcher variable"
 
 
 def ranks_per_node(world_size: int) -> int:
-    """Ranks on this node, as the launcher says: ``LOCAL_SIZE`` (deepspeed), an MPI launcher's, or
-    ``LOCAL_WORLD_SIZE`` (torchrun, accelerate launch); see :func:`ranks_per_node_and_source`.
+    """Ranks on this node, as the launcher says: ``LOCAL_SIZE`` (deepspeed), an MPI launcher's,
+    ``LOCAL_WORLD_SIZE`` (torchrun, accelerate launch) or SLURM's (srun); see :func:`ranks_per_node_and_source`.
 
     Args:
         world_size: the fallback when no launcher variable is set (a single node).

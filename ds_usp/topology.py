@@ -11,8 +11,10 @@ Rank layout (``N = U * R`` sequence-parallel ranks, ``dp = world / N`` replicas)
 * the sequence x data-parallel group (where ZeRO shards and reduces) is every rank.
 
 :func:`group_ranks` is the pure part (rank lists only) and :meth:`USPTopology.build` turns the
-rank lists into process groups. Groups travel as the frozen :class:`USPTopology` value; nothing is
-kept in module globals.
+rank lists into process groups: groups of different kinds over the same ranks are one process group (one
+communicator: with one replica the SP and the sequence x data-parallel groups are the same ranks), and each group is
+warmed up as it is built (:func:`ds_usp.comm.warm_up`), so that ranks that cannot reach each other fail there, with
+the group named. Groups travel as the frozen :class:`USPTopology` value; nothing is kept in module globals.
 """
 from __future__ import annotations
 
@@ -23,7 +25,12 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from ds_usp.comm import warm_up
+from ds_usp.config import ranks_per_node_and_source
+from ds_usp.log import log_warning
+
 Ranks = tuple[int, ...]
+KINDS = ("ulysses", "ring", "sp", "dp", "sp_dp")  # the group kinds, in the order every rank builds them
 
 
 _SOLO: dict[int, Any] = {}  # rank -> its one-rank group (see _solo_group)
@@ -155,6 +162,48 @@ def group_ranks(ulysses_degree: int, ring_degree: int, world_size: int) -> Group
     )
 
 
+def ulysses_across_nodes(ranks: GroupRanks) -> Optional[str]:
+    """Why a layout's Ulysses groups cross nodes (each layer's all-to-all then goes over the network), from the
+    launcher's ranks per node (:func:`ds_usp.config.ranks_per_node_and_source`), or None when they stay inside nodes.
+
+    Args:
+        ranks: the layout.
+
+    Returns:
+        A message naming ``usp.ulysses_degree``, the ranks per node and the variable that said so; None when every
+        Ulysses group is inside one node.
+    """
+    per_node, said_by = ranks_per_node_and_source(ranks.world_size)
+    crossing = [g for g in ranks.ulysses if len({r // per_node for r in g}) > 1]
+    if not crossing:
+        return None
+    return (f"usp.ulysses_degree={ranks.ulysses_degree} (given or chosen) puts Ulysses groups across nodes "
+            f"({per_node} ranks per node from {said_by}; ranks {list(crossing[0])} are one group): every layer's "
+            f"all-to-all then goes over the network. Give usp.ulysses_degree a divisor of {per_node} and the rest to "
+            f"usp.ring_degree, or leave both out (ds-usp keeps Ulysses inside a node)")
+
+
+def _build_groups(ranks: GroupRanks, me: int, **kwargs: Any) -> dict[str, Any]:
+    """This rank's group of each kind, created in one fixed order on every rank; kinds over the same ranks share one
+    process group, and each group of more than one rank is warmed up (:func:`ds_usp.comm.warm_up`) once."""
+    made: dict[Ranks, Any] = {}
+    mine: dict[str, Any] = {}
+    for kind in KINDS:
+        for members in getattr(ranks, kind):
+            key = tuple(sorted(members))
+            if key not in made:
+                made[key] = dist.new_group(list(key), **kwargs)
+            if me in members:
+                mine[kind] = made[key]
+    warmed: set[int] = set()  # the ring comes before every kind it can share a group with (sp when U = 1)
+    for kind in KINDS:
+        group, members = mine[kind], ranks.member_of(kind, me)
+        if len(members) > 1 and id(group) not in warmed:
+            warmed.add(id(group))
+            warm_up(group, f"{kind} group", ring=(members, members.index(me)) if kind == "ring" else None)
+    return mine
+
+
 def _of_ranks(name: str, doc: str) -> property:
     """A property of :class:`USPTopology`: ``self.ranks.<name>`` (an ``int`` of :class:`GroupRanks`)."""
 
@@ -234,16 +283,10 @@ class USPTopology:
         ranks = group_ranks(ulysses_degree, ring_degree, dist.get_world_size())
         me = dist.get_rank()
         kwargs = {} if timeout is None else {"timeout": timeout}
-
-        def mine(kind: str) -> Any:
-            found = None
-            for members in getattr(ranks, kind):
-                group = dist.new_group(list(members), **kwargs)
-                if me in members:
-                    found = group
-            return found
-
-        groups = {kind: mine(kind) for kind in ("ulysses", "ring", "sp", "dp", "sp_dp")}
+        crossing = ulysses_across_nodes(ranks)
+        if crossing and me == 0:
+            log_warning(crossing)
+        groups = _build_groups(ranks, me, **kwargs)
         solo = _solo_group(me, **kwargs)
         return cls(ranks=ranks, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
                    sp_group=groups["sp"], dp_group=groups["dp"], sp_dp_group=groups["sp_dp"],

@@ -1,5 +1,6 @@
-"""What ``ds_usp.initialize`` checks before it builds anything: the launcher's environment, and that every rank
-read the same config, model and library versions (one small collective, the same error on every rank)."""
+"""What ``ds_usp.initialize`` checks before it builds anything: the launcher's environment, this rank's device
+(:func:`choose_device`), and that every rank read the same config, model and library versions (one small collective,
+the same error on every rank)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.comm import disagreements
-from ds_usp.config import USPConfigError
+from ds_usp.config import USPConfigError, ranks_per_node_and_source
+from ds_usp.log import log_warning
 
 
 def installed_version(package: str) -> Optional[str]:
@@ -27,6 +29,92 @@ def versions() -> dict[str, str]:
             for pkg in ("ds_usp", "deepspeed", "torch")}
 
 
+# Where launchers say which of this node's ranks a process is, the first one set wins (the order of
+# ds_usp.config.LOCAL_SIZE_VARIABLES): deepspeed's and torchrun's LOCAL_RANK, MPI launchers' own, SLURM's last (a
+# launcher that srun starts once per node sets LOCAL_RANK for the ranks it starts).
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+
+
+def launcher_local_rank() -> tuple[Optional[int], str]:
+    """This process's rank on its node and the launcher variable that said so (:data:`LOCAL_RANK_VARIABLES`).
+
+    Returns:
+        ``(local rank, variable)``, or ``(None, "no launcher variable")`` when no launcher set one.
+    """
+    for var in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value), var
+    return None, "no launcher variable"
+
+
+def _bound_device() -> Optional[torch.device]:
+    """The GPU the default process group was bound to (``init_process_group(device_id=...)``, as DeepSpeed's
+    ``init_distributed`` does), None when it was not."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    return bound if isinstance(bound, torch.device) and bound.type == "cuda" else None
+
+
+def _world_size() -> int:
+    """The world size: the default group's, or the launcher's ``WORLD_SIZE`` before distributed is started."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 1
+
+
+def choose_device() -> torch.device:
+    """The device this rank computes and communicates on: the one the user chose, else the launcher's local rank.
+
+    In order: the CPU without CUDA; the GPU the default process group is bound to; the only GPU of a process that
+    sees one (one GPU per task: whatever the local rank); the current GPU once CUDA is initialized (the user called
+    ``torch.cuda.set_device`` or made CUDA tensors), with a warning when it is not the launcher's local rank; else
+    the GPU of the local rank (:func:`launcher_local_rank`: ``LOCAL_RANK``, an MPI launcher's, ``SLURM_LOCALID``).
+
+    Returns:
+        The device; nothing is set (callers pass it to ``torch.cuda.set_device``).
+
+    Raises:
+        RuntimeError: several ranks on this node and no launcher variable that says which one this is (every rank
+            would take GPU 0), or a local rank beyond the GPUs this process sees (``CUDA_VISIBLE_DEVICES``).
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    bound = _bound_device()
+    if bound is not None:
+        return bound
+    count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
+    local, said_by = launcher_local_rank()
+    if torch.cuda.is_initialized():
+        current = torch.cuda.current_device()
+        if local is not None and current != local:
+            log_warning(f"ds_usp: this rank's current CUDA device is cuda:{current} but the launcher says local rank "
+                        f"{local} ({said_by}); ds-usp keeps cuda:{current}, the device set. If you did not choose it "
+                        f"(a CUDA tensor made before torch.cuda.set_device), call torch.cuda.set_device({local}) "
+                        f"first: two ranks on one GPU fail in NCCL")
+        return torch.device("cuda", current)
+    if local is None:
+        world = _world_size()
+        per_node, per_node_from = ranks_per_node_and_source(world)
+        if world > 1 and per_node > 1:
+            raise RuntimeError(f"ds_usp: this process sees {count} GPUs and {per_node} ranks run on its node "
+                               f"({per_node_from}), but no launcher variable says which rank of the node it is "
+                               f"(none of {', '.join(LOCAL_RANK_VARIABLES)} is set), so every rank would take GPU 0: "
+                               f"start it with deepspeed, torchrun or srun, or call torch.cuda.set_device(<this "
+                               f"rank's GPU>) before ds_usp.initialize")
+        return torch.device("cuda", 0)
+    if local >= count:
+        raise RuntimeError(f"ds_usp: {said_by}={local} but this process sees {count} GPUs (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<not set>')}): start at most {count} ranks on "
+                           f"this node, let every rank see the node's GPUs, or give each rank one GPU "
+                           f"(CUDA_VISIBLE_DEVICES of one device, as srun --gpus-per-task=1 does)")
+    return torch.device("cuda", local)
+
+
 def check_same_everywhere(facts: Mapping[str, Any]) -> None:
     """Compare ``facts`` across every rank (one small collective) and raise the same error everywhere if they differ.
 
@@ -38,11 +126,12 @@ def check_same_everywhere(facts: Mapping[str, Any]) -> None:
 
     Raises:
         USPConfigError: on every rank, naming each differing fact and which ranks hold which value.
+        RuntimeError: this rank's GPU cannot be told (see :func:`choose_device`), before the collective.
     """
     if dist.get_world_size() == 1:
         return
     if dist.get_backend() == "nccl":  # all_gather_object sends through this rank's GPU
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(choose_device())
     differ = disagreements(facts, None, "check that every rank read the same config")
     if differ:
         raise USPConfigError("the ranks disagree, so they would deadlock or compute different things: "

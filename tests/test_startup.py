@@ -1,0 +1,307 @@
+"""Start-up on a node of several GPUs (issue 63 items 5, 6 and 9).
+
+* Device selection (:func:`ds_usp.integration.engine.preflight.choose_device`): a device the user chose is kept, the
+  launcher's local rank (``LOCAL_RANK``, ``SLURM_LOCALID``) chooses otherwise, and a rank that cannot tell its GPU is
+  refused by name before any collective. CUDA is faked (``torch.cuda``'s functions and the environment monkeypatched).
+* Ranks per node from SLURM (``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``), and the warning when a Ulysses
+  group would cross nodes.
+* ``USPTopology.build``: groups over the same ranks are one process group, and each group is warmed up as it is
+  built (one all-reduce per distinct group of more than one rank, one exchange around the ring), counted on 4 ranks.
+* ``examples/smoke_topology.py`` on 4 CPU ranks with torch's default device set to ``meta``: every tensor it hands to
+  a collective must be on the backend's device (the CPU for gloo), as NCCL requires its GPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_usp.config import LOCAL_SIZE_VARIABLES, ranks_per_node_and_source
+from ds_usp.integration.engine import preflight
+from ds_usp.integration.engine.preflight import LOCAL_RANK_VARIABLES, check_same_everywhere, choose_device
+from ds_usp.topology import group_ranks, ulysses_across_nodes
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ROOT / "examples" / "smoke_topology.py"
+
+
+# ---------------------------------------------------------------- device selection (CUDA faked)
+
+
+class FakeCuda:
+    """``torch.cuda`` as a process on a node of ``count`` GPUs sees it; ``current`` is set by ``set_device``."""
+
+    def __init__(self, monkeypatch, count: int, initialized: bool = False, current: int = 0) -> None:
+        self.count, self.initialized, self.current, self.set = count, initialized, current, []
+        for name, fn in (("is_available", lambda: True), ("device_count", lambda: self.count),
+                         ("is_initialized", lambda: self.initialized), ("current_device", lambda: self.current),
+                         ("set_device", self.set_device)):
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def set_device(self, device) -> None:
+        self.current = device.index if isinstance(device, torch.device) else int(device)
+        self.initialized = True
+        self.set.append(self.current)
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """No launcher variable set; the test sets the ones it means. Warnings are collected."""
+    for var in LOCAL_RANK_VARIABLES + LOCAL_SIZE_VARIABLES + ("WORLD_SIZE", "SLURM_NODEID", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    warnings: list[str] = []
+    monkeypatch.setattr(preflight, "log_warning", warnings.append)
+    return warnings
+
+
+def test_cpu_without_cuda(monkeypatch, launcher):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert choose_device() == torch.device("cpu")
+
+
+def test_the_launchers_local_rank_chooses(monkeypatch, launcher):
+    cuda = FakeCuda(monkeypatch, 8)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("SLURM_LOCALID", "5")  # srun without LOCAL_RANK: not GPU 0 on every rank
+    assert choose_device() == torch.device("cuda", 5)
+    monkeypatch.setenv("LOCAL_RANK", "3")  # a launcher srun started once per node (torchrun) sets its own
+    assert choose_device() == torch.device("cuda", 3)
+    assert cuda.set == [] and launcher == []  # chosen, not set
+
+
+def test_a_device_the_user_chose_is_kept(monkeypatch, launcher):
+    FakeCuda(monkeypatch, 8, initialized=True, current=2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert choose_device() == torch.device("cuda", 2) and launcher == []
+    monkeypatch.setenv("LOCAL_RANK", "5")  # disagrees with the launcher: kept, and said
+    assert choose_device() == torch.device("cuda", 2)
+    assert len(launcher) == 1 and "cuda:2" in launcher[0] and "LOCAL_RANK" in launcher[0]
+    assert "torch.cuda.set_device(5)" in launcher[0]
+
+
+def test_one_visible_gpu_is_this_ranks(monkeypatch, launcher):
+    """One GPU per task (CUDA_VISIBLE_DEVICES of one device): local rank 3 is not 'invalid device ordinal'."""
+    FakeCuda(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert choose_device() == torch.device("cuda", 0) and launcher == []
+
+
+def test_a_local_rank_beyond_the_visible_gpus_is_refused(monkeypatch, launcher):
+    FakeCuda(monkeypatch, 4)
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=6 but this process sees 4 GPUs "
+                                           r"\(CUDA_VISIBLE_DEVICES=0,1,2,3\)"):
+        choose_device()
+
+
+def test_a_missing_local_rank_is_refused_when_ranks_share_the_node(monkeypatch, launcher):
+    FakeCuda(monkeypatch, 8)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(RuntimeError, match="none of LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, "
+                                           "SLURM_LOCALID is set") as e:
+        choose_device()
+    assert "torch.cuda.set_device" in str(e.value) and "8 ranks run on its node (no launcher variable)" in str(e.value)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "1")  # one rank per node: GPU 0 is its own
+    assert choose_device() == torch.device("cuda", 0)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")
+    assert choose_device() == torch.device("cuda", 0)
+
+
+def test_the_bound_device_wins(monkeypatch, launcher):
+    """init_process_group(device_id=...) (DeepSpeed's init_distributed binds one) decides: NCCL uses it."""
+    FakeCuda(monkeypatch, 8, initialized=True, current=0)
+    monkeypatch.setattr(preflight, "_bound_device", lambda: torch.device("cuda", 6))
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    assert choose_device() == torch.device("cuda", 6) and launcher == []
+
+
+def _fake_nccl_world(monkeypatch) -> list:
+    """check_same_everywhere's view of a 2-rank NCCL world; returns the list its collective's calls go to."""
+    calls: list = []
+    monkeypatch.setattr(preflight.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(preflight.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(preflight, "_bound_device", lambda: None)
+    monkeypatch.setattr(preflight, "_world_size", lambda: 2)
+    monkeypatch.setattr(preflight, "disagreements", lambda facts, group, what: calls.append(what) or {})
+    return calls
+
+
+def test_the_agreement_check_sets_the_chosen_device(monkeypatch, launcher):
+    cuda = FakeCuda(monkeypatch, 8)
+    calls = _fake_nccl_world(monkeypatch)
+    monkeypatch.setenv("SLURM_LOCALID", "1")  # srun, no LOCAL_RANK: GPU 1, not 0
+    check_same_everywhere({"x": 1})
+    assert cuda.set == [1] and len(calls) == 1
+
+
+def test_a_rank_that_cannot_tell_its_gpu_fails_before_the_collective(monkeypatch, launcher):
+    cuda = FakeCuda(monkeypatch, 8)
+    calls = _fake_nccl_world(monkeypatch)
+    with pytest.raises(RuntimeError, match="no launcher variable says which rank of the node it is"):
+        check_same_everywhere({"x": 1})
+    assert cuda.set == [] and calls == []  # no device set, no collective entered
+
+
+# ---------------------------------------------------------------- ranks per node and Ulysses across nodes
+
+
+def test_ranks_per_node_from_slurm(monkeypatch, launcher):
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x2),4")
+    assert ranks_per_node_and_source(20) == (8, "SLURM_TASKS_PER_NODE")
+    monkeypatch.setenv("SLURM_NODEID", "2")  # this node's entry
+    assert ranks_per_node_and_source(20) == (4, "SLURM_TASKS_PER_NODE")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8")
+    assert ranks_per_node_and_source(20) == (8, "SLURM_NTASKS_PER_NODE")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun started by srun on each node: its own count wins
+    assert ranks_per_node_and_source(20) == (4, "LOCAL_WORLD_SIZE")
+    for var in LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "garbage")
+    assert ranks_per_node_and_source(20) == (20, "no launcher variable")
+
+
+def test_ulysses_across_nodes_is_named(monkeypatch, launcher):
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    assert ulysses_across_nodes(group_ranks(8, 2, 16)) is None
+    assert ulysses_across_nodes(group_ranks(4, 4, 16)) is None
+    message = ulysses_across_nodes(group_ranks(16, 1, 16))
+    assert "usp.ulysses_degree=16" in message and "8 ranks per node from LOCAL_SIZE" in message
+    assert "usp.ring_degree" in message and "ranks [0, 1, 2, 3, 4, 5, 6, 7, 8" in message
+    monkeypatch.setenv("LOCAL_SIZE", "6")  # 4 does not divide 6: ranks 4..7 straddle two nodes
+    assert "ranks [4, 5, 6, 7]" in ulysses_across_nodes(group_ranks(4, 1, 12))
+    monkeypatch.delenv("LOCAL_SIZE")
+    assert ulysses_across_nodes(group_ranks(16, 1, 16)) is None  # one node as far as anyone said
+
+
+# ---------------------------------------------------------------- groups shared and warmed up (4 gloo ranks)
+
+LAYOUTS = [(2, 2), (2, 1), (1, 2), (1, 4), (4, 1), (1, 1)]
+KINDS = ("ulysses", "ring", "sp", "dp", "sp_dp")
+
+
+def build_and_count(u: int, r: int, local_size: str) -> dict:
+    """Build a ``u x r`` topology counting the collectives and group creations it makes; report which kinds share a
+    group object and what rank 0 warned."""
+    import os
+
+    import torch.distributed as dist
+
+    import ds_usp.topology as topology
+
+    counts = {"new_group": 0, "all_reduce": [], "batch_isend_irecv": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+    warned: list[str] = []
+
+    def new_group(*args, **kwargs):
+        counts["new_group"] += not kwargs.get("use_local_synchronization", False)
+        return originals["new_group"](*args, **kwargs)
+
+    def all_reduce(t, *args, **kwargs):
+        counts["all_reduce"].append(dist.get_world_size(kwargs.get("group")))
+        return originals["all_reduce"](t, *args, **kwargs)
+
+    def batch_isend_irecv(ops):
+        counts["batch_isend_irecv"] += 1
+        return originals["batch_isend_irecv"](ops)
+
+    saved_env, saved_warn = os.environ.get("LOCAL_SIZE"), topology.log_warning
+    os.environ["LOCAL_SIZE"] = local_size
+    topology.log_warning = warned.append
+    for name, fn in (("new_group", new_group), ("all_reduce", all_reduce), ("batch_isend_irecv", batch_isend_irecv)):
+        setattr(dist, name, fn)
+    try:
+        topo = topology.USPTopology.build(u, r)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        topology.log_warning = saved_warn
+        os.environ.pop("LOCAL_SIZE") if saved_env is None else os.environ.update(LOCAL_SIZE=saved_env)
+    groups = {kind: getattr(topo, f"{kind}_group") for kind in KINDS}
+    return {"same": {(a, b) for a in KINDS for b in KINDS if groups[a] is groups[b]},
+            "sizes": {kind: dist.get_world_size(g) for kind, g in groups.items()}, "warned": warned, **counts}
+
+
+def _expected(u: int, r: int, world: int, rank: int):
+    plan = group_ranks(u, r, world)
+    mine = {kind: tuple(sorted(plan.member_of(kind, rank))) for kind in KINDS}
+    same = {(a, b) for a in KINDS for b in KINDS if mine[a] == mine[b]}
+    every = {tuple(sorted(g)) for kind in KINDS for g in getattr(plan, kind)}
+    warmed = sorted(len(ranks) for ranks in set(mine.values()) if len(ranks) > 1)
+    return same, len(every), warmed, int(r > 1)
+
+
+def test_groups_over_the_same_ranks_are_one_and_each_is_warmed(world4):
+    results = {}
+    for u, r in LAYOUTS:
+        results[u, r] = per_rank = world4.run(build_and_count, u, r, "4")
+        for rank, got in enumerate(per_rank):
+            same, groups, warmed, exchanges = _expected(u, r, 4, rank)
+            assert got["same"] == same, (u, r, rank)
+            assert got["new_group"] == groups, (u, r, rank)  # one process group per distinct rank set
+            # one warm-up all-reduce per distinct group of this rank's of more than one rank, one ring exchange
+            assert sorted(got["all_reduce"]) == warmed and got["batch_isend_irecv"] == exchanges, (u, r, rank, got)
+            assert got["warned"] == []
+    # dp = 1: the sp and sp_dp groups are one communicator (with R = 1 the Ulysses group too, with U = 1 the ring)
+    assert {("sp", "sp_dp"), ("ulysses", "sp")} <= results[4, 1][0]["same"]
+    assert {("sp", "sp_dp"), ("ring", "sp")} <= results[1, 4][0]["same"]
+    assert ("sp", "sp_dp") in results[2, 2][0]["same"] and ("sp", "sp_dp") not in results[2, 1][0]["same"]
+    assert results[2, 2][0]["all_reduce"] == [2, 2, 4]  # ulysses, ring, sp = sp_dp; the one-rank dp group is not
+    two_nodes = world4.run(build_and_count, 4, 1, "2")  # 2 ranks per node: a Ulysses group of 4 crosses nodes
+    assert "usp.ulysses_degree=4" in two_nodes[0]["warned"][0] and "2 ranks per node from LOCAL_SIZE" in \
+        two_nodes[0]["warned"][0]
+    assert all(got["warned"] == [] for got in two_nodes[1:])  # rank 0 says it
+
+
+# ---------------------------------------------------------------- the smoke program on NCCL's rules
+
+
+def run_smoke_on_meta_default(config: str) -> dict:
+    """examples/smoke_topology.py's main() with torch's default device ``meta``: a tensor not placed on the backend's
+    device lands there. Records the device of every tensor handed to a collective."""
+    import torch.distributed as dist
+
+    spec = importlib.util.spec_from_file_location("smoke_topology", SMOKE)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    devices: set[str] = set()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "batch_isend_irecv")}
+
+    def all_reduce(t, *args, **kwargs):
+        devices.add(t.device.type)
+        return originals["all_reduce"](t, *args, **kwargs)
+
+    def all_gather(parts, t, *args, **kwargs):
+        devices.update(x.device.type for x in [*parts, t])
+        return originals["all_gather"](parts, t, *args, **kwargs)
+
+    def batch_isend_irecv(ops):
+        devices.update(op.tensor.device.type for op in ops)
+        return originals["batch_isend_irecv"](ops)
+
+    for name, fn in (("all_reduce", all_reduce), ("all_gather", all_gather), ("batch_isend_irecv", batch_isend_irecv)):
+        setattr(dist, name, fn)
+    try:
+        with torch.device("meta"):
+            lines = smoke.main(["--deepspeed_config", config])
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"devices": devices, "lines": lines}
+
+
+def test_smoke_topology_follows_nccls_rules(world4, tmp_path):
+    dp2 = tmp_path / "dp2.json"
+    dp2.write_text('{"train_micro_batch_size_per_gpu": 1, "sequence_parallel": "usp", "sequence_parallel_size": 2,'
+                   ' "usp": {"ulysses_degree": 1, "ring_degree": 2}}')
+    for config, ring in ((ROOT / "ds_configs" / "cpu_demo.json", "ring [0, 2]"), (dp2, "ring [0, 1]")):
+        per_rank = world4.run(run_smoke_on_meta_default, str(config))
+        for got in per_rank:
+            assert got["devices"] == {"cpu"}, (config, got["devices"])  # never the default device
+            assert len(got["lines"]) == 4 and got["lines"] == per_rank[0]["lines"]
+        assert ring in per_rank[0]["lines"][0], per_rank[0]["lines"]
