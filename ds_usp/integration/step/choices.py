@@ -12,7 +12,6 @@ often ZeRO-3 gathers), one small all-reduce per call.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.comm import all_reduce_max_
-from ds_usp.config import USPSettings
+from ds_usp.config import USPSettings, ranks_per_node
 from ds_usp.cost import (GIB, Calibration, FeatureModes, Features, Hardware, ModelShape, StepSettings,
                          attention_forward_flops, attention_memory, choose_features, features_of, model_state_memory)
 from ds_usp.log import log_rank0
@@ -56,8 +55,7 @@ def host_memory_per_rank() -> float:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return 0.0
-    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return avail / max(1, local)
+    return avail / max(1, ranks_per_node(1))  # the launcher's ranks on this node (SLURM's too); 1 if it says none
 
 
 @dataclass
