@@ -3,8 +3,9 @@ with the huggingface_hub, tokenizers and datasets releases they resolve to): a s
 environment that holds them before this environment's packages.
 
 The subset is what those frameworks use: the HF Trainer path with subclasses that override ``compute_loss`` and
-``prediction_step`` (tests/test_frameworks.py, two cases), the plain Trainer equal to one process, the JSON key's
-gates, and the refusal of ds-usp's RL trainers by name where TRL 0.24 lacks the fused LM head they run on. The whole
+``prediction_step``, equal to one process (tests/test_frameworks.py: LLaMA-Factory's SFT trainer with 2 replicas,
+axolotl's at 2 x 1 ZeRO-3), a loss from the logits refused, the JSON key's batch gate, and the refusal of ds-usp's
+SFT and RL trainers by name where TRL 0.24 lacks the fused LM head they run on. The whole
 suite runs at the newest versions (setup.py's dev extra). Skipped where the package index has none of the pins (a
 machine without the index): the suite then runs at the newest set only.
 """
@@ -22,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # LLaMA-Factory 0.9.5's ceilings and what pip resolves beside them (huggingface_hub < 2 for transformers 5.6)
 OLDEST = ("transformers==5.6.0", "accelerate==1.11.0", "trl==0.24.0", "tokenizers==0.22.2", "huggingface_hub==1.33.0",
           "datasets==4.0.0", "fsspec==2025.3.0", "dill==0.3.8", "multiprocess==0.70.16", "pandas==2.3.3")
-SUBSET = ["tests/test_frameworks.py", "-k", "llamafactory_sft-zero2 or axolotl-zero3 or logits or zero2-2x2 or "
+SUBSET = ["tests/test_frameworks.py", "-k", "llamafactory_sft-zero2 or axolotl-zero3 or logits or "
           "counted_over_every_rank or test_rl_trainers_are_refused_by_name",
-          "tests/test_hf_trainer.py", "tests/test_json_key.py", "tests/test_oldest.py"]
+          "tests/test_json_key.py", "tests/test_oldest.py"]
 
 
 def test_rl_trainers_are_refused_by_name():
