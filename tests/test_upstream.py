@@ -181,12 +181,18 @@ def offences(source: str, path: str = "<source>", rules: str = "abc") -> list[st
     return checker.found
 
 
+INSTRUMENTS = PACKAGE / "instruments"  # the tests' and benchmarks' meters: they wrap torch.distributed to count
+
+
 def package_offences(package: Path = PACKAGE) -> list[str]:
     """Every offence in ``package``: rules a and b outside its ``upstream/``, rule c outside its
-    ``comm.py`` (paths named from the package's parent)."""
+    ``comm.py``, none in ``instruments/`` (paths named from the package's parent)."""
     upstream, comm = package / UPSTREAM.relative_to(PACKAGE), package / COMM.relative_to(PACKAGE)
+    instruments = package / INSTRUMENTS.relative_to(PACKAGE)
     found = []
     for path in sorted(package.rglob("*.py")):
+        if instruments in path.parents:
+            continue
         rules = ("" if upstream in path.parents else "ab") + ("" if path == comm else "c")
         if rules:
             found += offences(path.read_text(), str(path.relative_to(package.parent)), rules)
@@ -359,3 +365,19 @@ def test_architecture_doc_lists_every_registered_patch():
     assert len(catalog.PATCHES) > 20
     assert table in doc, ("docs/architecture.md's patch table differs from the registry's; paste this under "
                           "'## Patches of third-party code':\n" + table)
+
+
+def test_the_instruments_are_exempt_only_because_nothing_of_the_package_imports_them():
+    """``ds_usp/instruments/`` wraps torch.distributed's functions while it measures (the bytes a rank sends) and
+    runs barriers of its own: it is the tests' and the benchmarks' tool, so it is exempt from the rules only as long
+    as no module of the package imports it."""
+    importers = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if INSTRUMENTS in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if any(n == "ds_usp.instruments" or n.startswith("ds_usp.instruments.") for n in names):
+                importers.append(str(path.relative_to(ROOT)))
+    assert not importers, f"the package imports its instruments: {importers}"
