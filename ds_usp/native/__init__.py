@@ -218,7 +218,8 @@ def _jit_cached(builder: Any) -> bool:
 @contextlib.contextmanager
 def _progress(builder: Any, every: float = 15.0) -> Iterator[None]:
     """Say that a JIT build starts, how long it has been running every ``every`` seconds, and when it is done
-    (rank 0 only; nothing when the build is cached)."""
+    (rank 0 only; nothing when the build is cached); meanwhile the watcher of stale locks runs, and this process is
+    recorded as the holder of the build's lock while it holds it (another node sharing the folder sees the host)."""
     if _jit_cached(builder):
         yield
         return

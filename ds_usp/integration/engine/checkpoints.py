@@ -1,39 +1,53 @@
 """Checkpoints that are complete or absent: a manifest written last, ``latest`` moved only after it, loads verified.
 
 ``ds_usp.initialize`` gives its engine a ``save_checkpoint`` that runs DeepSpeed's own save without touching
-``latest``, then (after every rank has written its files) has rank 0 fsync every file of the tag, write
-:data:`MANIFEST` (each file's size and SHA-256, the step) through a temporary file and an atomic rename, and only then
-move ``latest`` the same way. A crash at any point before that rename leaves the previous checkpoint as ``latest``, and
-a tag without a manifest is never taken for a complete one.
+``latest``, then (after a collective says every rank has written its files) has the first rank of each directory
+fsync every file of the tag there, write :data:`MANIFEST` (each file's size and SHA-256, the step) through a temporary
+file and an atomic rename, and only then move that directory's ``latest`` the same way. A crash at any point before
+that rename leaves the previous checkpoint as ``latest``, and a tag without a manifest is never taken for a complete
+one.
 
-Its ``load_checkpoint`` verifies before anything is loaded or communicated: every rank reads the manifest and checks
-every file (present, size, checksum), so a missing, truncated or corrupt file is named (path, expected vs found)
-identically on every rank. By default it falls back to the newest complete checkpoint with a warning naming what was
-skipped; ``load_checkpoint(..., fallback=False)`` makes that an error. A directory saved without manifests (before
-ds-usp wrote them, or by DeepSpeed directly) loads as before, unverified.
+Directories: every rank may save to a folder of its own node (node-local disks, what DeepSpeed's
+``use_node_local_storage`` is for) or all to one shared folder. The ranks all-gather where they save (host name and
+real path); the lowest rank of each (host, path) commits its directory (:func:`commit_directory`): the manifest lists
+what that directory holds, so no rank reads a file of another directory. Two hosts' first ranks whose paths are one
+shared folder both qualify: the one that creates the tag's claim file (:data:`CLAIM`, exclusive create, atomic on
+NFS too) commits, the other does nothing; the claim is removed once every rank knows the commits are done.
+
+Its ``load_checkpoint`` verifies before anything is loaded or communicated: every rank reads the manifest of its own
+directory and checks every file (present, size, checksum), so a missing, truncated or corrupt file is named (path,
+expected vs found) identically on every rank. By default it falls back to the newest complete checkpoint with a
+warning naming what was skipped; ``load_checkpoint(..., fallback=False)`` makes that an error. Then one all-gather
+checks that every rank resolved the same tag (directories whose ``latest`` differ, a save killed between two nodes'
+commits, are refused by name). A directory saved without manifests (before ds-usp wrote them, or by DeepSpeed
+directly) loads as before, unverified.
 
 Asynchronous saves (``save_checkpoint(..., async_save=True)``, or ``"usp": {"async_save": true}``): the step pauses
 only while each rank builds its state dicts with DeepSpeed's own per-rank builders against a checkpoint engine that
 copies them (:class:`_Snapshots`), after one small all-reduce (the tag the same on every rank, no earlier background
 write failed): DeepSpeed's barriers, tag check and ZeRO-3's re-gather of its persistent parameters stay off the
-training thread (:func:`ds_usp.upstream.deepspeed.state_only_save`). A background thread on every rank
-then writes and syncs its copies and drops a marker file (:data:`WRITTEN`), and rank 0's thread, once every rank's
-marker is there, writes the manifest and moves ``latest``: the same order as a blocking save, with no collective off
-the main thread. A save, a load or the end of the process waits for the pending one (``engine.wait_for_checkpoint()``
-does so explicitly and raises what the background write raised). A crash before the manifest leaves the previous
-checkpoint as ``latest``, as for a blocking save. :class:`AtomicCheckpoints` holds the three methods.
-
-The files of a tag must be visible to rank 0 (one node, or a shared filesystem: what DeepSpeed's own ``latest``
-assumes).
+training thread (:func:`ds_usp.upstream.deepspeed.state_only_save`). A background thread on every rank then writes and
+syncs its copies and commits by a collective, not by files: the threads all-gather (this rank's write error or none,
+where it saves) over a process group of their own (gloo, every rank, created by every rank at its first asynchronous
+save, the same point of the program on every rank since saves are collective; a group used by one thread only, so
+the training thread's collectives never interleave with it), then each directory's committer writes the manifest
+and moves ``latest``, and a second all-gather over that group tells every rank whether every commit succeeded (an
+error is raised by every rank's ``wait_for_checkpoint`` or next save). The collective's timeout is
+``usp.timeout_seconds``: a rank that never finishes its files fails the others' commit instead of hanging it. A save,
+a load or the end of the process waits for the pending one (``engine.wait_for_checkpoint()`` does so explicitly and
+raises what the background write raised; call it before ``torch.distributed.destroy_process_group``). A crash before
+the manifest leaves the previous checkpoint as ``latest``, as for a blocking save. :class:`AtomicCheckpoints` holds
+the three methods.
 """
 from __future__ import annotations
 
 import copy
+import datetime
 import hashlib
 import json
 import os
+import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -46,7 +60,7 @@ from ds_usp.log import log_warning
 
 MANIFEST = "ds_usp_manifest.json"
 LATEST = "latest"
-WRITTEN = ".ds_usp_written.rank"  # + rank: an asynchronous save's files of that rank are written and synced
+CLAIM = ".ds_usp_commit"  # in a tag's folder while its directory's committer commits it (exclusive create)
 
 
 class CheckpointDamaged(ValueError):
@@ -84,7 +98,7 @@ def write_manifest(folder: Path, step: int) -> dict:
     """Sync every file of a tag and write its manifest (last). Returns the manifest."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST and
-                       not p.name.startswith((f".{MANIFEST}", WRITTEN))):
+                       not p.name.startswith((f".{MANIFEST}", CLAIM))):
         _fsync(path)
         files[str(path.relative_to(folder))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     manifest = {"step": step, "files": files}
@@ -203,11 +217,59 @@ def first_complete(root: Path, order: list[str], fallback: bool = True) -> str:
 
 
 def commit(save_dir: str, tag: str, step: int, save_latest: bool) -> None:
-    """Rank 0, once every rank's files of ``tag`` are written: the manifest (last of the tag's files), then
-    ``latest``."""
+    """A directory's committer, once every rank's files of ``tag`` are written: the manifest (last of the tag's files),
+    then ``latest``."""
     write_manifest(Path(save_dir) / tag, step)
     if save_latest:
         _write_atomically(Path(save_dir) / LATEST, tag)
+
+
+def where_saved(save_dir: str) -> tuple[str, str]:
+    """This rank's directory as the ranks compare them: (host name, real path).
+
+    Args:
+        save_dir: the directory given to ``save_checkpoint`` on this rank.
+
+    Returns:
+        ``(socket.gethostname(), os.path.realpath(save_dir))``.
+    """
+    return socket.gethostname(), os.path.realpath(save_dir)
+
+
+def commit_directory(save_dir: str, tag: str, step: int, save_latest: bool, places: list[tuple[str, str]],
+                     rank: int) -> bool:
+    """Commit this rank's directory if this rank is its committer (every rank's files are written).
+
+    Args:
+        save_dir: this rank's directory.
+        tag: the checkpoint's tag.
+        step: the step the manifest records.
+        save_latest: move ``latest`` after the manifest.
+        places: every rank's :func:`where_saved`, in rank order.
+        rank: this rank.
+
+    Returns:
+        Whether this rank committed (then it holds the tag's :data:`CLAIM`, for :func:`release_claim`).
+    """
+    if places.index(places[rank]) != rank:  # a lower rank saves to the same (host, path)
+        return False
+    try:  # a first rank of another host may share the folder (a shared file system): one of them commits
+        os.close(os.open(Path(save_dir) / tag / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    commit(save_dir, tag, step, save_latest)
+    return True
+
+
+def release_claim(save_dir: str, tag: str) -> None:
+    """Remove a tag's :data:`CLAIM` (its committer, once every rank knows the commits are done; every rank before a
+    save of that tag starts, for one a killed save left).
+
+    Args:
+        save_dir: this rank's directory.
+        tag: the checkpoint's tag.
+    """
+    (Path(save_dir) / tag / CLAIM).unlink(missing_ok=True)
 
 
 def _snapshot(obj: Any) -> Any:
@@ -280,28 +342,41 @@ class _Pending:
             raise RuntimeError(f"ds-usp: the background save of {self.what} failed: {err}") from err
 
 
+def _agree(mine: Any, group: Any, what: str) -> list[Any]:
+    """Every rank's ``mine`` over the save's own group (just ``[mine]`` without one: a single process)."""
+    return all_gather_objects(mine, group, what) if group is not None else [mine]
+
+
+def _failures(found: list[str]) -> str:
+    return "; ".join(f"rank {r}: {e}" for r, e in enumerate(found) if e)
+
+
 def _write_later(inner: Any, files: list[tuple[str, Any]], save_dir: str, tag: str, step: int, save_latest: bool,
-                 rank: int, world: int, timeout: float) -> None:
-    """A background save's work on one rank: its files written and synced, its marker; rank 0 then waits for every
-    rank's marker and commits."""
-    folder = Path(save_dir) / tag
-    for path, state in files:
-        inner.save(state, path)
-        _fsync(Path(path))
-    _write_atomically(folder / f"{WRITTEN}{rank}", "")
-    if rank != 0:
-        return
-    markers = [folder / f"{WRITTEN}{r}" for r in range(world)]
-    deadline = time.monotonic() + timeout
-    while not all(m.exists() for m in markers):
-        if time.monotonic() > deadline:
-            missing = [m.name for m in markers if not m.exists()]
-            raise TimeoutError(f"{folder}: after {timeout:.0f} s the ranks of {', '.join(missing)} have not written "
-                               f"their files; the checkpoint stays incomplete and latest unchanged")
-        time.sleep(0.05)
-    for marker in markers:
-        marker.unlink()
-    commit(save_dir, tag, step, save_latest)
+                 rank: int, group: Any) -> None:
+    """A background save's work on one rank: its files written and synced; then, over ``group`` (every rank's thread),
+    one all-gather of (write error, :func:`where_saved`), each directory's commit, and one all-gather of the commits'
+    errors. Every rank reaches both all-gathers whatever failed, and raises what any rank's failure was."""
+    error = ""
+    try:
+        for path, state in files:
+            inner.save(state, path)
+            _fsync(Path(path))
+    except Exception as err:  # noqa: BLE001 - told to every rank, raised below
+        error = f"{type(err).__name__}: {err}"
+    found = _agree((error, where_saved(save_dir)), group, "asynchronous checkpoint: files written")
+    if any(e for e, _ in found):
+        raise RuntimeError(f"{Path(save_dir) / tag}: files not written ({_failures([e for e, _ in found])}); the "
+                           f"checkpoint stays incomplete and latest unchanged")
+    committed = False
+    try:
+        committed = commit_directory(save_dir, tag, step, save_latest, [place for _, place in found], rank)
+    except Exception as err:  # noqa: BLE001 - told to every rank, raised below
+        error = f"{type(err).__name__}: {err}"
+    errors = _agree(error, group, "asynchronous checkpoint: committed")
+    if committed:
+        release_claim(save_dir, tag)
+    if any(errors):
+        raise RuntimeError(f"{Path(save_dir) / tag}: not committed ({_failures(errors)})")
 
 
 class _VerifyingLoad:
@@ -315,7 +390,31 @@ class _VerifyingLoad:
     def __call__(self, load_dir: str, tag: Optional[str] = None, *args: Any, fallback: bool = True,
                  **kwargs: Any) -> Any:
         self.settle()
-        return self.unverified(load_dir, resolve_tag(load_dir, tag, fallback), *args, **kwargs)
+        tag = resolve_tag(load_dir, tag, fallback)
+        agree_on_tag(tag)
+        return self.unverified(load_dir, tag, *args, **kwargs)
+
+
+def agree_on_tag(tag: Optional[str]) -> None:
+    """Check that every rank resolved the same tag to load (one all-gather; nothing without a process group).
+
+    Each rank resolves the tag in its own directory; with node-local directories a save killed between two
+    directories' commits leaves their ``latest`` on different tags, and loading them would mix two steps' states.
+
+    Args:
+        tag: the tag this rank would load (None: DeepSpeed's ``latest``, unverified).
+
+    Raises:
+        CheckpointDamaged: the ranks would load different tags (every rank's named, on every rank).
+    """
+    if not dist.is_initialized():
+        return
+    tags = all_gather_objects(tag, None, "checkpoint tag to load")
+    if len(set(tags)) > 1:
+        named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        raise CheckpointDamaged(f"ds-usp: the ranks' checkpoint directories name different checkpoints to load "
+                                f"({named}): a save was interrupted between two directories' commits; load a tag "
+                                f"complete in every directory by name")
 
 
 class AtomicCheckpoints:
@@ -327,7 +426,8 @@ class AtomicCheckpoints:
     Args:
         engine: the DeepSpeed engine, its methods still DeepSpeed's.
         async_save: whether a save without ``async_save=`` is asynchronous (``usp.async_save``).
-        timeout: seconds rank 0's background commit waits for the other ranks' files (``usp.timeout_seconds``).
+        timeout: seconds a background commit waits for the other ranks' files (``usp.timeout_seconds``): the timeout
+            of the asynchronous saves' own process group.
     """
 
     def __init__(self, engine: Any, async_save: bool = False, timeout: float = 1800.0) -> None:
@@ -335,6 +435,14 @@ class AtomicCheckpoints:
         self.deepspeed_save: Callable[..., Any] = engine.save_checkpoint
         self.load_checkpoint = _VerifyingLoad(engine.load_checkpoint, self.settle)
         self.pending = _Pending()
+        self.commit_group: Any = None  # the background threads' own group (gloo, every rank), made at the first use
+
+    def _commit_group(self) -> Any:
+        """The group the background threads commit over: made at this engine's first asynchronous save, which every
+        rank reaches at the same point (saves are collective); None in a single process."""
+        if self.commit_group is None and dist.is_initialized():
+            self.commit_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        return self.commit_group
 
     def wait_for_checkpoint(self) -> None:
         """Wait for this rank's asynchronous save (if one is pending).
@@ -386,29 +494,32 @@ class AtomicCheckpoints:
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         step = int(engine.global_steps)
         distributed = dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        rank = dist.get_rank() if distributed else 0
         if self.async_save if async_save is None else async_save:
-            return self._save_later(save_dir, tag, client_state or {}, save_latest, step, rank, world, **kwargs)
+            return self._save_later(save_dir, tag, client_state or {}, save_latest, step, rank, **kwargs)
         self.settle()
+        release_claim(save_dir, tag)  # one a killed save of this tag left; before the all-gather below on every rank
         out = self.deepspeed_save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
-        if distributed:
-            barrier(None, "checkpoint files written")  # every rank's files are written
-        if rank == 0:
-            commit(save_dir, tag, step, save_latest)
+        here = where_saved(save_dir)
+        places = all_gather_objects(here, None, "checkpoint files written") if distributed else [here]  # all written
+        committed = commit_directory(save_dir, tag, step, save_latest, places, rank)
         if distributed:
             barrier(None, "checkpoint committed")  # nobody returns before the checkpoint is complete
+        if committed:
+            release_claim(save_dir, tag)
         return out
 
     def _save_later(self, save_dir: str, tag: str, client_state: dict, save_latest: bool, step: int, rank: int,
-                    world: int, **kwargs: Any) -> Any:
-        """The asynchronous save: this rank's state copied now, written (and committed by rank 0) in the background."""
-        # one save at a time, in order (an older one never moves latest after a newer one); a marker left by an
-        # earlier save of this tag that crashed must not count: each rank drops its own before settle's
+                    **kwargs: Any) -> Any:
+        """The asynchronous save: this rank's state copied now, written and committed in the background."""
+        # one save at a time, in order (an older one never moves latest after a newer one); a claim left by an
+        # earlier save of this tag that was killed must not stop its commit: each rank drops it before settle's
         # all-reduce, which comes before any rank's thread starts
-        self.settle(tag, lambda: (Path(save_dir) / tag / f"{WRITTEN}{rank}").unlink(missing_ok=True))
+        self.settle(tag, lambda: release_claim(save_dir, tag))
+        group = self._commit_group()
         with checkpoint_engine_as(self.engine, _Snapshots) as snapshots:
             out = state_only_save(self.engine, save_dir, tag, client_state, **kwargs) or self.deepspeed_save(
                 save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
         self.pending.start(f"{Path(save_dir) / tag}", lambda: _write_later(
-            snapshots.inner, snapshots.files, save_dir, tag, step, save_latest, rank, world, self.timeout))
+            snapshots.inner, snapshots.files, save_dir, tag, step, save_latest, rank, group))
         return out
