@@ -460,3 +460,43 @@ def disagreements(facts: Mapping[str, Any], group: Any, what: str) -> dict[str, 
         if len(holders) > 1:
             found[key] = holders
     return found
+
+
+def ring_exchange(sends: Sequence[tuple[Tensor, int]], group: Any, ring_ranks: Sequence[int],
+                  ring_rank: int) -> Callable[[], list[Tensor]]:
+    """Start several :func:`ring_shift` transfers as one batched exchange (one ``batch_isend_irecv`` call).
+
+    Each ``(tensor, hop)`` goes ``hop`` ranks ahead in the ring while a tensor of its shape and dtype comes from
+    ``hop`` ranks behind; every rank of the ring must call it with the same hops in the same order. The ring's
+    backward sends a step's K/V shift and the previous step's dK/dV return in one of these, so that they leave as one
+    group of transfers rather than two calls serialized on the backend's stream. The tensors sent must not be
+    modified until the returned ``wait`` has been called.
+
+    Args:
+        sends: ``(contiguous tensor, hop)`` pairs, ``hop`` >= 1.
+        group: the ring process group.
+        ring_ranks: global ranks of the ring, in ring order.
+        ring_rank: this rank's position in the ring.
+
+    Returns:
+        ``wait()``, which blocks until every transfer is done and returns the received tensors, in ``sends``' order.
+
+    Raises:
+        USPCommError: the exchange failed.
+    """
+    n = len(ring_ranks)
+    recvs = [torch.empty_like(send) for send, _ in sends]
+    ops = []
+    for (send, hop), recv in zip(sends, recvs):
+        ops += [dist.P2POp(dist.isend, send, ring_ranks[(ring_rank + hop) % n], group),
+                dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - hop) % n], group)]
+    with _named("ring send/recv", group):
+        works = dist.batch_isend_irecv(ops)
+
+    def wait() -> list[Tensor]:
+        with _named("ring send/recv", group):
+            for w in works:
+                w.wait()
+        return recvs
+
+    return wait

@@ -7,7 +7,8 @@ its queries against (part of) that block, while the next block is already in fli
 decided in one place, :mod:`ds_usp.attention.masks` (causal, documents, windows, padding). The
 partial ``(out, lse)`` pairs are merged exactly in fp32 by ``ops.merge_block_`` (:mod:`ds_usp.native`).
 The backward walks the same schedule with the merged ``(out, lse)``; the gradients a rank computes for a
-visiting block go straight to the block's owner in the training dtype, which sums them in fp32. With
+visiting block go straight to the block's owner in the training dtype, which sums them in fp32, leaving in one
+batched exchange with the next K/V shift (:func:`ds_usp.comm.ring_exchange`). With
 ``usp.comm_dtype = "fp8"`` the K/V blocks travel as float8 e4m3 messages (:func:`ds_usp.comm.fp8_encode`), encoded
 once by their owner and passed on unchanged, so every rank, forward and backward, sees the same values; a rank's
 own block is used exact. Gradients always travel in the training dtype. Neither
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ds_usp.attention.masks import MaskSpec, block_parts, needed_steps
-from ds_usp.comm import fp8_decode, fp8_encode, ring_shift
+from ds_usp.comm import fp8_decode, fp8_encode, ring_exchange, ring_shift
 from ds_usp.kernels import AttnBackend, backward_pieces, forward_pieces
 from ds_usp.native import TorchOps
 from ds_usp.sharding import Runs, piece_runs
@@ -175,8 +176,10 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
     The K/V blocks travel the same steps again. A rank's gradients for a visiting block go straight to the
     block's owner (``t`` ranks back at step ``t``) in the training dtype, where they are summed in fp32: half
-    the bytes of an fp32 accumulator travelling with the block in bf16/fp16, one hop fewer in fp32, and each
-    exchange is waited for only after the next step's kernels.
+    the bytes of an fp32 accumulator travelling with the block in bf16/fp16, one hop fewer in fp32. They leave
+    at the start of the next step in the same batched exchange as that step's K/V shift
+    (:func:`ds_usp.comm.ring_exchange`: one call per step, plus one after the last step for the last block's
+    gradients), which is waited for only after that step's kernels.
 
     Args:
         dout: ``(b, s, hq, dv)`` gradient of the output.
@@ -202,37 +205,58 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     if steps == 1 and _whole(schedule[0], s):  # one block, gradients straight from the kernel
         return backend.backward(dout, q, k, v, out, lse, schedule[0][0][1][0].causal, scale, softcap)
     dq = torch.zeros_like(q, dtype=torch.float32)
-    own = torch.cat([k, v], dim=-1)  # (b, s, hkv, d + dv)
+    own = torch.cat([k, v], dim=-1)  # (b, s, hkv, d) + (b, s, hkv, dv) -> (b, s, hkv, d + dv)
     msg = fp8_encode(own) if fp8 and steps > 1 else own
     dkv = torch.zeros(own.shape, dtype=torch.float32, device=q.device)  # my own block's gradients, fp32
     spare = None  # an fp32 buffer for a visiting block's gradients, free again once they left in a cast copy
-    wait_part = None  # the exchange of the previous step's gradients
-    for t in range(steps):
-        wait_kv = ring_shift(msg, spec.group, spec.ranks, spec.rank) if t < steps - 1 else None
-        kv = _block(own, msg, t, fp8)
-        target = dkv if t == 0 else (spare.zero_() if spare is not None else torch.zeros_like(dkv))
-        for rows, parts in schedule[t]:
-            for part in parts:
-                pieces = backward_pieces(backend, dout[rows, part.q], q[rows, part.q], kv[..., :dk_][rows, part.k],
-                                         kv[..., dk_:][rows, part.k], out[rows, part.q], lse[rows, :, part.q],
-                                         part.lo, part.hi, scale, softcap)
-                for qs, ks, dq_b, dk_b, dv_b in pieces:
-                    qrows = slice(part.q.start + qs.start, part.q.start + qs.stop)
-                    krows = slice(part.k.start + ks.start, part.k.start + ks.stop)
-                    ops.accumulate_(dq[rows, qrows], dq_b)
-                    ops.accumulate_(target[..., :dk_][rows, krows], dk_b)
-                    ops.accumulate_(target[..., dk_:][rows, krows], dv_b)
-                    del dq_b, dk_b, dv_b  # free before the next kernel allocates its own
-        if wait_part is not None:  # the previous step's gradients of my block, waited for after this step's kernels
-            ops.accumulate_(dkv, wait_part())
-        del kv
-        if t:  # this block's gradients go straight to its owner, t ranks back, in the training dtype
-            wire = target.to(own.dtype)
-            spare = target if wire is not target else None  # fp32 training sends the buffer itself
-            wait_part = ring_shift(wire, spec.group, spec.ranks, spec.rank, spec.size - t)
-        if wait_kv is not None:
-            msg = wait_kv()
-    if wait_part is not None:
-        ops.accumulate_(dkv, wait_part())
+    leaving: list = []  # the previous step's visiting block's gradients, (training-dtype copy, hop to its owner)
+    for t in range(steps + 1):  # step ``steps`` only takes the last block's gradients home
+        sends = ([(msg, 1)] if t < steps - 1 else []) + leaving  # next K/V block + gradients home: one exchange
+        wait = ring_exchange(sends, spec.group, spec.ranks, spec.rank) if sends else None
+        if t < steps:
+            target = dkv if t == 0 else (spare.zero_() if spare is not None else torch.zeros_like(dkv))
+            _step_grads(schedule[t], dout, q, _block(own, msg, t, fp8), out, lse, dk_, scale, softcap, backend, ops,
+                        dq, target)
+        got = wait() if wait is not None else []  # waited for after this step's kernels
+        if leaving:  # my block's gradients from the rank that held it at step t - 1
+            ops.accumulate_(dkv, got[-1])
+        msg = got[0] if t < steps - 1 else msg
+        leaving = []
+        if 0 < t < steps:  # this block's gradients go straight to its owner, t ranks back, in the training dtype
+            leaving = [(target.to(own.dtype), spec.size - t)]
+            spare = target if leaving[0][0] is not target else None  # fp32 training sends the buffer itself
     # dk and dv get storage of their own (a copy only for fp32): the custom op's outputs may not alias each other
     return dq.to(q.dtype), dkv[..., :dk_].to(k.dtype, copy=True), dkv[..., dk_:].to(v.dtype, copy=True)
+
+
+def _step_grads(work: list, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, dk_: int, scale: float,
+                softcap: float, backend: AttnBackend, ops: TorchOps, dq: Tensor, target: Tensor) -> None:
+    """One ring step's kernels: ``dq`` and the visiting block's ``target`` (its dK|dV, fp32) accumulate in place.
+
+    Args:
+        work: this step's ``[(rows, parts), ...]`` from :func:`_plan`.
+        dout: ``(b, s, hq, dv)``.
+        q: ``(b, s, hq, d)``.
+        kv: ``(b, s, hkv, d + dv)`` the visiting K/V block.
+        out: ``(b, s, hq, dv)`` the merged output.
+        lse: ``(b, hq, s)`` the merged LSE.
+        dk_: ``d``, where K ends in ``kv``'s last dim.
+        scale: softmax scale.
+        softcap: attention logit soft-cap (0: none).
+        backend: the local attention kernel.
+        ops: the native op or its PyTorch twins (the fp32 accumulation).
+        dq: ``(b, s, hq, d)`` fp32.
+        target: ``(b, s, hkv, d + dv)`` fp32.
+    """
+    for rows, parts in work:
+        for part in parts:
+            pieces = backward_pieces(backend, dout[rows, part.q], q[rows, part.q], kv[..., :dk_][rows, part.k],
+                                     kv[..., dk_:][rows, part.k], out[rows, part.q], lse[rows, :, part.q],
+                                     part.lo, part.hi, scale, softcap)
+            for qs, ks, dq_b, dk_b, dv_b in pieces:
+                qrows = slice(part.q.start + qs.start, part.q.start + qs.stop)
+                krows = slice(part.k.start + ks.start, part.k.start + ks.stop)
+                ops.accumulate_(dq[rows, qrows], dq_b)
+                ops.accumulate_(target[..., :dk_][rows, krows], dk_b)
+                ops.accumulate_(target[..., dk_:][rows, krows], dv_b)
+                del dq_b, dk_b, dv_b  # free before the next kernel allocates its own
