@@ -85,12 +85,16 @@ def compare(u: int, r: int, layout: str, seq: int, docs: list[list[int]], causal
             return fn(*args, **kwargs)
         return counted
 
+    from ds_usp.kernels import resolve_backend
+
     torch_sdpa.attention_forward, band.masked_forward = (counting(fn) for fn in originals)
+    resolve_backend.cache_clear()  # the backends resolved now hold the counting kernels, and after, the originals
     try:  # count the forward's kernel calls: fused ones and masked band edges
         out = ds_usp.usp_attention(ql, kl, vl, topo, causal=causal, layout=layout, seq_len=seq, doc_lens=doc_lens,
                                    window=window, attn_backend=attn_backend, chunk=chunk, spans=spans)
     finally:
         torch_sdpa.attention_forward, band.masked_forward = originals
+        resolve_backend.cache_clear()
     out.backward(shard(dout, 1.0))  # a gradient on padding too: it must not leak anywhere
     got = [ds_usp.gather_sequence(x.detach(), topo, layout=layout, seq_len=seq, doc_lens=doc_lens)
            for x in (out, ql.grad, kl.grad, vl.grad)]
