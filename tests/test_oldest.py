@@ -22,7 +22,8 @@ from test_json_key import _env, _site_dirs
 ROOT = Path(__file__).resolve().parent.parent
 # LLaMA-Factory 0.9.5's ceilings and what pip resolves beside them (huggingface_hub < 2 for transformers 5.6)
 OLDEST = ("transformers==5.6.0", "accelerate==1.11.0", "trl==0.24.0", "tokenizers==0.22.2", "huggingface_hub==1.33.0",
-          "datasets==4.0.0", "fsspec==2025.3.0", "dill==0.3.8", "multiprocess==0.70.16", "pandas==2.3.3")
+          "httpx==0.28.1", "httpcore==1.0.9", "datasets==4.0.0", "fsspec==2025.3.0", "dill==0.3.8",
+          "multiprocess==0.70.16", "pandas==2.3.3", "pytz==2026.6", "tzdata==2026.6")
 SUBSET = ["tests/test_frameworks.py", "-k", "llamafactory_sft-zero2 or axolotl-zero3 or logits or "
           "counted_over_every_rank or test_rl_trainers_are_refused_by_name",
           "tests/test_json_key.py", "tests/test_oldest.py"]
