@@ -101,4 +101,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/h7_runs/assets")
+    main(sys.argv[1] if len(sys.argv) > 1 else "runs/llamafactory/assets")

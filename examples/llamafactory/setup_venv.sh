@@ -3,7 +3,7 @@
 # (transformers, accelerate, TRL, PEFT, datasets), DeepSpeed 0.19.8, torch 2.13.0 (CPU) and this checkout of ds-usp
 # (editable, --no-deps, so that it changes none of them).
 #
-#   bash examples/llamafactory/setup_venv.sh [VENV]      # default /work/venvs/llamafactory; run from the repo root
+#   bash examples/llamafactory/setup_venv.sh [VENV]      # default venvs/llamafactory; run from the repo root
 #
 # On a CPU-only machine: PyPI's torchvision and torchaudio wheels are CUDA builds (their native libraries need
 # libc10_cuda.so), and the CPU builds are not on PyPI. LLaMA-Factory needs neither for text, but imports torchaudio
@@ -12,7 +12,7 @@
 # *.so.cuda-build-disabled): torchaudio then imports as pure Python (its _load_lib finds no library). Nothing else
 # is changed.
 set -euo pipefail
-VENV=${1:-/work/venvs/llamafactory}
+VENV=${1:-venvs/llamafactory}
 mkdir -p "$(dirname "$VENV")"
 python -m venv "$VENV"
 PIP="$VENV/bin/pip"
