@@ -1,9 +1,9 @@
 """Split rollouts (issue 51), the pieces in one process (no gloo world): the keyed sampler's draws do not depend on the
 batch, the share or the order of the rows, and follow softmax(warped scores); the shares are contiguous, balanced and
 concatenate in rank order; a tool turn's rows are keyed by their first-turn row; the ranks' rollout_func outputs are
-joined key by key or refused by name; the patches of TRL's generate call and of DeepSpeed's start-of-forward hook
-check TRL and restore what they change. The split runs themselves (4 ranks against one process) are
-tests/test_rl.py's.
+joined key by key or refused by name; only a rollout_func that says so is split (issue 64); the patches of TRL's
+generate call and of DeepSpeed's start-of-forward hook check TRL and restore what they change. The split runs
+themselves (4 ranks against one process) are tests/test_rl.py's and tests/test_rollout_func.py's.
 """
 from __future__ import annotations
 
@@ -109,6 +109,37 @@ def test_rollout_func_shares_are_joined_key_by_key_or_refused_by_name():
                        ({"extra": 1}, "different keys")):
         with pytest.raises(ValueError, match=words):
             merge_rollout_outputs([parts[0], {**parts[2], **bad}], [2, 1])
+
+
+def test_only_a_rollout_func_that_says_so_is_split():
+    """A rollout_func is called once per SP group (as TRL calls it) unless it opts in to split calls: an attribute
+    ``takes_rollout_rows = True`` on the function, on the object it is a method of, or on what a partial wraps."""
+    import functools
+
+    from ds_usp.integration.trainers.rl import takes_rollout_rows
+
+    def plain(prompts, trainer):
+        return {}
+
+    def split(prompts, trainer):
+        return {}
+
+    split.takes_rollout_rows = True
+
+    class Server:
+        takes_rollout_rows = True
+
+        def __call__(self, prompts, trainer):
+            return {}
+
+        def rollout(self, prompts, trainer):
+            return {}
+
+    assert not takes_rollout_rows(plain) and not takes_rollout_rows(functools.partial(plain))
+    assert takes_rollout_rows(split) and takes_rollout_rows(functools.partial(split))
+    assert takes_rollout_rows(Server()) and takes_rollout_rows(Server().rollout)
+    plain.takes_rollout_rows = "yes"  # only True opts in
+    assert not takes_rollout_rows(plain)
 
 
 def test_generation_patches_check_trl_and_restore_what_they_change(monkeypatch):

@@ -12,7 +12,10 @@ changes, in one place for the three trainers (:class:`USPRLMixin`); each TRL tra
   they divide evenly) are divided among the ranks of the SP group, each generates its contiguous share on whole
   sequences without USP (:func:`ds_usp.hf.unsharded`; hybrid layers run their own forward with the cache) and the
   shares are gathered in group-rank order, the order one process has them (:class:`USPRolloutMixin`). A
-  ``rollout_func`` is called on the rank's share of the prompts; TRL's metrics run on every rank on the gathered
+  ``rollout_func`` is called as TRL calls it in one process of a data-parallel run of the replicas: once per group,
+  on its first rank, with the replica's prompts (``process_index`` the replica's), its output shared with the group;
+  only one that says it takes ``trainer.rollout_rows`` (:func:`takes_rollout_rows`) is called on each rank's share of
+  the prompts. TRL's metrics run on every rank on the gathered
   completions, and TRL's tool loop too (each rank runs every row's tools; the tool turns' generation calls are split
   again, row by row). Each row is sampled with
   noise keyed by its row (:class:`~ds_usp.integration.trainers.rollout.KeyedSampler`): a completion does not depend
@@ -204,7 +207,8 @@ class KeyedRolloutMixin:
         try:
             with self._rollout_context(rollout):
                 if user is not None:
-                    self.rollout_func = functools.partial(self._rollout_func_share, user, rollout, group)
+                    call = self._rollout_func_share if takes_rollout_rows(user) else self._rollout_func_once
+                    self.rollout_func = functools.partial(call, user, rollout, group)
                 try:
                     result = super()._generate(prompts)
                 finally:
@@ -235,8 +239,37 @@ class KeyedRolloutMixin:
                              f"diverge")
         return [p for _, p in parts]
 
+    def _rollout_func_once(self, user: Callable, rollout: Rollout, group: Any, prompts: list, trainer: Any) -> dict:
+        """The user's ``rollout_func`` called as TRL calls it in one process of a data-parallel run of the replicas:
+        once per SP group, on the group's first rank, with the replica's whole ``prompts`` (``process_index`` is the
+        replica's index); its output shared with the group's other ranks.
+
+        Raises:
+            RuntimeError: on the group's other ranks, when the call failed on its first rank (which raises its own).
+        """
+        n = len(prompts)
+        outcome: tuple = ("not called", None)
+        if rollout.rank == 0:
+            with rollout.in_user_share(0, n):
+                try:
+                    outcome = ("returned", user(prompts, trainer))
+                except Exception as error:  # the group's other ranks wait for the output: tell them, then raise
+                    if rollout.size > 1:
+                        self._agree(group, ("rollout_func", rollouts.digest(prompts)), ("failed", repr(error)))
+                    raise
+        if rollout.size > 1:
+            outcome = self._agree(group, ("rollout_func", rollouts.digest(prompts)), outcome)[0]
+            if outcome[0] == "failed":
+                raise RuntimeError(f"rollout_func failed on the first rank of this sequence-parallel group: "
+                                   f"{outcome[1]}")
+        output = outcome[1]
+        if isinstance(output, dict):
+            rollout.first_turn_done(output.get("prompt_ids"), output.get("completion_ids"))  # tool turns follow
+        return output
+
     def _rollout_func_share(self, user: Callable, rollout: Rollout, group: Any, prompts: list, trainer: Any) -> dict:
-        """The user's ``rollout_func`` on this rank's share of ``prompts``; the shares' outputs joined in order."""
+        """The user's ``rollout_func`` that says it takes ``trainer.rollout_rows`` (:func:`takes_rollout_rows`) on
+        this rank's share of ``prompts``; the shares' outputs joined in order."""
         n = len(prompts)
         lo, hi = rollout.share(n, True)
         with rollout.in_user_share(lo, hi):
@@ -305,6 +338,24 @@ class KeyedRolloutMixin:
             return contextlib.nullcontext()
         return generate_arguments(self.accelerator.unwrap_model(self.model_wrapped), _trl_trainer_class(type(self)),
                                   **arguments)
+
+
+def takes_rollout_rows(rollout_func: Callable) -> bool:
+    """Whether a GRPO ``rollout_func`` says that it may be called on a share of a replica's prompts and reads which
+    rows it has from ``trainer.rollout_rows`` (an attribute ``takes_rollout_rows = True`` on the function, or on the
+    object it is a method of or wraps): then each rank of a sequence-parallel group calls it on its share. Any other
+    ``rollout_func`` is called as TRL calls it, once per group with the replica's whole prompts.
+
+    Args:
+        rollout_func: the trainer's ``rollout_func``.
+
+    Returns:
+        True when it opts in to split calls.
+    """
+    for holder in (rollout_func, getattr(rollout_func, "__self__", None), getattr(rollout_func, "func", None)):
+        if holder is not None and getattr(holder, "takes_rollout_rows", False) is True:
+            return True
+    return False
 
 
 def _trl_trainer_class(cls: type) -> type:
