@@ -146,6 +146,9 @@ def _rollout(prompts: list, trainer) -> dict:
             "logprobs": [[0.0] * len(c) for c in completion_ids]}
 
 
+_rollout.takes_rollout_rows = True  # it generates with the trainer's model: each rank its share (docs/rl.md)
+
+
 def _rows(trainer, prompts: list):
     """The rows of the batch ``prompts`` are (a USP trainer's share; all of them in TRL's own trainer)."""
     rows = getattr(trainer, "rollout_rows", None)
