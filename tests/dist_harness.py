@@ -113,6 +113,11 @@ def _release_groups(before: set) -> None:
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if offload is not None:
         offload.FWD_MODULE_STACK.clear()
+    # HF's weak reference to the DeepSpeed config of the last Trainer / accelerate plugin: kept alive past the case (an
+    # accelerate state, a frozen cycle), a later case's from_config would build its model inside ZeRO-3's zero.Init
+    hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")
+    if hf_deepspeed is not None:
+        hf_deepspeed.unset_hf_deepspeed_config()
     coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
     method = getattr(getattr(coordinator, "PartitionedParameterCoordinator", None),
                      "_PartitionedParameterCoordinator__params_to_release", None)

@@ -486,8 +486,15 @@ class USPTrainerMixin(USPTrainerBase):
         if feed is None:
             return super().compute_loss(model, inputs, *args, **kwargs)
         self._refuse_other_losses()
+        own = super().compute_loss
+        if self._is_trl_sft() and any(inputs.get(k) is not None for k in VISUAL_KEYS):
+            # TRL's SFT loss goes through its fused LM head, which ds-usp's forward answers for text only: a VLM's
+            # batch takes HF's loss (the same cross entropy; TRL's token metrics are not logged for it)
+            from transformers import Trainer as HFTrainer
+
+            own = functools.partial(HFTrainer.compute_loss, self)
         with feed.calling(self._running("compute_loss")), self._replicas():
-            return super().compute_loss(model, inputs, *args, **kwargs)
+            return own(model, inputs, *args, **kwargs)
 
     # ---- evaluation and prediction ----------------------------------------------------------------------------
     def prediction_step(self, model: Any, inputs: dict, prediction_loss_only: bool, *args: Any,
