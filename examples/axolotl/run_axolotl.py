@@ -303,7 +303,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/h8_ext")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(out / "extensions"))
     env.setdefault("OMP_NUM_THREADS", "1")
     # axolotl's logging config lets other libraries' records through at LOG_LEVEL (default WARNING) only: INFO shows
     # ds-usp's two start-up lines (the trainer it became, the layout it built)
