@@ -4,8 +4,8 @@
 attention layers know nothing about it. The model's forward becomes :class:`CausalLMStep`, whose paths are its
 methods: a call without labels (the model's own forward), the SP loss (:meth:`CausalLMStep.loss`), TRL's fused LM head
 (:meth:`CausalLMStep.fused`) and a VLM's body (:meth:`CausalLMStep.multimodal`); a trainer that gives every rank of a
-group the whole sequences (:class:`WholeBatches`) has them sharded first (:meth:`CausalLMStep.whole_call`). Each memory feature lives in its own
-module:
+group the whole sequences (:class:`WholeBatches`) has them sharded first (:meth:`CausalLMStep.whole_call`). Each
+memory feature lives in its own module:
 
 * :mod:`.loss`: the SP loss through ``lm_head`` in chunks (``usp.chunked_loss``): ``model(input_ids=...,
   shift_labels=...)`` (or ``labels=``) returns ``out.loss`` without ever holding the whole logits; it is the
