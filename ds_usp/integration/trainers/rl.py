@@ -17,11 +17,12 @@ changes, in one place for the three trainers (:class:`USPRLMixin`); each TRL tra
   only one that says it takes ``trainer.rollout_rows`` (:func:`takes_rollout_rows`) is called on each rank's share of
   the prompts. TRL's metrics run on every rank on the gathered
   completions, and TRL's tool loop too (each rank runs every row's tools; the tool turns' generation calls are split
-  again, row by row). Each row is sampled with
-  noise keyed by its row (:class:`~ds_usp.integration.trainers.rollout.KeyedSampler`): a completion does not depend
-  on the rank that made it. Under ZeRO-3 the parameters are gathered once per rollout with the hooks off and
-  ``synced_gpus`` off, so that no generation step waits on another rank (equal, unequal or empty shares, any number
-  of tool turns); with ``ds3_gather_for_generation=False`` every rank takes part in each call (an empty share
+  again, row by row); each rollout starts with the group's first rank's Python, NumPy and torch CPU random states on
+  every rank of the group, so environments and tools that draw from them draw the same on every rank. Each row is
+  sampled with noise keyed by its row (:class:`~ds_usp.integration.trainers.rollout.KeyedSampler`): a completion
+  does not depend on the rank that made it. Under ZeRO-3 the parameters are gathered once per rollout with the hooks
+  off and ``synced_gpus`` off, so that no generation step waits on another rank (equal, unequal or empty shares, any
+  number of tool turns); with ``ds3_gather_for_generation=False`` every rank takes part in each call (an empty share
   generates one row, discarded). After scoring, the group checks that its ranks hold the same batch (prompts,
   completions, rewards, advantages) and refuses otherwise, naming what differs;
 * **log-probs at length**: TRL's fused LM head call ``model(..., labels=..., fused_lm_head=True)`` (policy, old policy,
@@ -43,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import random
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -234,9 +236,10 @@ class KeyedRolloutMixin:
         if any(t != tag for t in tags):
             raise ValueError(f"split rollouts: the ranks of a sequence-parallel group are at different generation "
                              f"calls or hold different rows (rank {dist.get_rank()}: {tag}; the group's, in rank "
-                             f"order: {tags}). Every rank of a group runs the rollout on the same rows: a tool, "
-                             f"environment or rollout_func that is not deterministic given the completions makes them "
-                             f"diverge")
+                             f"order: {tags}). Every rank of a group runs the rollout on the same rows, from the "
+                             f"group's first rank's Python, NumPy and torch CPU random states: a tool, environment or "
+                             f"rollout_func that is not deterministic given the completions and those states (its own "
+                             f"per-rank seed, the clock) makes them diverge")
         return [p for _, p in parts]
 
     def _rollout_func_once(self, user: Callable, rollout: Rollout, group: Any, prompts: list, trainer: Any) -> dict:
@@ -426,15 +429,40 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
         return all_gather_objects(result, usp.topo.sp_group, "rollouts of the SP group's first rank")[0]
 
     def _generate_and_score_completions(self, inputs: Any) -> dict:
-        """TRL's, then the check that every rank of the SP group holds the same batch, and the group's first rank's
-        CPU random state on every rank of the group (TRL shuffles the batch with it next)."""
-        batch = super()._generate_and_score_completions(inputs)
+        """TRL's, started with the group's first rank's Python, NumPy and torch CPU random states on every rank of the
+        SP group (:func:`share_random_states`: TRL seeds each process differently, and every rank runs the rollout's
+        environment resets and tool calls over the group's whole batch); then the check that every rank
+        of the group holds the same batch, and the group's first rank's CPU random state on every rank of the group
+        (TRL shuffles the batch with it next)."""
         usp = self._usp
+        if usp is not None and self._usp_sp > 1:
+            share_random_states(usp.topo.sp_group)
+        batch = super()._generate_and_score_completions(inputs)
         if usp is not None and self._usp_sp > 1:
             check_group_holds_same(batch, usp.topo.sp_group)
             torch.set_rng_state(all_gather_objects(torch.get_rng_state(), usp.topo.sp_group,
                                                    "random state of the SP group's first rank")[0])
         return batch
+
+
+def share_random_states(group: Any) -> None:
+    """Give every rank of ``group`` its first rank's Python ``random`` state, NumPy's global state and torch's CPU
+    generator state (one all-gather of Python objects), so that environments (``environment_factory``) and tools that
+    draw from them draw the same on every rank of the group, as the group's first rank would alone.
+
+    Args:
+        group: the sequence-parallel process group.
+    """
+    try:
+        import numpy
+    except ImportError:  # (NumPy is optional: nothing to share then)
+        numpy = None
+    mine = (random.getstate(), numpy.random.get_state() if numpy is not None else None, torch.get_rng_state())
+    python, numpy_state, torch_state = all_gather_objects(mine, group, "random states of the SP group's first rank")[0]
+    random.setstate(python)
+    if numpy is not None:
+        numpy.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
 
 
 def check_group_holds_same(batch: dict, group: Any) -> None:
