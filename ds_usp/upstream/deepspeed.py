@@ -118,7 +118,7 @@ def count_batch_over_replicas(original: Callable[..., Any], config_object: Any, 
     Raises:
         UpstreamChanged: ``DeepSpeedConfig.__init__`` takes other parameters.
     """
-    from ds_usp.config import USPConfigError, load_usp_config, read_ds_config
+    from ds_usp.config import load_usp_config, read_ds_config
 
     require_parameters("deepspeed_config_batch", innermost(original), ("config", "mpu"))
     mpu = kwargs.get("mpu", args[0] if args else None)
@@ -128,8 +128,8 @@ def count_batch_over_replicas(original: Callable[..., Any], config_object: Any, 
         parsed = dict(read_ds_config(config))
         sp = (mpu.get_sequence_parallel_world_size() if isinstance(mpu, USPMpu) else
               load_usp_config(parsed, world).sequence_parallel_size)
-    except (USPConfigError, ValueError):
-        return original(config_object, config, *args, **kwargs)  # ds_usp.initialize names what is wrong
+    except ValueError:  # USPConfigError is one: ds_usp.initialize names what is wrong
+        return original(config_object, config, *args, **kwargs)
     micro, steps, batch = (parsed.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                                                    "train_batch_size"))
     if sp > 1 and all(isinstance(v, int) and not isinstance(v, bool) for v in (micro, steps, batch)) \

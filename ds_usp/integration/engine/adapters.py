@@ -9,6 +9,7 @@ gives the cost model's view, read when the degrees are left to it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -105,9 +106,14 @@ class DiTAdapter:
 
     kind = "diffusion transformer"
 
+    @functools.cached_property
+    def plan(self) -> Any:
+        """The family's sharding plan, found once (:func:`check_diffusion_model`: refused by name when none)."""
+        return check_diffusion_model(self.model)
+
     def shape(self) -> ModelShape:
         """The cost model's view of the DiT."""
-        return dit_shape(self.model, check_diffusion_model(self.model))
+        return dit_shape(self.model, self.plan)
 
     def check(self, settings: Settings) -> None:
         """Refuse a family ds-usp has no plan for, and dynamic SP (a sample is one sequence).
@@ -118,7 +124,7 @@ class DiTAdapter:
         Raises:
             ValueError: naming the family or the key.
         """
-        check_diffusion_model(self.model)
+        self.plan  # noqa: B018 - refused by name here, before any group, when the family has no plan
         if settings.usp.dynamic_sp:
             raise ValueError("usp.dynamic_sp is for packed documents of language models; a diffusion transformer's "
                              "sample is one sequence: set it to false")
@@ -144,7 +150,7 @@ class DiTAdapter:
         Returns:
             The memory context.
         """
-        return apply_dit_memory(self.model, check_diffusion_model(self.model), self._dit, settings.usp.settings,
+        return apply_dit_memory(self.model, self.plan, self._dit, settings.usp.settings,
                                 topo, zero3=settings.zero_stage == 3)
 
 
