@@ -387,7 +387,8 @@ def test_flash_attn_matches_reference(causal, hq, hkv, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8)], ids=["gqa", "mha"])
-def test_cudnn_attention_is_taken_where_it_agrees_and_matches_flash_at_length(causal, hq, hkv, monkeypatch):
+def test_cudnn_attention_is_taken_where_it_agrees_and_matches_flash_at_length(causal, hq, hkv, monkeypatch,
+                                                                             request):
     """On a GPU whose torch has cuDNN's attention, the torch backend takes it for bf16 (its first call checked it
     against the flash op) from 16K tokens on, and there its output, lse and gradients equal the flash op's to bf16
     rounding; ``DS_USP_CUDNN_ATTENTION=0`` turns it off, and shorter calls keep the flash op (faster there)."""
@@ -402,6 +403,9 @@ def test_cudnn_attention_is_taken_where_it_agrees_and_matches_flash_at_length(ca
     got = torch_sdpa.attention_forward(q, k, v, causal, 0.125)
     got_grads = torch_sdpa.attention_backward(dout, q, k, v, *got, causal, 0.125)
     monkeypatch.setenv("DS_USP_CUDNN_ATTENTION", "0")
+    assert torch_sdpa._cuda_use_cudnn(q, k, v, causal)  # read once: a later change needs the cache cleared
+    torch_sdpa.cudnn_attention_enabled.cache_clear()
+    request.addfinalizer(torch_sdpa.cudnn_attention_enabled.cache_clear)  # read again, as the environment is then
     assert not torch_sdpa._cuda_use_cudnn(q, k, v, causal)
     want = torch_sdpa.attention_forward(q, k, v, causal, 0.125)
     want_grads = torch_sdpa.attention_backward(dout, q, k, v, *want, causal, 0.125)
@@ -424,6 +428,19 @@ def _check_cuda(backend: AttnBackend, q: Tensor, k: Tensor, v: Tensor, causal: b
     for got, want, src in zip(grads, reference_grads(q, k, v, dout, causal, scale), (q, k, v)):
         assert got.shape == src.shape and got.dtype == q.dtype
         assert_close(got, want, tol)
+
+
+def test_cudnn_switch_is_read_once(monkeypatch, request):
+    """``DS_USP_CUDNN_ATTENTION`` is read at the first long CUDA call, not on every kernel call (issue 63); a later
+    change of it takes effect after ``cudnn_attention_enabled.cache_clear()``."""
+    request.addfinalizer(torch_sdpa.cudnn_attention_enabled.cache_clear)
+    monkeypatch.setenv("DS_USP_CUDNN_ATTENTION", "0")
+    torch_sdpa.cudnn_attention_enabled.cache_clear()
+    assert not torch_sdpa.cudnn_attention_enabled()
+    monkeypatch.setenv("DS_USP_CUDNN_ATTENTION", "1")
+    assert not torch_sdpa.cudnn_attention_enabled()  # kept
+    torch_sdpa.cudnn_attention_enabled.cache_clear()
+    assert torch_sdpa.cudnn_attention_enabled()
 
 
 def test_auto_never_picks_flash_attn(monkeypatch):

@@ -21,9 +21,9 @@ Facts about the ops that this module relies on (checked on torch 2.13, see tests
 * CUDA ``_scaled_dot_product_cudnn_attention`` (+ ``_backward``; fp16/bf16, equal q/k/v head dims that are a
   multiple of 8, at most 128) is taken before the flash op where it is there and agrees with it: the first call of
   each dtype, head size, GQA-or-not and causal-or-not runs both ops on a small random problem, forward and
-  backward, and compares (:func:`_cudnn_agrees`; ``DS_USP_CUDNN_ATTENTION=0`` turns it off). It takes GQA
-  natively, returns its lse as (b, h, sq, 1) fp32, wants it back in that shape, and a None ``attn_bias`` /
-  ``cum_seq`` in its backward (an undefined tensor: the dense kernel). It gets only the layout it was validated on:
+  backward, and compares (:func:`_cudnn_agrees`; ``DS_USP_CUDNN_ATTENTION=0`` turns it off, read once:
+  :func:`cudnn_attention_enabled`). It takes GQA natively, returns its lse as (b, h, sq, 1) fp32, wants it back in
+  that shape, and a None ``attn_bias`` / ``cum_seq`` in its backward (an undefined tensor: the dense kernel). It gets only the layout it was validated on:
   bhsd views of bshd-contiguous tensors (strided inputs, such as the ring's K/V blocks, are copied first). It is
   taken for calls of at least :data:`_CUDNN_MIN_PAIRS` query-key pairs: measured on an H200 (torch 2.11, cuDNN 9.19, heads 32/8 x 64, bf16,
   causal; docs/benchmarks.md), it ran 1.5x the flash op's speed forward and backward at 32K to 128K tokens, as fast
@@ -47,7 +47,7 @@ from torch import Tensor
 from ds_usp.kernels import band
 from ds_usp.kernels.band import math_backward, math_forward
 
-__all__ = ["unavailable_reason", "attention_forward", "attention_backward"]
+__all__ = ["unavailable_reason", "attention_forward", "attention_backward", "cudnn_attention_enabled", "results_agree"]
 
 _aten = torch.ops.aten
 
@@ -249,6 +249,16 @@ _CUDNN_MAX_HEAD_DIM = 128
 _CUDNN_MIN_PAIRS = 16384 * 16384  # query x key lengths from which cuDNN's op is taken (below it, the flash op's)
 
 
+@functools.cache
+def cudnn_attention_enabled() -> bool:
+    """Whether cuDNN's attention op may be taken at all: ``DS_USP_CUDNN_ATTENTION`` is not ``"0"``.
+
+    The variable is read once, at the first long CUDA call (not on every kernel call); a change of it later in the
+    process takes effect after ``cudnn_attention_enabled.cache_clear()``.
+    """
+    return os.environ.get("DS_USP_CUDNN_ATTENTION", "1") != "0"
+
+
 def _cuda_use_cudnn(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
     """Whether cuDNN's attention op runs this call: it is long enough, applies (see the module docstring) and agreed
     with the flash op on this device for these dtypes, head size, GQA and mask (:func:`_cudnn_agrees`, once per
@@ -256,7 +266,7 @@ def _cuda_use_cudnn(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
     d = q.shape[-1]
     if (q.shape[1] * k.shape[1] < _CUDNN_MIN_PAIRS or q.dtype not in _FLASH_DTYPES
             or k.shape[-1] != d or v.shape[-1] != d or d % 8 or d > _CUDNN_MAX_HEAD_DIM
-            or os.environ.get("DS_USP_CUDNN_ATTENTION", "1") == "0"
+            or not cudnn_attention_enabled()
             or not hasattr(_aten, "_scaled_dot_product_cudnn_attention") or not _cuda_use_flash(q)):
         return False
     return _cudnn_agrees(q.device.index or 0, q.dtype, d, q.shape[2] != k.shape[2], causal)
@@ -304,13 +314,22 @@ def _cudnn_agrees(device: int, dtype: torch.dtype, head_dim: int, gqa: bool, cau
         return False
     ref_out, ref_lse = _cuda_flash_forward(q, k, v, causal, scale)
     ref_grads = _cuda_flash_backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
+    return results_agree((out, lse, *grads), (ref_out, ref_lse, *ref_grads))
 
-    def close(a: Tensor, b: Tensor, rel: float) -> bool:
+
+def results_agree(got: tuple[Tensor, ...], want: tuple[Tensor, ...]) -> bool:
+    """Whether a kernel's ``(out, lse, dq, dk, dv)`` equal a reference's to fp16/bf16 rounding: each finite and
+    within ``rel * max|want| + 1e-3`` of it, ``rel`` 1e-3 for the lse, 2e-2 for out, 3e-2 for the gradients (the
+    test by which a kernel is taken on a device: :func:`_cudnn_agrees`, :func:`ds_usp.kernels.flash_attn4.agrees`)."""
+    if len(got) != 5 or len(want) != 5:
+        return False
+    for a, b, rel in zip(got, want, (2e-2, 1e-3, 3e-2, 3e-2, 3e-2)):
+        if a.shape != b.shape:
+            return False
         a, b = a.float(), b.float()
-        return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= rel * float(b.abs().max()) + 1e-3
-
-    return (close(lse, ref_lse, 1e-3) and close(out, ref_out, 2e-2)
-            and all(close(x, y, 3e-2) for x, y in zip(grads, ref_grads)))
+        if not bool(torch.isfinite(a).all()) or float((a - b).abs().max()) > rel * float(b.abs().max()) + 1e-3:
+            return False
+    return True
 
 
 def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
