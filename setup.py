@@ -140,6 +140,10 @@ setup(
         # not run by CI (no GPU): the Triton kernels ran on an H100 with triton 3.6 (before soft-capping and sinks);
         # flash-attn is supported but has not run on a GPU yet
         "gpu": ["flash-attn>=2.5", "triton>=3.6"],
+        # usp.attn_backend "flash_attn_4" (Hopper/Blackwell; also taken by "auto" where it checks equal on the device):
+        # FlashAttention-4 exists only as pre-releases; the adapter was read against 4.0.0b0 to b36 and has not run on a
+        # GPU yet. It pulls nvidia-cutlass-dsl (its libs wheels are about 92 MB), quack-kernels and apache-tvm-ffi
+        "fa4": ["flash-attn-4>=4.0.0b3"],
     },
     cmdclass=_COMMANDS,
     **_NATIVE,

@@ -30,7 +30,7 @@ from ds_usp.splits import default_degrees, divisors, kv_heads_compatible, query_
 
 SP_MODES = ("usp", "ulysses", "ring")
 LAYOUTS = ("contiguous", "zigzag", "balanced")  # how a sequence is cut over the ranks (ds_usp.sharding)
-BACKEND_CHOICES = ("auto", "torch", "flash_attn", "triton")  # local attention kernels (ds_usp.kernels)
+BACKEND_CHOICES = ("auto", "torch", "flash_attn", "flash_attn_4", "triton")  # local attention kernels
 COMM_DTYPES = ("input", "fp8")  # how activations travel (ds_usp.comm.fp8_encode)
 VISION_TOWER_MODES = ("replicated", "sharded")  # a VLM's vision tower (ds_usp.integration.models.vision)
 OLD_KEYS = {"ring_impl": "layout"}  # old name -> key: still accepted

@@ -231,9 +231,9 @@ def test_backward_validates_out_and_lse(torch_backend):
 def test_available_backends_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest sets it for the interpreter tests
     reasons = available_backends(CPU)
-    assert set(reasons) == {"torch", "flash_attn", "triton"}
+    assert set(reasons) == {"torch", "flash_attn", "flash_attn_4", "triton"}
     assert reasons["torch"] is None
-    assert "CUDA" in reasons["flash_attn"]
+    assert "CUDA" in reasons["flash_attn"] and "CUDA" in reasons["flash_attn_4"]
     assert "triton" in reasons["triton"]
 
 
@@ -242,7 +242,7 @@ def test_get_backend_auto_and_torch_on_cpu():
     assert get_backend("torch", "cpu").name == "torch"
 
 
-@pytest.mark.parametrize("name", ["triton", "flash_attn", "bogus"])
+@pytest.mark.parametrize("name", ["triton", "flash_attn", "flash_attn_4", "bogus"])
 def test_get_backend_rejects_unusable_on_cpu(name, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError) as info:
@@ -252,7 +252,7 @@ def test_get_backend_rejects_unusable_on_cpu(name, monkeypatch):
     assert "'torch'" in msg  # lists what is usable here
     if name == "triton":
         assert "TRITON_INTERPRET" in msg or "not installed" in msg
-    if name == "flash_attn":
+    if name in ("flash_attn", "flash_attn_4"):
         assert "CUDA" in msg
 
 

@@ -20,15 +20,22 @@ setting, device and dtype for the hot path):
 * "torch": PyTorch's fused SDPA ATen ops (:mod:`ds_usp.kernels.torch_sdpa`); CPU and CUDA, fp32/bf16/fp16.
 * "flash_attn": flash-attn 2.x (:mod:`ds_usp.kernels.flash_attn`); CUDA, fp16/bf16. Supported but untested on a
   GPU so far: the adapter is tested on CPU against stand-ins of flash-attn's private API only.
+* "flash_attn_4": FlashAttention-4 (:mod:`ds_usp.kernels.flash_attn4`, the ``flash-attn-4`` wheel, CuTe DSL kernels
+  compiled at run time); Hopper and Blackwell (sm100/sm110) CUDA GPUs, fp16/bf16. Each kind of call (dtype, head dim,
+  GQA, mask, soft-cap) runs on it only once it has checked equal to PyTorch's attention on the device
+  (:func:`ds_usp.kernels.flash_attn4.agrees`); named, any other call is refused by name. Not run on a GPU of this
+  project yet: tested on CPU against a stand-in of its API (tests/test_flash_attn4.py).
 * "triton": ds-usp's own Triton kernels (:mod:`ds_usp.kernels.triton_attn`); fp16/bf16/fp32, head dims up to 256;
   CUDA/ROCm tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the interpreter, for tests); band and document
   masks computed in the kernel, the ring's LSE merge fused into the forward (``band_forward_merge_``), and a band
   backward in one call.
-* "auto": "torch" (on CUDA, cuDNN's attention op for long calls where it agrees with PyTorch's own
-  FlashAttention-2 op, that op otherwise; measured on an H100 and an H200); never "flash_attn", which
-  has not run on a GPU of this project (docs/config.md says why), nor "triton".
+* "auto": per call, the first backend of :data:`AUTO_ORDER` (fastest first) that is installed, can take the call
+  and has checked equal on the device for its kind; "torch" takes the rest (on CUDA, cuDNN's attention op for long
+  calls where it agrees with PyTorch's own FlashAttention-2 op, that op otherwise; measured on an H100 and an H200).
+  Never "flash_attn", which has not run on a GPU of this project (docs/config.md says why), nor "triton" (no GPU
+  measurement shows it faster).
 
-:func:`available_backends` says which of the three can run on a device, and why not.
+:func:`available_backends` says which of the four can run on a device, and why not.
 """
 from __future__ import annotations
 
@@ -45,11 +52,12 @@ from torch import Tensor
 from ds_usp.config import BACKEND_CHOICES
 from ds_usp.kernels import band as _band
 from ds_usp.kernels import flash_attn as _flash_attn
+from ds_usp.kernels import flash_attn4 as _fa4  # imports flash_attn.cute only when asked whether it can run
 from ds_usp.kernels import torch_sdpa as _torch_sdpa
 from ds_usp.kernels import triton_attn as _triton  # imports triton itself only when a kernel first runs
 
-__all__ = ["AttnBackend", "BACKEND_CHOICES", "available_backends", "backward_pieces", "forward_pieces", "get_backend",
-           "resolve_backend"]
+__all__ = ["AUTO_ORDER", "AttnBackend", "AutoCandidate", "BACKEND_CHOICES", "available_backends", "backward_pieces",
+           "forward_pieces", "get_backend", "resolve_backend"]
 
 ForwardFn = Callable[[Tensor, Tensor, Tensor, bool, float, float], tuple[Tensor, Tensor]]
 BackwardFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float, float],
@@ -61,7 +69,8 @@ class AttnBackend:
     """A local attention implementation: forward returning (out, lse) and the matching backward.
 
     Attributes:
-        name: "torch", "flash_attn" or "triton".
+        name: "torch", "flash_attn", "flash_attn_4" or "triton"; "auto(...)" for :func:`get_backend`'s per-call
+            choice among several.
         forward_fn: kernel forward on validated inputs with a resolved float scale.
         backward_fn: kernel backward on validated inputs with a resolved float scale.
         masked_forward: ``(q, k, v, keep, scale, softcap)``: attention of a small tile with an explicit
@@ -168,28 +177,65 @@ def available_backends(device: torch.device | str) -> dict[str, str | None]:
         device: the device attention will run on.
 
     Returns:
-        {"torch": ..., "flash_attn": ..., "triton": ...}, each None if usable, else the reason.
+        {"torch": ..., "flash_attn": ..., "flash_attn_4": ..., "triton": ...}, each None if usable, else the reason.
     """
     device = torch.device(device)
     return {
         "torch": _torch_sdpa.unavailable_reason(device),
         "flash_attn": _flash_attn.unavailable_reason(device),
+        "flash_attn_4": _fa4.unavailable_reason(device),
         "triton": _triton.unavailable_reason(device),
     }
+
+
+@dataclass(frozen=True)
+class AutoCandidate:
+    """A backend that ``"auto"`` runs a call on, ahead of "torch" (which takes every call no candidate takes).
+
+    Attributes:
+        name: its ``usp.attn_backend`` value (a key of :func:`available_backends`).
+        dtype_reason: why it cannot take inputs of a dtype, or None.
+        takes: ``(q, k, v, causal, softcap) -> bool``: whether it runs this call: it can take it, the call is long
+            enough for it to be the faster, and it has checked equal to the reference on the device for the call's
+            kind (checked once per kind, then remembered).
+        forward_fn: its kernel forward.
+        backward_fn: its kernel backward.
+        basis: why it stands where it does in :data:`AUTO_ORDER`: measured (where, on what) or declared (by whom).
+    """
+
+    name: str
+    dtype_reason: Callable[[torch.dtype], Optional[str]] = field(repr=False)
+    takes: Callable[[Tensor, Tensor, Tensor, bool, float], bool] = field(repr=False)
+    forward_fn: ForwardFn = field(repr=False)
+    backward_fn: BackwardFn = field(repr=False)
+    basis: str = ""
+
+
+# "auto"'s backends ahead of "torch", fastest first: a call runs on the first that is usable on the device and takes
+# it, else on "torch". The order is one of speed, measured where a GPU of this project measured it, else declared.
+AUTO_ORDER: tuple[AutoCandidate, ...] = (
+    AutoCandidate("flash_attn_4", _fa4.dtype_reason, _fa4.takes, _fa4.attention_forward, _fa4.attention_backward,
+                  basis="declared from published figures, not measured by ds-usp: FlashAttention-4's paper (arXiv "
+                        "2603.05451) reports up to 1.3x cuDNN 9.13 on a B200 (bf16); on Hopper FA4 runs FA3's "
+                        "algorithm, whose paper (arXiv 2407.08608) has its bf16 forward at 16K on an H100 at 1.09x "
+                        "(head dim 128) and 1.2x (64) the cuDNN of mid 2024. Taken only where cuDNN's op would be "
+                        "(16K x 16K query-key pairs on); benchmarks/fa4_check.py measures both on a GPU"),
+)
 
 
 def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dtype] = None) -> AttnBackend:
     """Resolve the ``usp.attn_backend`` setting to a backend for ``device`` and ``dtype``.
 
     Args:
-        name: "auto", "torch", "flash_attn" or "triton". "auto" picks torch: never flash_attn (never run on a
-            GPU of this project: docs/config.md) nor triton (no GPU measurement shows it faster yet:
-            docs/benchmarks.md); name either to use it.
+        name: "auto", "torch", "flash_attn", "flash_attn_4" or "triton". "auto" runs each call on the first backend
+            of :data:`AUTO_ORDER` usable here that takes it (installed, able to, and checked equal on the device),
+            else on torch; never flash_attn (never run on a GPU of this project: docs/config.md) nor triton (no GPU
+            measurement shows it faster yet: docs/benchmarks.md); name either to use it.
         device: the device attention will run on.
         dtype: the inputs' dtype (None: not known yet, not checked).
 
     Returns:
-        The backend.
+        The backend ("auto" where no candidate of :data:`AUTO_ORDER` is usable: the torch backend itself).
 
     Raises:
         ValueError: naming ``usp.attn_backend``, the value and the reason, plus the values usable
@@ -205,18 +251,62 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
     half = dtype is None or dtype in (torch.float16, torch.bfloat16)
     if reasons["flash_attn"] is None and not half:
         reasons["flash_attn"] = f"flash-attn supports float16 and bfloat16 only, the inputs are {dtype}"
+    if "flash_attn_4" in reasons and reasons["flash_attn_4"] is None and dtype is not None:
+        reasons["flash_attn_4"] = _fa4.dtype_reason(dtype)
     chosen = "torch" if name == "auto" else name
-    if reasons[chosen] is not None:
+    if reasons.get(chosen, f"{chosen} is not listed by available_backends") is not None:
         resolved = f" (resolved to {chosen!r})" if chosen != name else ""
-        raise ValueError(f"usp.attn_backend={name!r}{resolved} cannot be used on {device}: {reasons[chosen]}; "
-                         f"usable on {device}: {usable_here}")
+        raise ValueError(f"usp.attn_backend={name!r}{resolved} cannot be used on {device}: "
+                         f"{reasons.get(chosen, 'not listed')}; usable on {device}: {usable_here}")
+    if name == "auto":
+        return _auto_backend(reasons, dtype)
     if chosen == "flash_attn":
         return AttnBackend("flash_attn", _flash_attn.attention_forward, _flash_attn.attention_backward)
+    if chosen == "flash_attn_4":
+        return AttnBackend("flash_attn_4", _fa4.checked_forward, _fa4.checked_backward, _torch_sdpa.masked_forward,
+                           _torch_sdpa.masked_backward)
     if chosen == "triton":
         return AttnBackend("triton", _triton.attention_forward, _triton.attention_backward,
                            band_forward_merge_=_triton.band_forward_merge_, band_backward=_triton.band_backward)
-    return AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward,
+    return _TORCH
+
+
+_TORCH = AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward,
+                     _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
+
+
+def _auto_backend(reasons: dict[str, Optional[str]], dtype: Optional[torch.dtype]) -> AttnBackend:
+    """"auto" on a device where ``reasons`` (:func:`available_backends`) holds: the torch backend when no candidate of
+    :data:`AUTO_ORDER` is usable for ``dtype``, else one that runs each call on the first candidate taking it."""
+    fast = tuple(c for c in AUTO_ORDER if reasons.get(c.name, "not listed") is None
+                 and (dtype is None or c.dtype_reason(dtype) is None))
+    if not fast:
+        return _TORCH
+    return AttnBackend(f"auto({' > '.join([c.name for c in fast] + ['torch'])})",
+                       functools.partial(_auto_forward, fast), functools.partial(_auto_backward, fast),
                        _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
+
+
+def _auto_kernels(fast: tuple[AutoCandidate, ...], q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                  softcap: float) -> tuple[ForwardFn, BackwardFn]:
+    """The kernels of the first candidate in ``fast`` that takes this call; the torch backend's if none does (the
+    forward and the backward of a call ask with the same tensors' shapes, so they get the same kernels)."""
+    for candidate in fast:
+        if candidate.takes(q, k, v, causal, softcap):
+            return candidate.forward_fn, candidate.backward_fn
+    return _torch_sdpa.attention_forward, _torch_sdpa.attention_backward
+
+
+def _auto_forward(fast: tuple[AutoCandidate, ...], q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                  softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """The forward of :func:`_auto_backend`: on the kernels of :func:`_auto_kernels`."""
+    return _auto_kernels(fast, q, k, v, causal, softcap)[0](q, k, v, causal, scale, softcap)
+
+
+def _auto_backward(fast: tuple[AutoCandidate, ...], dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                   lse: Tensor, causal: bool, scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`_auto_backend`: on the kernels of :func:`_auto_kernels`."""
+    return _auto_kernels(fast, q, k, v, causal, softcap)[1](dout, q, k, v, out, lse, causal, scale, softcap)
 
 
 @functools.lru_cache(maxsize=64)
