@@ -298,3 +298,20 @@ def test_fa4_on_a_gpu_equals_torch(d):
     from ds_usp.kernels.torch_sdpa import results_agree
 
     assert results_agree((out, lse, *grads), (ref_out, ref_lse, *ref_grads))
+
+
+def test_the_gpu_check_dry_runs(tmp_path):
+    """``benchmarks/fa4_check.py --dry-run`` (CPU, a tiny shape, the torch backend standing in for both kernels) writes
+    a row per kernel with its times, its errors against the exact rows and, for FA4's, the ring's merge error."""
+    import json
+
+    import fa4_check
+
+    fa4_check.main(["--dry-run", "--seqs", "64", "--head-dims", "16", "--out", str(tmp_path / "fa4.json")])
+    saved = json.loads((tmp_path / "fa4.json").read_text())
+    assert saved["dry_run"] and saved["provenance"]["command"]
+    assert [(r["kernel"], r["head_dim"], r["seq"]) for r in saved["rows"]] == [("cudnn", 16, 64),
+                                                                                ("flash_attn_4", 16, 64)]
+    for row in saved["rows"]:
+        assert max(row["err_out"], row["err_lse"], row["err_dq"]) < 1e-5 and row["fwd_ms"] > 0 and row["bwd_ms"] > 0
+    assert saved["rows"][1]["merge_err"] < 1e-5 and saved["rows"][1]["err_dk_vs_cudnn"] == 0
