@@ -28,7 +28,6 @@ why it could not run, and the rows; each is written as soon as it is measured.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from typing import Any, Callable, Optional
@@ -181,7 +180,7 @@ def shape_rows(d: int, s: int, found: dict[str, Kernel], args: argparse.Namespac
             base["check"] = fa4.disagreement(device, dtype, d, hq != hkv, True, 0.0) or "equal"
         try:
             row, grads[name] = measure(name, kernel, inputs, exact, rows, args, device)
-        except (RuntimeError, AssertionError, ValueError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        except Exception as exc:  # out of memory, FA4's assertions, the CuTe DSL's compile errors: the row says which
             row = {"kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         out.append({**base, **row})
         if device.type == "cuda":

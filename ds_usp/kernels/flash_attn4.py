@@ -28,7 +28,7 @@ Dao-AILab/flash-attention (``flash_attn/cute/interface.py``, ``softmax.py``, ``u
 * dtypes fp16/bf16 (fp8 is forward-only, unused). Head dims (``_validate_head_dims``): on sm90 8 to 256, multiples of
   8; on sm100/sm110 8 to 128 or 256 (and 192 with a value head dim of 128, which ds-usp's equal padded dims never
   are); the sm100 head-dim-256 backward has no softcap. The kernels pick their architecture from the *current* CUDA
-  device (``FLASH_ATTENTION_ARCH`` overrides it).
+  device (``FLASH_ATTENTION_ARCH`` overrides it): the adapter makes the tensors' device current for each call.
 * Its imports: ``cutlass`` (nvidia-cutlass-dsl, whose ``nvidia-cutlass-dsl-libs-cu12``/``-cu13`` wheels are about
   92 MB), ``quack`` (quack-kernels), apache-tvm-ffi, torch-c-dlpack-ext, einops.
 
@@ -41,6 +41,7 @@ Not run on a GPU by this project: the adapter is tested on CPU against a stand-i
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, Optional
@@ -169,9 +170,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
             of another shape or dtype.
     """
     d = q.shape[-1]
-    res = _call(_interface()._flash_attn_fwd, _FWD_NEEDS,
-                q=_packed(q), k=_packed(k), v=_packed(v), softmax_scale=float(scale), causal=bool(causal),
-                softcap=float(softcap), return_lse=True)
+    with _on(q):
+        res = _call(_interface()._flash_attn_fwd, _FWD_NEEDS,
+                    q=_packed(q), k=_packed(k), v=_packed(v), softmax_scale=float(scale), causal=bool(causal),
+                    softcap=float(softcap), return_lse=True)
     out, lse = res[0], res[1]  # (b, sq, hq, d), (b, hq, sq) fp32; the rest (FA4's saved values) is not used
     b, sq, hq, _ = q.shape
     if lse is None or lse.shape != (b, hq, sq) or lse.dtype != torch.float32:
@@ -199,10 +201,11 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         dq (b, sq, hq, d), dk (b, sk, hkv, d), dv (b, sk, hkv, d) in q.dtype.
     """
     d = q.shape[-1]
-    dq, dk, dv = _call(_interface()._flash_attn_bwd, _BWD_NEEDS,
-                       q=_packed(q), k=_packed(k), v=_packed(v), out=_packed(out.to(q.dtype)),
-                       dout=_packed(dout.to(q.dtype)), lse=lse.to(torch.float32).contiguous(),
-                       softmax_scale=float(scale), causal=bool(causal), softcap=float(softcap))[:3]
+    with _on(q):
+        dq, dk, dv = _call(_interface()._flash_attn_bwd, _BWD_NEEDS,
+                           q=_packed(q), k=_packed(k), v=_packed(v), out=_packed(out.to(q.dtype)),
+                           dout=_packed(dout.to(q.dtype)), lse=lse.to(torch.float32).contiguous(),
+                           softmax_scale=float(scale), causal=bool(causal), softcap=float(softcap))[:3]
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
@@ -228,7 +231,7 @@ def disagreement(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: b
     try:
         out, lse = attention_forward(q, k, v, causal, scale, softcap)
         grads = attention_backward(dout, q, k, v, out, lse, causal, scale, softcap)
-    except (AssertionError, RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+    except Exception as exc:  # its checks are assertions; the CuTe DSL's compile errors have classes of their own
         reason = f"it raised {type(exc).__name__}: {exc}"
     else:
         ref_out, ref_lse = torch_sdpa.attention_forward(q, k, v, causal, scale, softcap)
@@ -278,6 +281,11 @@ def checked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     """:func:`attention_backward` of a call FA4 can take and has checked equal for; else ValueError by name."""
     _refuse_unfit(q, k, causal, softcap)
     return attention_backward(dout, q, k, v, out, lse, causal, scale, softcap)
+
+
+def _on(x: Tensor) -> contextlib.AbstractContextManager:
+    """``x``'s CUDA device made current: FA4 picks its kernels by the current device's architecture."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _padded(d: int) -> int:
