@@ -23,11 +23,12 @@ Facts about the ops that this module relies on (checked on torch 2.13, see tests
   each dtype, head size, GQA-or-not and causal-or-not runs both ops on a small random problem, forward and
   backward, and compares (:func:`_cudnn_agrees`; ``DS_USP_CUDNN_ATTENTION=0`` turns it off, read once:
   :func:`cudnn_attention_enabled`). It takes GQA natively, returns its lse as (b, h, sq, 1) fp32, wants it back in
-  that shape, and a None ``attn_bias`` / ``cum_seq`` in its backward (an undefined tensor: the dense kernel). It gets only the layout it was validated on:
-  bhsd views of bshd-contiguous tensors (strided inputs, such as the ring's K/V blocks, are copied first). It is
-  taken for calls of at least :data:`_CUDNN_MIN_PAIRS` query-key pairs: measured on an H200 (torch 2.11, cuDNN 9.19, heads 32/8 x 64, bf16,
-  causal; docs/benchmarks.md), it ran 1.5x the flash op's speed forward and backward at 32K to 128K tokens, as fast
-  at 8K and 16K, and slower below (2K: 0.4 ms forward against 0.2).
+  that shape, and a None ``attn_bias`` / ``cum_seq`` in its backward (an undefined tensor: the dense kernel). It gets
+  only the layout it was validated on: bhsd views of bshd-contiguous tensors (strided inputs, such as the ring's K/V
+  blocks, are copied first). It is taken for calls of at least :data:`_CUDNN_MIN_PAIRS` query-key pairs: measured on
+  an H200 (torch 2.11, cuDNN 9.19, heads 32/8 x 64, bf16, causal; docs/benchmarks.md), it ran 1.5x the flash op's
+  speed forward and backward at 32K to 128K tokens, as fast at 8K and 16K, and slower below (2K: 0.4 ms forward
+  against 0.2).
 * CUDA ``_scaled_dot_product_efficient_attention`` (used for everything else, notably fp32)
   requires hq == hkv, returns lse padded along seq to a multiple of 32 (unpadded on ROCm), and
   its backward wants ``out`` packed bshd-contiguous and lse in the padded layout.
