@@ -93,9 +93,10 @@ class USPSettings(BaseModel):
         "auto", "'auto', true or false", "checkpointed layer inputs wait in host memory, copied on a side stream "
         "(auto: on a GPU, when the step does not fit `memory_gib` otherwise; a no-op on CPU)")
     memory_gib: Optional[Union[StrictInt, StrictFloat]] = _key(
-        None, "a positive number of GiB", "the memory one rank's step may use, model states included: the `auto` "
-        "features are the fastest that fit 90% of it (default: a GPU's memory; on CPU the host's available memory "
-        "shared by the node's ranks)", gt=0, allow_inf_nan=False)
+        None, "a positive number of GiB", "the memory one rank may use, model states and (on CPU) the process "
+        "included: the `auto` features are the fastest that fit 90% of what the rank does not hold yet; a value no "
+        "plan fits is refused by name (default: a GPU's memory; on CPU the host's available memory shared by the "
+        "node's ranks)", gt=0, allow_inf_nan=False)
     vision_tower: Literal[VISION_TOWER_MODES] = _key(  # type: ignore[valid-type]
         "replicated", _choices(VISION_TOWER_MODES), "a VLM's vision tower: `replicated` encodes every image and "
         "frame on every rank; `sharded` runs each block of a tower that packs its patches with `cu_seqlens` "

@@ -382,6 +382,15 @@ class Calibration:
 
 # DeepSpeed's defaults that bound its buffers (elements): reduce_bucket_size, stage3_max_live_parameters
 REDUCE_BUCKET, LIVE_PARAMS = 5e8, 1e9
+HEADROOM = 0.9  # the share of what a rank's memory leaves beside what it holds that a step's activations are planned into
+
+
+def activation_budget(memory: float, held: float) -> float:
+    """The bytes a step's activations, loss and attention buffers may take: :data:`HEADROOM` of what ``memory`` leaves
+    beside the ``held`` bytes (the model's states, and what the process holds besides; ``python -m ds_usp.plan`` and
+    ``"auto"`` both plan with it). The headroom is on the step's part alone: the allocator's slack grows with what the
+    step allocates, and the states (allocated once) need none."""
+    return HEADROOM * (memory - held)
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,9 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
-from ds_usp.cost import (GIB, FeatureModes, Hardware, ModelShape, StepMemory, StepSettings, StepTime,
-                         attention_forward_flops, attention_memory, choose_features, model_state_memory,
+from ds_usp.cost import (GIB, HEADROOM, FeatureModes, Hardware, ModelShape, StepMemory, StepSettings, StepTime,
+                         activation_budget, attention_forward_flops, attention_memory, choose_features, model_state_memory,
                          step_memory, step_time, tokens_per_rank)
-from ds_usp.integration.step.choices import HEADROOM
 from ds_usp.integration.data.dynamic import plan_step
 from ds_usp.integration.models.diffusion.shape import dit_shape, dit_tokens, model_on_meta, read_diffusers_config
 from ds_usp.integration.models.shape import model_shape, split_refusal
@@ -158,7 +157,8 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
                         mem = step_memory(shape, s, seq, micro_batch, elem_bytes)
                         t = step_time(shape, s, seq, hw, micro_batch, elem_bytes)
                         problem = None
-                        if mem.total > HEADROOM * hw.gpu_mem_gib * GIB:
+                        states = mem.params + mem.grads + mem.optimizer
+                        if mem.total - states > activation_budget(hw.gpu_mem_gib * GIB, states):
                             problem = f"needs {mem.total / GIB:.1f} GiB of {hw.gpu_mem_gib:g}"
                         out.append(Candidate(s, preset, mem, t, problem))
     # fastest per token first: a plan with replicas trains dp sequences per step
@@ -169,10 +169,10 @@ def auto_settings(shape: ModelShape, base: StepSettings, seq: int, hw: Hardware,
                   elem_bytes: int = 2) -> StepSettings:
     """``base`` with the features ds-usp's ``"auto"`` keys choose on this hardware (the same rule as
     :meth:`ds_usp.integration.step.choices.MemoryContext.make_choices`: the fastest that fit :data:`HEADROOM` of the
-    GPU's memory beside the model's states)."""
+    GPU's memory left beside the model's states)."""
     tokens = tokens_per_rank(seq, micro_batch, base.sp)
     padded = tokens_per_rank(seq, 1, base.sp) * base.sp
-    budget = HEADROOM * hw.gpu_mem_gib * GIB - sum(model_state_memory(shape, base, elem_bytes))
+    budget = activation_budget(hw.gpu_mem_gib * GIB, sum(model_state_memory(shape, base, elem_bytes)))
     att = attention_memory(micro_batch, padded, shape.heads, shape.kv_heads, shape.head_dim, base.ulysses, base.ring,
                            elem_bytes)
     features, _, _ = choose_features(shape, tokens, FeatureModes(), budget, hw, elem_bytes, att.backward_peak,

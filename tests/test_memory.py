@@ -342,10 +342,11 @@ def test_auto_takes_the_fastest_features_that_fit_the_budget():
     """``"auto"``: nothing when the step fits the rank's memory; as the budget shrinks, the chunked loss first (rows a
     multiple of 128, as many as fit), then tiles and checkpointing of only as many layers as needed; the choice fits
     the budget it was given and ``false`` keeps a feature off. The budget is ``usp.memory_gib`` (on CPU, where the
-    host's memory would otherwise decide)."""
+    host's memory would otherwise decide), less the model's states (the rank is told it holds nothing else); a
+    ``usp.memory_gib`` that no plan fits is refused by name, with the memory the smallest plan needs."""
     from ds_usp.config import USPSettings
     from ds_usp.cost import GIB, ModelShape, StepSettings, model_state_memory
-    from ds_usp.integration.step.choices import HEADROOM, MemoryContext
+    from ds_usp.integration.step.choices import HEADROOM, MemoryBudgetError, MemoryContext
 
     shape = ModelShape("toy", hidden=256, attention_layers=4, heads=4, kv_heads=4, head_dim=64, v_head_dim=64,
                        vocab=32000, mlp_width=896, params=20_000_000, active_params=12_000_000)
@@ -354,7 +355,8 @@ def test_auto_takes_the_fastest_features_that_fit_the_budget():
 
     def plan(tokens: int, gib: float, **settings):
         ctx = MemoryContext(settings=USPSettings(memory_gib=gib, **settings), fallback_topo=_one_rank(), layout="zigzag",
-                            hidden=256, intermediate=896, vocab=32000, layers=4, zero3=False, shape=shape, step=step)
+                            hidden=256, intermediate=896, vocab=32000, layers=4, zero3=False, shape=shape, step=step,
+                            held=0.0)
         return ctx.make_choices(tokens, torch.device("cpu"), torch.float32)
 
     roomy = plan(4096, 64.0)
@@ -362,7 +364,7 @@ def test_auto_takes_the_fastest_features_that_fit_the_budget():
     previous = None
     for gib in (2.0, 1.2, 0.9, 0.75):  # less and less room beside the model's states
         got = plan(16384, gib)
-        budget = HEADROOM * gib * GIB - states
+        budget = HEADROOM * (gib * GIB - states)
         assert got.budget == pytest.approx(budget) and got.predicted <= budget, (gib, got)
         assert got.loss_chunk % 128 == 0 and got.loss_chunk > 0, got  # the whole fp32 logits never fit here
         assert not got.offload  # CPU: no host to offload to
@@ -370,11 +372,19 @@ def test_auto_takes_the_fastest_features_that_fit_the_budget():
             assert got.seconds >= previous.seconds and got.predicted <= previous.predicted + 1e-6 * GIB, (previous, got)
         previous = got
     assert previous.checkpoint and 0 < previous.checkpoint_layers <= 4 and previous.mlp_tiles > 0, previous
-    tight = plan(16384, 0.65)  # nothing fits: the least memory (every layer fully checkpointed), over the budget
-    assert tight.predicted > tight.budget and (tight.checkpoint, tight.checkpoint_layers) == ("full", 4), tight
-    off = plan(16384, 0.65, chunked_loss=False, tiled_mlp=False, activation_checkpointing=False,
-               offload_activations=False)
+    with pytest.raises(MemoryBudgetError, match=r"usp.memory_gib \(0.5\) is too small .* full checkpointing of "
+                       r"4/4 layers.* Set usp.memory_gib to at least ([0-9.]+)") as refused:
+        plan(16384, 0.5)  # nothing fits; the plan that holds least checkpoints every layer fully
+    need = float(refused.value.args[0].split("at least ")[1].split(",")[0])
+    least = plan(16384, need)  # the least memory_gib the refusal names fits
+    assert least.predicted <= least.budget and least.checkpoint_layers == 4, least
+    with pytest.raises(MemoryBudgetError):
+        plan(16384, need - 0.01)
+    offs = dict(chunked_loss=False, tiled_mlp=False, activation_checkpointing=False, offload_activations=False)
+    off = plan(16384, 64.0, **offs)
     assert (off.loss_chunk, off.mlp_tiles, off.checkpoint, off.offload) == (0, 0, "", False)
+    with pytest.raises(MemoryBudgetError, match="whole logits, MLP whole, no checkpointing"):
+        plan(16384, need, **offs)  # what fits with the features is refused when the keys turn them off
     forced = plan(4096, 64.0, activation_checkpointing="full", tiled_mlp=True)
     assert forced.checkpoint == "full" and forced.checkpoint_layers == 4 and forced.mlp_tiles >= 1
 
@@ -384,3 +394,63 @@ def _one_rank():
     import types
 
     return types.SimpleNamespace(ulysses_degree=1, ring_degree=1, sp_size=1, dp_size=1, sp_dp_group=None)
+
+
+def steps_within_budget(over_mib: list[float]) -> list[tuple]:
+    """On every rank (2x2, ZeRO-2, AdamW): for each of ``over_mib``, ``usp.memory_gib`` = the ranks' largest resident
+    set before ``ds_usp.initialize`` plus that many MiB, and the first step (the optimizer's states are made in it) at
+    S = 4096 of a Llama with vocab 32000. Per budget: the features chosen (or the refusal), the budget and the rank's
+    high-water mark over the step, in GiB."""
+    import ctypes
+    import gc
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ds_usp
+    from ds_usp.integration.step.choices import MemoryBudgetError, resident_bytes
+
+    ds_usp.hf.register_usp_attention()
+    ids = torch.randint(0, 32000, (1, 4096), generator=torch.Generator().manual_seed(0))
+    out = []
+    for over in over_mib:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        rss = torch.tensor([resident_bytes()], dtype=torch.float64)
+        dist.all_reduce(rss, op=dist.ReduceOp.MAX)  # one config on every rank: the largest resident set
+        cfg = dict(_ds_config(2, 4, 2, 2, "zigzag"), optimizer={"type": "AdamW", "params": {"lr": 1e-4}})
+        cfg["usp"]["memory_gib"] = budget = (float(rss) + over * 2 ** 20) / 2 ** 30
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(
+            vocab_size=32000, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096), attn_implementation="usp", dtype=torch.float32)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark from here: the engine and its first step
+        engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        shard = ds_usp.shard_batch({"input_ids": ids}, engine.usp.topo, layout=engine.usp.layout)
+        try:
+            engine.backward(engine(**{k: shard[k] for k in ("input_ids", "position_ids", "shift_labels")}).loss)
+            engine.step()
+            with open("/proc/self/status") as f:
+                hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+            out.append((engine.usp.memory.choices.describe(2), budget, hwm / 2 ** 30))
+        except MemoryBudgetError as e:
+            out.append((str(e), budget, None))
+        engine.destroy()
+        del engine, model
+        dist.barrier()
+    return out
+
+
+def test_a_given_memory_gib_bounds_the_rank_peak_or_is_refused(world4):
+    """``usp.memory_gib`` holds the rank's whole resident peak (interpreter, model, optimizer and the first step), at
+    two budgets where ``"auto"`` chooses differently; a budget no plan fits is refused by name on every rank (they
+    agree on the budget first, so none waits for another), with the least ``usp.memory_gib`` that fits."""
+    import re
+
+    for rank, ((roomy, roomy_gib, roomy_peak), (tight, tight_gib, tight_peak), (none, none_gib, _)) in enumerate(
+            world4.run(steps_within_budget, [400.0, 100.0, 1.0])):
+        assert roomy_peak <= roomy_gib and tight_peak <= tight_gib, (rank, roomy_peak, roomy_gib, tight_peak, tight_gib)
+        assert roomy != tight, (roomy, tight)  # the tight budget takes features the roomy one does not need
+        want = re.search(r"usp.memory_gib \([0-9.]+\) is too small .* Set usp.memory_gib to at least ([0-9.]+),", none)
+        assert want and none_gib < float(want[1]) <= tight_gib, none

@@ -22,7 +22,7 @@ TOLERANCE = 0.20
 VOCAB, HIDDEN, INTER, LAYERS = 8000, 256, 688, 4  # 8 heads, 4 key/value heads (meters.step_peak)
 ROWS = [  # (S, U, R, ZeRO, usp memory keys)
     (4096, 2, 2, 2, {"activation_checkpointing": False, "tiled_mlp": False, "chunked_loss": False}),
-    (8192, 1, 4, 3, {"memory_gib": 0.2}),  # "auto" in 0.2 GiB: 1024-row chunks, 2 tiles, 3 of 4 layers checkpointed
+    (8192, 1, 4, 3, {"memory_over_mib": 230}),  # "auto" in the resident set + 230 MiB: the loss in 512-row chunks
     (8192, 4, 1, 1, {"activation_checkpointing": "full", "tiled_mlp": True, "chunked_loss": True, "tile_mib": 8}),
 ]
 

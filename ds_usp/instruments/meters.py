@@ -219,7 +219,8 @@ def step_peak(seq: int, u: int, r: int, zero: int, keys: dict, layers: int, voca
         u: the Ulysses degree.
         r: the ring degree (``u * r`` ranks: every rank of the process group calls it).
         zero: the ZeRO stage.
-        keys: ``usp`` config keys of the memory features (``{}``: ``"auto"``).
+        keys: ``usp`` config keys of the memory features (``{}``: ``"auto"``); ``memory_over_mib`` sets
+            ``usp.memory_gib`` to the ranks' largest resident set before the model is built plus that many MiB.
         layers: decoder layers.
         vocab: vocabulary size.
         hidden: hidden size.
@@ -242,6 +243,11 @@ def step_peak(seq: int, u: int, r: int, zero: int, keys: dict, layers: int, voca
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts at the resident size
     base = _kib("VmRSS:")
+    keys = dict(keys)
+    if "memory_over_mib" in keys:  # one config on every rank: the largest resident set
+        rss = torch.tensor([float(base)], dtype=torch.float64)
+        dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+        keys["memory_gib"] = (float(rss) + keys.pop("memory_over_mib") * 2 ** 20) / 2 ** 30
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                       num_attention_heads=STEP_HEADS, num_key_value_heads=STEP_KV_HEADS,
                       max_position_embeddings=1 << 20)

@@ -6,12 +6,17 @@ tokens this rank holds into :class:`StepChoices`: the fastest features whose pre
 from the one cost model (:func:`ds_usp.cost.choose_features`; ``python -m ds_usp.plan`` prints the same choice).
 
 The budget: ``usp.memory_gib`` when given, else the device's memory (a GPU's; on CPU the host's available memory
-shared by the node's ranks), of which :data:`HEADROOM` is planned, less what the model's states take
-(:func:`ds_usp.cost.model_state_memory`). Under ZeRO-3 the ranks agree on it and on the tokens (tile counts decide how
-often ZeRO-3 gathers), one small all-reduce per call.
+shared by the node's ranks), of which :data:`HEADROOM` is planned, less what the rank already holds: the larger of
+what the process holds at its first call (the device's allocations on a GPU; on CPU with ``usp.memory_gib`` its
+resident set, interpreter and libraries included) and what the cost model says the model's states take
+(:func:`ds_usp.cost.model_state_memory`). So a given ``usp.memory_gib`` bounds the rank's whole peak, and a budget no
+plan fits is refused by name (:class:`MemoryBudgetError`) with what the smallest plan needs; without it the plan that
+holds least runs. Under ZeRO-3, or with ``usp.memory_gib`` given, the ranks agree on the budget and on the tokens
+(tile counts decide how often ZeRO-3 gathers; a refusal must be every rank's), one small all-reduce per call.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -19,16 +24,19 @@ import torch
 import torch.distributed as dist
 
 from ds_usp.comm import all_reduce_max_
-from ds_usp.config import USPSettings, ranks_per_node
-from ds_usp.cost import (GIB, Calibration, FeatureModes, Features, Hardware, ModelShape, StepSettings,
-                         attention_forward_flops, attention_memory, choose_features, features_of, model_state_memory)
+from ds_usp.config import USPConfigError, USPSettings, ranks_per_node
+from ds_usp.cost import (GIB, HEADROOM, Calibration, FeatureModes, Features, Hardware, ModelShape, StepSettings,
+                         activation_budget, attention_forward_flops, attention_memory, choose_features, features_of, model_state_memory)
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 
 MIB = 2 ** 20
-HEADROOM = 0.9  # the share of the rank's memory a step is planned into (the planner's, python -m ds_usp.plan)
 CPU = Hardware(peak_tflops=1.0, efficiency=1.0, host_bw=1e9, launch_us=5.0)  # relative prices only
 MemorySettings = USPSettings  # the memory stack reads the "usp" keys of the same names
+
+
+class MemoryBudgetError(USPConfigError):
+    """``usp.memory_gib`` leaves less than the smallest plan the ``usp`` keys allow needs."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,15 @@ class StepChoices(Features):
     budget: float = 0.0
     predicted: float = 0.0
     seconds: float = 0.0
+
+
+def resident_bytes() -> float:
+    """This process's resident set (``VmRSS``), in bytes (0: unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return 0.0
 
 
 def host_memory_per_rank() -> float:
@@ -80,6 +97,7 @@ class MemoryContext:
     step: Optional[StepSettings] = None  # the layout and ZeRO settings, for the model's states in the budget
     choices: Optional[StepChoices] = field(default=None)
     offload: Any = None  # the checkpointed inputs in host memory (ds_usp.integration.step.recompute.Offload)
+    held: Optional[float] = None  # bytes the rank holds before its step (None: measured at the first call)
     _memory: Optional[float] = field(default=None, repr=False)  # the rank's memory (bytes), read at the first call
     _known: dict = field(default_factory=dict, repr=False)  # tokens -> choices already made
     _logged: set = field(default_factory=set, repr=False)
@@ -108,40 +126,53 @@ class MemoryContext:
 
         Returns:
             The choices (logged on rank 0 the first time they are made for a length).
+
+        Raises:
+            MemoryBudgetError: ``usp.memory_gib`` is given and no plan the ``usp`` keys allow fits it (on every rank:
+                they agreed on the budget and the tokens first).
         """
-        memory = self._rank_memory(device)
+        memory, held = self._rank_memory(device)
+        given = getattr(self.settings, "memory_gib", None) is not None
         whole = self.usp is not None and self.usp.unsharded  # generation: each rank alone, no collective
-        if self.zero3 and not whole and dist.is_initialized() and dist.get_world_size() > 1:  # agree: gathers
-            agreed = torch.tensor([tokens, -int(memory // MIB)], dtype=torch.int64, device=_group_device(device))
+        if (self.zero3 or given) and not whole and dist.is_initialized() and dist.get_world_size() > 1:
+            agreed = torch.tensor([tokens, -int(memory // MIB), int(held // MIB)], dtype=torch.int64,
+                                  device=_group_device(device))
             all_reduce_max_(agreed, self.topo.sp_dp_group, "the tokens and memory of a step")
-            tokens, neg_mib = agreed.tolist()  # one read of the device's values
-            memory = -float(neg_mib) * MIB
-        key = (tokens, dtype, memory)
+            tokens, neg_mib, held_mib = agreed.tolist()  # one read of the device's values
+            memory, held = -float(neg_mib) * MIB, float(held_mib) * MIB
+        key = (tokens, dtype, memory, held)
         if key not in self._known:
-            self._known[key] = self._decide(tokens, device, torch.empty(0, dtype=dtype).element_size(), memory)
+            self._known[key] = self._decide(tokens, device, torch.empty(0, dtype=dtype).element_size(), memory, held)
         choices = self._known[key]
+        over = choices.predicted > choices.budget
+        if over and given:
+            raise MemoryBudgetError(_refusal(self.settings.memory_gib, choices, self.layers))
         if key not in self._logged:
             self._logged.add(key)
-            over = choices.predicted > choices.budget
             log_rank0(f"usp memory features at {tokens} tokens per rank: {choices.describe(self.layers)}"
                       + (f" (predicted {choices.predicted / GIB:.2f} GiB of a {choices.budget / GIB:.2f} GiB budget "
                          f"for activations{': nothing fits, these hold the least' if over else ''}; the features "
                          f"add about {choices.seconds:.3g} s)" if choices.budget else ""))
         return choices
 
-    def _rank_memory(self, device: torch.device) -> float:
-        """The memory one rank's step may use: ``usp.memory_gib``, else the device's (read once)."""
+    def _rank_memory(self, device: torch.device) -> tuple[float, float]:
+        """``(memory, held)``: the memory one rank's step may use (``usp.memory_gib``, else the device's) and what the
+        process holds of it before the step (see the module docstring), both read at the first call."""
         if self._memory is None:
             given = getattr(self.settings, "memory_gib", None)
+            cuda = device.type == "cuda"
             if given is not None:
                 self._memory = float(given) * GIB
-            elif device.type == "cuda":
+            elif cuda:
                 self._memory = float(torch.cuda.get_device_properties(device).total_memory)
             else:
-                self._memory = host_memory_per_rank()
-        return self._memory
+                self._memory = host_memory_per_rank()  # what is free already: nothing held counts against it
+            if self.held is None:
+                self.held = (float(torch.cuda.memory_allocated(device)) if cuda else
+                             resident_bytes() if given is not None else 0.0)
+        return self._memory, self.held
 
-    def _decide(self, tokens: int, device: torch.device, elem: int, memory: float) -> StepChoices:
+    def _decide(self, tokens: int, device: torch.device, elem: int, memory: float, held: float) -> StepChoices:
         s = self.settings
         modes = FeatureModes(s.chunked_loss, s.tiled_mlp, s.activation_checkpointing, s.offload_activations,
                              s.tile_mib)
@@ -155,7 +186,7 @@ class MemoryContext:
             return StepChoices(**vars(features_of(shape, tokens, forced)), tokens=tokens)
         topo = self.topo
         step = self.step or StepSettings(topo.ulysses_degree, topo.ring_degree, topo.dp_size, 3 if self.zero3 else 2)
-        budget = HEADROOM * memory - sum(model_state_memory(self.shape, step, elem))
+        budget = activation_budget(memory, max(held, sum(model_state_memory(self.shape, step, elem))))
         seq = tokens * topo.sp_size  # the whole rows' length (a batch's rows: b x S over the group)
         att = attention_memory(1, seq, self.shape.heads, self.shape.kv_heads, self.shape.head_dim, topo.ulysses_degree,
                                topo.ring_degree, elem)
@@ -163,6 +194,18 @@ class MemoryContext:
             self.shape, tokens, modes, budget, CPU if device.type != "cuda" else Hardware(), elem, att.backward_peak,
             attention_forward_flops(self.shape, seq) / topo.sp_size, device.type == "cuda", Calibration())
         return StepChoices(**vars(features), tokens=tokens, budget=budget, predicted=predicted, seconds=seconds)
+
+
+def _refusal(gib: float, choices: StepChoices, layers: int) -> str:
+    """Why ``usp.memory_gib`` cannot hold the step, and what the smallest plan needs."""
+    holds = gib * GIB - choices.budget / HEADROOM  # the larger of what the rank holds and its model states
+    want = math.ceil((holds + choices.predicted / HEADROOM) / GIB * 100) / 100  # the least memory_gib that fits it
+    return (f"usp.memory_gib ({gib:g}) is too small for {choices.tokens} tokens per rank: the rank holds "
+            f"{holds / GIB:.2f} GiB before its step (model states, buffers; on CPU the process itself), and "
+            f"{HEADROOM:.0%} of the rest, {max(choices.budget, 0.0) / GIB:.2f} GiB, is the step's; the plan that "
+            f"holds least of those the usp keys allow ({choices.describe(layers)}) needs {choices.predicted / GIB:.2f} "
+            f"GiB. Set usp.memory_gib to at least {want:g}, spread the sequence over more sequence-parallel ranks, or "
+            f"shorten it.")
 
 
 def _group_device(device: torch.device) -> torch.device:
