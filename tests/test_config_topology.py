@@ -40,7 +40,7 @@ BAD_CONFIGS = [
     ({"sequence_parallel": "usp", "usp": {"ring_impl": "zigzag", "layout": "contiguous"}}, 4,
      "usp.ring_impl ('zigzag') is the old name of usp.layout ('contiguous'): give one of them"),
     ({"sequence_parallel": "usp", "usp": {"attn_backend": "xformers"}}, 4,
-     "usp.attn_backend ('xformers') is invalid: must be one of 'auto', 'torch', 'flash_attn', 'triton'"),
+     "usp.attn_backend ('xformers') is invalid: must be one of 'auto', 'torch', 'flash_attn', 'flash_attn_4', 'triton'"),
     ({"sequence_parallel": "usp", "usp": {"native_op": "yes"}}, 4,
      "usp.native_op ('yes') is invalid: must be 'auto', true or false"),
     ({"sequence_parallel": "usp", "usp": {"comm_dtype": "bf16"}}, 4,
