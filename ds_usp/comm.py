@@ -21,7 +21,10 @@ These functions are not autograd-aware themselves: the attention's forward and b
 custom op that calls them (:mod:`ds_usp.attention.usp`).
 
 A collective that fails (a peer rank died, or stalled past the group's timeout) raises
-:class:`USPCommError` naming the collective and the ranks of its group.
+:class:`USPCommError` naming the collective, the ranks and kinds of its group, and the layer and the training step it
+ran in. Each is issued asynchronously and watched by :mod:`ds_usp.watchdog` until it has run, so that one that does
+not complete is named on every backend, NCCL included (whose ``wait()`` returns before the collective has run): the
+next collective raises it, and a rank stuck in a device sync is ended.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.upstream.c10d import process_group_named
+from ds_usp.watchdog import describe_group, forget, overdue, waited, watch, where
 
 
 class USPCommError(RuntimeError):
@@ -42,16 +46,44 @@ class USPCommError(RuntimeError):
 
 @contextmanager
 def _named(what: str, group: Any) -> Iterator[None]:
-    """Re-raise a failing collective's error as :class:`USPCommError` that names it and its group's ranks."""
+    """Raise a collective the watchdog named (one issued earlier that has not completed in its group's timeout), then
+    re-raise a failing collective's error as :class:`USPCommError` that names it, its group and where it ran."""
+    message = overdue()
+    if message is not None:
+        raise USPCommError(message)
     try:
         yield
     except USPCommError:
         raise
     except RuntimeError as e:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        raise USPCommError(f"the {what} over ranks {ranks} failed on rank {dist.get_rank()}: {e}\n"
+        raise USPCommError(f"the {what} over {describe_group(group)} failed on rank {dist.get_rank()}{where()}: {e}\n"
                            f"A rank of this group died, stalled longer than the group timeout (usp.timeout_seconds), "
                            f"or called a different collective; see the other ranks' logs.") from e
+
+
+def _cuda(device: torch.device) -> Optional[torch.device]:
+    """``device`` when it is a CUDA device (where the watchdog waits for an event), else None."""
+    return device if device.type == "cuda" else None
+
+
+def _waited(works: Sequence[Any], token: Optional[int], device: Optional[torch.device]) -> None:
+    """Wait for ``works`` (watched under ``token``); where the backend's wait returns before they have run (NCCL), the
+    watchdog keeps watching them on ``device`` (their tensors' CUDA device, or None)."""
+    try:
+        for work in works:
+            work.wait()
+    except BaseException:
+        forget(token)
+        raise
+    waited(token, device)
+
+
+def _run(what: str, group: Any, issue: Callable[[], Any], device: torch.device) -> None:
+    """``issue()`` (a collective with ``async_op=True``, returning its work, on tensors of ``device``), watched and
+    waited for, named."""
+    with _named(what, group):
+        work = issue()
+        _waited((work,), watch((work,), what, group), _cuda(device))
 
 
 def resolve_group(name: str) -> Any:
@@ -125,8 +157,7 @@ def all_to_all(send: Tensor, group: Any, fp8: bool = False) -> Tensor:
     """
     msg = fp8_encode(send) if fp8 else send
     recv = torch.empty_like(msg)
-    with _named("Ulysses all-to-all", group):
-        dist.all_to_all_single(recv, msg, group=group)
+    _run("Ulysses all-to-all", group, lambda: dist.all_to_all_single(recv, msg, group=group, async_op=True), recv.device)
     if not fp8:
         return recv
     del msg
@@ -261,11 +292,11 @@ def ring_shift(send: Tensor, group: Any, ring_ranks: Sequence[int], ring_rank: i
            dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - hop) % n], group)]
     with _named("ring send/recv", group):
         works = dist.batch_isend_irecv(ops)
+    token = watch(works, "ring send/recv", group)
 
     def wait() -> Tensor:
         with _named("ring send/recv", group):
-            for w in works:
-                w.wait()
+            _waited(works, token, _cuda(recv.device))
         return recv
 
     return wait
@@ -294,8 +325,7 @@ def all_reduce_max_(x: Tensor, group: Any, what: str) -> Tensor:
 
 
 def _all_reduce_(x: Tensor, group: Any, what: str, op: Any) -> Tensor:
-    with _named(what, group):
-        dist.all_reduce(x, op=op, group=group)
+    _run(what, group, lambda: dist.all_reduce(x, op=op, group=group, async_op=True), x.device)
     return x
 
 
@@ -324,8 +354,7 @@ def barrier(group: Any, what: str) -> None:
     Raises:
         USPCommError: the collective failed.
     """
-    with _named(what, group):
-        dist.barrier(group=group)
+    _run(what, group, lambda: dist.barrier(group=group, async_op=True), group_device(group))
 
 
 def warm_up(group: Any, what: str, ring: Optional[tuple[Sequence[int], int]] = None) -> None:
@@ -344,8 +373,8 @@ def warm_up(group: Any, what: str, ring: Optional[tuple[Sequence[int], int]] = N
     size = dist.get_world_size(group)
     x = torch.ones(1, dtype=torch.float32, device=group_device(group))
     with _named(f"warm-up all-reduce of the {what}", group):
-        dist.all_reduce(x, group=group)
-        got = x.item()  # waits: an asynchronous backend reports its failure here
+        _all_reduce_(x, group, f"warm-up all-reduce of the {what}", dist.ReduceOp.SUM)
+        got = x.item()  # waits: an asynchronous backend reports its failure here (or the watchdog names it)
     if got != size:
         raise USPCommError(f"the warm-up all-reduce of the {what} over ranks {dist.get_process_group_ranks(group)} "
                            f"counted {got:g} ranks, not {size}: the group does not connect its ranks")
@@ -398,8 +427,7 @@ def all_gather_rows(x: Tensor, group: Any, what: str) -> list[Tensor]:
         USPCommError: the collective failed.
     """
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    with _named(what, group):
-        dist.all_gather(parts, x, group=group)
+    _run(what, group, lambda: dist.all_gather(parts, x, group=group, async_op=True), x.device)
     return parts
 
 
@@ -408,7 +436,11 @@ def all_gather_objects(obj: Any, group: Any, what: str) -> list[Any]:
     ``group``, in group-rank order; ``USPCommError`` when the collective fails."""
     parts: list[Any] = [None] * dist.get_world_size(group)
     with _named(what, group):
-        dist.all_gather_object(parts, obj, group=group)
+        token = watch(None, what, group)  # no work: the call is watched until it returns
+        try:
+            dist.all_gather_object(parts, obj, group=group)
+        finally:
+            forget(token)
     return parts
 
 
@@ -492,11 +524,11 @@ def ring_exchange(sends: Sequence[tuple[Tensor, int]], group: Any, ring_ranks: S
                 dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - hop) % n], group)]
     with _named("ring send/recv", group):
         works = dist.batch_isend_irecv(ops)
+    token = watch(works, "ring send/recv", group)
 
     def wait() -> list[Tensor]:
         with _named("ring send/recv", group):
-            for w in works:
-                w.wait()
+            _waited(works, token, _cuda(recvs[0].device) if recvs else None)
         return recvs
 
     return wait

@@ -37,3 +37,8 @@ def log_rank0(msg: str) -> None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         log_info(msg)
+
+
+def log_error(msg: str) -> None:
+    """Log ``msg`` at ERROR level on the ``ds_usp`` logger (on this rank: a failure every rank reports for itself)."""
+    get_logger().error(msg)
