@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ds_usp.comm import warm_up
 from ds_usp.config import ranks_per_node_and_source
 from ds_usp.log import log_warning
+from ds_usp.watchdog import name_group
 
 Ranks = tuple[int, ...]
 KINDS = ("ulysses", "ring", "sp", "dp", "sp_dp")  # the group kinds, in the order every rank builds them
@@ -50,7 +51,8 @@ def _solo_group(me: int, **kwargs: Any) -> Any:
 
     group = _SOLO.get(me)
     if group is None or group not in distributed_c10d._world.pg_map:
-        group = _SOLO[me] = dist.new_group([me], use_local_synchronization=True, **kwargs)
+        group = _SOLO[me] = dist.new_group([me], use_local_synchronization=True,
+                                           group_desc=f"ds_usp_model_parallel_{me}", **kwargs)
     return group
 
 
@@ -183,18 +185,50 @@ def ulysses_across_nodes(ranks: GroupRanks) -> Optional[str]:
             f"usp.ring_degree, or leave both out (ds-usp keeps Ulysses inside a node)")
 
 
+def group_descs(ranks: GroupRanks) -> dict[Ranks, str]:
+    """The ``group_desc`` of each distinct group (sorted ranks): ``ds_usp_`` and every kind it serves with the group's
+    index among that kind's, in :data:`KINDS` order, e.g. ``ds_usp_ring_1`` or ``ds_usp_ulysses_0+sp_0+sp_dp_0`` (kinds
+    over the same ranks are one process group). torch shows it in NCCL's logs and flight-recorder dumps.
+
+    Args:
+        ranks: the layout.
+
+    Returns:
+        ``{sorted ranks: description}``.
+    """
+    names: dict[Ranks, list[str]] = {}
+    for kind in KINDS:
+        for index, members in enumerate(getattr(ranks, kind)):
+            names.setdefault(tuple(sorted(members)), []).append(f"{kind}_{index}")
+    return {key: "ds_usp_" + "+".join(parts) for key, parts in names.items()}
+
+
+def _name_groups(ranks: GroupRanks, me: int, mine: dict[str, Any], descs: dict[Ranks, str],
+                 timeout: Optional[datetime.timedelta]) -> None:
+    """Tell the watchdog (:func:`ds_usp.watchdog.name_group`) what each of this rank's groups is: its kinds, ranks,
+    description and timeout, and whether its backend's wait blocks (gloo)."""
+    for group in {id(g): g for g in mine.values()}.values():
+        kinds = [kind for kind in KINDS if mine[kind] is group]
+        members = tuple(sorted(ranks.member_of(kinds[0], me)))
+        name_group(group, kinds, members, descs[members], None if timeout is None else timeout.total_seconds(),
+                   wait_blocks=dist.get_backend(group) == "gloo")
+
+
 def _build_groups(ranks: GroupRanks, me: int, **kwargs: Any) -> dict[str, Any]:
     """This rank's group of each kind, created in one fixed order on every rank; kinds over the same ranks share one
-    process group, and each group of more than one rank is warmed up (:func:`ds_usp.comm.warm_up`) once."""
+    process group (named by :func:`group_descs`, told to the watchdog), and each group of more than one rank is warmed
+    up (:func:`ds_usp.comm.warm_up`) once."""
     made: dict[Ranks, Any] = {}
     mine: dict[str, Any] = {}
+    descs = group_descs(ranks)
     for kind in KINDS:
         for members in getattr(ranks, kind):
             key = tuple(sorted(members))
             if key not in made:
-                made[key] = dist.new_group(list(key), **kwargs)
+                made[key] = dist.new_group(list(key), group_desc=descs[key], **kwargs)
             if me in members:
                 mine[kind] = made[key]
+    _name_groups(ranks, me, mine, descs, kwargs.get("timeout"))
     warmed: set[int] = set()  # the ring comes before every kind it can share a group with (sp when U = 1)
     for kind in KINDS:
         group, members = mine[kind], ranks.member_of(kind, me)
