@@ -18,6 +18,8 @@ scaling users report with Ulysses, and the reason the SP loss exists.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
@@ -39,6 +41,7 @@ from ds_usp.log import log_info
 from ds_usp.native import resolve_native_op
 from ds_usp.splits import degree_split, divisors
 from ds_usp.topology import USPTopology
+from ds_usp.watchdog import set_step_source
 
 
 @dataclass(frozen=True)
@@ -216,4 +219,25 @@ def wrap_engine(engine: Any, settings: Settings, topo: Optional[USPTopology], me
     usp = settings.usp
     attach_state(engine, USPState(config=usp, topo=topo, memory=memory))
     note_failures(engine, dist.get_rank())
+    name_steps(engine)
     replace_checkpointing(engine, AtomicCheckpoints(engine, usp.async_save, usp.timeout_seconds))
+
+
+def _step_of(engine_ref: "weakref.ref[Any]") -> Optional[int]:
+    """The training step the engine is in (``global_steps + 1``, as its failure notes say), None once it is gone."""
+    engine = engine_ref()
+    return None if engine is None else engine.global_steps + 1
+
+
+def name_steps(engine: Any) -> None:
+    """Make a training engine's step the one the collectives' watchdog names (:func:`ds_usp.watchdog.set_step_source`):
+    read when an error is named, never per step; held weakly. An engine that does not train (no optimizer, or ZeRO-3's
+    inference offload) leaves the source to the one that does.
+
+    Args:
+        engine: DeepSpeed's engine.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or type(optimizer).__name__ == "DeepSpeedZeRoOffload":
+        return
+    set_step_source(functools.partial(_step_of, weakref.ref(engine)))
