@@ -14,7 +14,9 @@ Rank layout (``N = U * R`` sequence-parallel ranks, ``dp = world / N`` replicas)
 rank lists into process groups: groups of different kinds over the same ranks are one process group (one
 communicator: with one replica the SP and the sequence x data-parallel groups are the same ranks), and each group is
 warmed up as it is built (:func:`ds_usp.comm.warm_up`), so that ranks that cannot reach each other fail there, with
-the group named. Groups travel as the frozen :class:`USPTopology` value; nothing is kept in module globals.
+the group named. Each group carries a ``group_desc`` (:func:`group_descs`: ``ds_usp_ring_1``, ...) and is described to
+the collectives' watchdog (:func:`ds_usp.watchdog.name_group`: its kinds, ranks and timeout, for the errors of its
+collectives). Groups travel as the frozen :class:`USPTopology` value; no group is kept in module globals.
 """
 from __future__ import annotations
 
