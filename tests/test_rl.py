@@ -382,8 +382,9 @@ def _reward_chat(completions, **kwargs):
     return [float(sum(len(m.get("content") or "") for m in c) % 7) + 0.5 * len(c) for c in completions]
 
 
-def _trainer(name: str, model_dir: str, out: str, use_usp: bool):
-    """The case's trainer: ds-usp's on every rank, or TRL's own with the keyed sampler in one process."""
+def _trainer(name: str, model_dir: str, out: str, use_usp: bool, split: bool = True):
+    """The case's trainer: ds-usp's on every rank (``split``: split rollouts), or TRL's own with the keyed sampler in
+    one process."""
     import ds_usp  # noqa: F401 - registers "usp" and the deepspeed.initialize hook
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -409,7 +410,8 @@ def _trainer(name: str, model_dir: str, out: str, use_usp: bool):
         self._test_calls.append((len(prompt_ids), self._usp_rollout is None or self._usp_rollout.calls == 0))
         return super(cls, self)._generate_single_turn(prompt_ids, *args, **kwargs)
 
-    cls = type(base.__name__, (base,), {"_generate_and_score_completions": keep, "_generate_single_turn": count})
+    cls = type(base.__name__, (base,), {"_generate_and_score_completions": keep, "_generate_single_turn": count,
+                                        **({} if split else {"split_rollouts": False})})
     _fresh_accelerate()
     replicas = 4 // (u * r) if use_usp else 1
     args = (RLOOConfig if rloo else GRPOConfig)(
@@ -431,9 +433,10 @@ def _trainer(name: str, model_dir: str, out: str, use_usp: bool):
     return trainer, seen
 
 
-def train_split(name: str, model_dir: str, out: str, plant: bool = False) -> dict:
+def train_split(name: str, model_dir: str, out: str, plant: bool = False, split: bool = True) -> dict:
     """On every rank: the case with split rollouts (``plant``: the last rank's share put first when the shares are
-    gathered); its logs, final parameters and the completions of each rollout."""
+    gathered; ``split=False``: every rank generates its group's whole batch); its logs, final parameters and the
+    completions of each rollout."""
     import deepspeed
 
     from ds_usp.integration.trainers import rollout
@@ -441,7 +444,7 @@ def train_split(name: str, model_dir: str, out: str, plant: bool = False) -> dic
     # as the launcher's accelerate state does: under ZeRO-3, from_pretrained's zero.Init reads deepspeed.comm's world
     # size (1 until it is initialized), whichever case this world ran first
     deepspeed.init_distributed(dist_backend="gloo")
-    trainer, seen = _trainer(name, model_dir, out, True)
+    trainer, seen = _trainer(name, model_dir, out, True, split)
     original = rollout.in_rank_order
     if plant:
         rollout.in_rank_order = lambda parts: original(parts[-1:] + parts[:-1])
@@ -493,7 +496,7 @@ def _replicas_completions(results: list, sp: int) -> list:
     return [[row for replica in rollout for row in replica] for rollout in zip(*per_replica)]
 
 
-def _check(name: str, results: list, want: dict) -> None:
+def _check(name: str, results: list, want: dict, split: bool = True) -> None:
     _, _, _, u, r, *_ = CASES[name]
     for k in range(0, len(results), u * r):  # the ranks of a group trained on the same rollouts and logged the same
         assert all(res["completions"] == results[k]["completions"] for res in results[k:k + u * r])
@@ -504,14 +507,15 @@ def _check(name: str, results: list, want: dict) -> None:
         for j, (a, b) in enumerate(zip(x, y)) if a != b)
     assert any(len({tuple(c) for c in rows}) > 1 for rows in want["completions"])  # really sampled
     _same(results[0], want)
-    _check_shares(name, results)
+    _check_shares(name, results, split)
 
 
-def _check_shares(name: str, results: list) -> None:
-    """Each rank generated its share of each generation call's rows and no more (counted below the split)."""
+def _check_shares(name: str, results: list, split: bool = True) -> None:
+    """Each rank generated its share of each generation call's rows and no more (counted below the split); without
+    the split, every row of each call."""
     kind, _, _, u, r, _, _, gens, extra = CASES[name]
-    sp = u * r
-    assert all(res["calls"] == results[k - k % sp]["calls"] for k, res in enumerate(results))  # the group's calls
+    sp = u * r if split else 1
+    assert all(res["calls"] == results[k - k % (u * r)]["calls"] for k, res in enumerate(results))  # the group's
     lockstep = extra.get("ds3_gather_for_generation") is False  # an empty share generates one row, discarded
     for k, res in enumerate(results):  # a first turn's prompt groups stay together; a tool turn's rows are shared
         want = [_shares(n, sp, gens if first else 1)[k % sp] or int(lockstep) for n, first in res["calls"]]
@@ -527,6 +531,23 @@ def test_split_rollouts_equal_one_process(world4, model_dirs, tmp_path_factory, 
     path = model_dirs[CASES[name][1]]
     results = world4.run(train_split, name, path, str(tmp_path_factory.mktemp("usp")))
     _check(name, results, _reference(name, path, str(tmp_path_factory.mktemp("ref"))))
+
+
+def test_unsplit_rollouts_with_tools_under_zero3_equal_one_process(world4, model_dirs, tmp_path_factory):
+    """``split_rollouts = False``: every rank generates its group's whole batch, tool turns included; under ZeRO-3 with
+    2 replicas, whose rollouts make different numbers of tool turns, the parameters are gathered once per rollout
+    (TRL's gathers per generation call, over every rank, would wait forever): the tool case trains as one process."""
+    name = "tools-zero3-2x1-2-replicas"
+    path = model_dirs[CASES[name][1]]
+    timeout, world4.timeout = world4.timeout, 180  # a rank waiting forever fails the case in 3 minutes, not 15
+    try:
+        results = world4.run(train_split, name, path, str(tmp_path_factory.mktemp("unsplit")), False, False)
+    finally:
+        world4.timeout = timeout
+    want = _reference(name, path, str(tmp_path_factory.mktemp("ref")))
+    _check(name, results, want, split=False)
+    calls = results[0]["calls"]  # replica 0's generation calls; replica 1's differ in number (tool turns)
+    assert len(calls) != len(results[2]["calls"]) or [n for n, _ in calls] != [n for n, _ in results[2]["calls"]]
 
 
 def test_a_share_gathered_out_of_order_fails_the_comparison(world4, model_dirs, tmp_path_factory):

@@ -4,11 +4,12 @@ the gradient boundary of a dynamic-SP step, accelerate's processes seen as the d
 sequence-parallel part of accelerate's ``parallelism_config`` taken by ds-usp."""
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -73,6 +74,8 @@ def check_accelerate_reads_deepspeed_initialize() -> None:
 
 
 
+_OPERATIONS_COLLECTIVES = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+                                     "broadcast_object_list", "all_reduce"})
 _ACCELERATOR_VIEW = {"gather": ("tensor",), "gather_for_metrics": ("input_data", "use_gather_object"),
                      "reduce": ("tensor", "reduction", "scale"), "pad_across_processes": ("tensor", "dim", "pad_index",
                                                                                           "pad_first")}
@@ -152,11 +155,149 @@ def _replicas_class(cls: type, group: Any, size: int, index: int) -> type:
         "reduce": reduce, "pad_across_processes": pad_across_processes})
 
 
+register("replicas_operations", Patch(
+    "accelerate.utils.operations' module globals PartialState and torch while a ds-usp trainer's replicas view lasts "
+    "(what accelerate's free functions gather, gather_object, broadcast, broadcast_object_list, reduce and "
+    "pad_across_processes read, however they were imported)",
+    "the module's functions reading the process count and index from PartialState() and communicating only through "
+    "torch.distributed's all_gather, all_gather_into_tensor, all_gather_object, broadcast, broadcast_object_list and "
+    "all_reduce, called on the module's torch without a group argument",
+    "code that runs in the view and calls accelerate's free functions (a GRPO rollout_func, which runs on each "
+    "sequence-parallel group's first rank only; TRL's server idiom gather_object / broadcast_object_list; a reward "
+    "function) would communicate over every rank: the group's other ranks, not in the call, never join (a hang), and "
+    "where every rank calls, each sample is counted sequence_parallel_size times",
+    "accelerate's operations taking a process group (or the data-parallel group of its ParallelismConfig)"))
+
+
+class _StateOverReplicas:
+    """accelerate's ``PartialState()`` as the operations module sees it in the view: ``num_processes`` and
+    ``process_index`` are the replicas'; everything else is the state's own."""
+
+    def __init__(self, state: Any, size: int, index: int) -> None:
+        self._state, self.num_processes, self.process_index = state, size, index
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+class _DistributedOverReplicas:
+    """``torch.distributed`` as the operations module sees it in the view: its collectives run over the replicas'
+    group through :mod:`ds_usp.comm` (``src`` is a replica's index, as accelerate passes ``from_process``)."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    def all_gather(self, tensor_list: list, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        from ds_usp.comm import all_gather_rows
+
+        for out, part in zip(tensor_list, all_gather_rows(tensor.contiguous(), self._group, "gather over replicas")):
+            out.copy_(part)
+
+    def all_gather_into_tensor(self, output: Any, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        from ds_usp.comm import all_gather_rows
+
+        parts = all_gather_rows(tensor.contiguous(), self._group, "gather over replicas")
+        output.view(-1).copy_(torch.cat([p.reshape(-1) for p in parts]))  # (replicas * numel,)
+
+    def all_gather_object(self, object_list: list, obj: Any, *args: Any, **kwargs: Any) -> None:
+        from ds_usp.comm import all_gather_objects
+
+        object_list[:] = all_gather_objects(obj, self._group, "gather_object over replicas")
+
+    def broadcast(self, tensor: Any, src: int, *args: Any, **kwargs: Any) -> None:
+        from ds_usp.comm import all_gather_rows
+
+        tensor.copy_(all_gather_rows(tensor.contiguous(), self._group, "broadcast over replicas")[src])
+
+    def broadcast_object_list(self, object_list: list, src: int = 0, *args: Any, **kwargs: Any) -> None:
+        from ds_usp.comm import all_gather_objects
+
+        object_list[:] = all_gather_objects(list(object_list), self._group, "broadcast_object_list over replicas")[src]
+
+    def all_reduce(self, tensor: Any, op: Any = None, *args: Any, **kwargs: Any) -> None:
+        from ds_usp.comm import all_reduce_max_, all_reduce_sum_
+
+        ops = torch.distributed.ReduceOp
+        if op is not None and op not in (ops.SUM, ops.MAX):
+            refuse("replicas_operations", f"accelerate's operations all-reduce with {op}")
+        (all_reduce_max_ if op == ops.MAX else all_reduce_sum_)(tensor, self._group, "reduce over replicas")
+
+
+class _TorchOverReplicas:
+    """``torch`` as the operations module sees it in the view: :class:`_DistributedOverReplicas` as ``distributed``."""
+
+    def __init__(self, group: Any) -> None:
+        self.distributed = _DistributedOverReplicas(group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _checked_operations() -> Any:
+    """accelerate's ``accelerate.utils.operations``, after checking what the patch ``replicas_operations`` relies on.
+
+    Raises:
+        UpstreamChanged: it communicates otherwise.
+    """
+    import accelerate.utils.operations as operations
+
+    names = vars(operations)
+    if names.get("torch") is not torch or not isinstance(names.get("PartialState"), type):
+        refuse("replicas_operations", "accelerate.utils.operations has no module-level torch and PartialState")
+    calls = _operations_calls(operations)
+    unknown = sorted({name for name, _ in calls} - _OPERATIONS_COLLECTIVES)
+    grouped = sorted({name for name, arguments in calls if "group" in arguments})
+    if unknown or grouped:
+        refuse("replicas_operations", f"accelerate.utils.operations calls torch.distributed."
+                                      f"{', '.join(unknown or grouped)} ({'unknown' if unknown else 'with a group'})")
+    return operations
+
+
+@functools.cache
+def _operations_calls(operations: Any) -> frozenset:
+    """``(name, its arguments when called)`` of every ``torch.distributed.<name>`` the module's source reads."""
+    calls = set()
+    for node in ast.walk(ast.parse(inspect.getsource(operations))):
+        attribute = node.func if isinstance(node, ast.Call) else node
+        if (isinstance(attribute, ast.Attribute) and isinstance(attribute.value, ast.Attribute) and
+                attribute.value.attr == "distributed" and isinstance(attribute.value.value, ast.Name) and
+                attribute.value.value.id == "torch"):
+            arguments = [ast.unparse(a) for a in node.args] + [f"{k.arg}=" for k in node.keywords] \
+                if isinstance(node, ast.Call) else []
+            calls.add((attribute.attr, " ".join(arguments)))
+    return frozenset(calls)
+
+
+@contextlib.contextmanager
+def operations_over_replicas(group: Any, size: int, index: int) -> Iterator[None]:
+    """While the block runs, accelerate's free operations (``accelerate.utils.gather``, ``gather_object``,
+    ``broadcast``, ``broadcast_object_list``, ``reduce``, ``pad_across_processes``, however imported) see the
+    data-parallel replicas as the processes and communicate over ``group`` (``size`` replicas, this one ``index``).
+
+    Raises:
+        UpstreamChanged: accelerate's operations module communicates otherwise.
+    """
+    operations = _checked_operations()
+    saved = {name: vars(operations)[name] for name in ("PartialState", "torch")}
+    operations.PartialState = lambda *args, **kwargs: _StateOverReplicas(saved["PartialState"](*args, **kwargs),
+                                                                         size, index)
+    operations.torch = _TorchOverReplicas(group)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(operations, name, value)
+
+
 @contextlib.contextmanager
 def replicas_view(accelerator: Any, modules: tuple, group: Any, size: int, index: int) -> Any:
-    """While the block runs, ``accelerator`` and the ``gather`` / ``gather_object`` of ``modules`` (TRL trainer
-    modules) see the data-parallel replicas as the processes: ``group`` (this rank's replicas: one rank of each
-    sequence-parallel group), ``size`` of them, this one ``index``. ``is_main_process`` is unchanged (global rank 0).
+    """While the block runs, ``accelerator``, the ``gather`` / ``gather_object`` of ``modules`` (TRL trainer
+    modules) and accelerate's free operations (:func:`operations_over_replicas`) see the data-parallel replicas as the
+    processes: ``group`` (this rank's replicas: one rank of each sequence-parallel group), ``size`` of them, this one
+    ``index``. ``is_main_process`` is unchanged (global rank 0).
 
     Raises:
         UpstreamChanged: an attribute it replaces is not what it was written for.
@@ -177,7 +318,8 @@ def replicas_view(accelerator: Any, modules: tuple, group: Any, size: int, index
         module.gather = lambda tensor: _gather_rows(tensor, group, size)
         module.gather_object = lambda obj: _gather_objects(obj, group, size)
     try:
-        yield
+        with operations_over_replicas(group, size, index):
+            yield
     finally:
         accelerator.__class__ = cls
         for module, name, fn in saved:

@@ -30,8 +30,8 @@ changes, in one place for the three trainers (:class:`USPRLMixin`); each TRL tra
   temperature, and gathers the per-token results over the group
   (:func:`ds_usp.integration.step.logprobs.fused_forward`), left-padded prompts and right-padded completions exact;
 * **losses and metrics**: TRL's own code on those whole per-token tensors, identical on the ranks of a group, with
-  accelerate's processes seen as the data-parallel replicas while it runs
-  (:func:`ds_usp.upstream.accelerate.replicas_view`), so rewards, advantages, every ``loss_type``
+  accelerate's processes (the accelerator's and accelerate's free operations) seen as the data-parallel replicas
+  while it runs (:func:`ds_usp.upstream.accelerate.replicas_view`), so rewards, advantages, every ``loss_type``
   normalisation and every logged metric count each sample once; DeepSpeed sums the group's gradient shares.
 
 Refused by name before any step: vLLM generation, paged or continuous-batching generation, Liger kernels,
@@ -186,6 +186,10 @@ class KeyedRolloutMixin:
         """``(ranks sharing the rollout, this rank among them, their process group)``: alone here."""
         return 1, 0, None
 
+    def _rollout_func_group(self) -> tuple[int, int, Any]:
+        """``(ranks sharing a rollout_func's output, this rank among them, their group)``: its first rank calls it."""
+        return self._rollout_group()
+
     def _rollout_context(self, rollout: Rollout) -> Any:
         """What the rollout runs inside (USPRolloutMixin: whole sequences, ZeRO-3's gather once)."""
         return contextlib.nullcontext()
@@ -208,9 +212,11 @@ class KeyedRolloutMixin:
         user = getattr(self, "rollout_func", None)
         try:
             with self._rollout_context(rollout):
-                if user is not None:
-                    call = self._rollout_func_share if takes_rollout_rows(user) else self._rollout_func_once
-                    self.rollout_func = functools.partial(call, user, rollout, group)
+                if user is not None and takes_rollout_rows(user):
+                    self.rollout_func = functools.partial(self._rollout_func_share, user, rollout, group)
+                elif user is not None:  # once per SP group, whether the rollout is split or not
+                    self.rollout_func = functools.partial(self._rollout_func_once, user, rollout,
+                                                          *self._rollout_func_group())
                 try:
                     result = super()._generate(prompts)
                 finally:
@@ -242,25 +248,26 @@ class KeyedRolloutMixin:
                              f"per-rank seed, the clock) makes them diverge")
         return [p for _, p in parts]
 
-    def _rollout_func_once(self, user: Callable, rollout: Rollout, group: Any, prompts: list, trainer: Any) -> dict:
+    def _rollout_func_once(self, user: Callable, rollout: Rollout, size: int, rank: int, group: Any, prompts: list,
+                           trainer: Any) -> dict:
         """The user's ``rollout_func`` called as TRL calls it in one process of a data-parallel run of the replicas:
-        once per SP group, on the group's first rank, with the replica's whole ``prompts`` (``process_index`` is the
-        replica's index); its output shared with the group's other ranks.
+        once per SP group (``size`` ranks, this one ``rank``), on the group's first rank, with the replica's whole
+        ``prompts`` (``process_index`` is the replica's index); its output shared with the group's other ranks.
 
         Raises:
             RuntimeError: on the group's other ranks, when the call failed on its first rank (which raises its own).
         """
         n = len(prompts)
         outcome: tuple = ("not called", None)
-        if rollout.rank == 0:
+        if rank == 0:
             with rollout.in_user_share(0, n):
                 try:
                     outcome = ("returned", user(prompts, trainer))
                 except Exception as error:  # the group's other ranks wait for the output: tell them, then raise
-                    if rollout.size > 1:
+                    if size > 1:
                         self._agree(group, ("rollout_func", rollouts.digest(prompts)), ("failed", repr(error)))
                     raise
-        if rollout.size > 1:
+        if size > 1:
             outcome = self._agree(group, ("rollout_func", rollouts.digest(prompts)), outcome)[0]
             if outcome[0] == "failed":
                 raise RuntimeError(f"rollout_func failed on the first rank of this sequence-parallel group: "
@@ -372,7 +379,8 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
 
     ``split_rollouts = False`` (on the class or the trainer) makes every rank of a group generate the group's whole
     batch and keep its first rank's rollouts, as before split rollouts existed (``benchmarks/rl_step.py`` compares
-    the two).
+    the two); a ``rollout_func`` is still called once per group (on its first rank) unless it takes
+    ``trainer.rollout_rows``, and under ZeRO-3 the parameters are still gathered once per rollout.
     """
 
     split_rollouts: bool = True
@@ -385,14 +393,19 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
             rollouts.sampling_warpers(config)  # refuses, by name, what the keyed sampler does not reproduce
 
     def _rollout_group(self) -> tuple[int, int, Any]:
-        usp = self._usp
-        if usp is None or self._usp_sp == 1 or not self.split_rollouts:
+        return self._rollout_func_group() if self.split_rollouts else (1, 0, None)
+
+    def _rollout_func_group(self) -> tuple[int, int, Any]:
+        usp = self._usp  # the SP group, whether the rollout is split or not
+        if usp is None or self._usp_sp == 1:
             return 1, 0, None
         return usp.topo.sp_size, usp.topo.sp_rank, usp.topo.sp_group
 
     def _gathers_once(self) -> bool:
-        """ZeRO-3 with TRL's parameter gather for generation (its default): gathered once per split rollout."""
-        return self._rollout_group()[0] > 1 and self._dist.is_zero3 and self.args.ds3_gather_for_generation
+        """ZeRO-3 with TRL's parameter gather for generation (its default) under SP: gathered once per rollout, split
+        or not (the replicas' rollouts, and with a rollout_func the ranks of a group, make different calls)."""
+        return (self._usp is not None and self._usp_sp > 1 and self._dist.is_zero3
+                and self.args.ds3_gather_for_generation)
 
     def _generates_in_lockstep(self) -> bool:  # (not while the rollout runs with the parameters gathered once)
         return self._dist.is_zero3 and not self.args.ds3_gather_for_generation and not self._usp_gathered_once
@@ -400,7 +413,7 @@ class USPRolloutMixin(USPRLMixin, KeyedRolloutMixin):
     @contextlib.contextmanager
     def _rollout_context(self, rollout: Rollout) -> Iterator[None]:
         """Whole sequences without USP (:func:`ds_usp.hf.unsharded`) and torch's own linear
-        (:func:`~ds_usp.upstream.deepspeed.torch_linear`); under ZeRO-3 (split) the parameters gathered
+        (:func:`~ds_usp.upstream.deepspeed.torch_linear`); under ZeRO-3 (split or not) the parameters gathered
         once for the rollout, no hook, and ``synced_gpus`` off: nothing in generation is collective."""
         if self._usp is None:
             yield
