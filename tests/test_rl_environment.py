@@ -8,7 +8,9 @@ generation calls or hold different rows").
 4 gloo ranks at (U, R) = 2x2 ZeRO-2 (one replica), 3 GRPO steps with tool turns (the environment's ``add``), against
 TRL's trainer in one process with the keyed sampler: every rank of the group draws the same, and the same as one
 process, since the group's first rank is process 0 as one process is (TRL's seed for it is the one process's); the
-completions, every logged metric and the final parameters are one process's.
+completions, every logged metric and the final parameters are one process's. At 2x1 with 2 replicas, each group's
+ranks draw the same, and group ``k`` draws TRL's process ``k`` of a 2-process run's Python and NumPy streams (ds-usp
+seeds each rank with its replica's index: seeded by rank, group 1 drew process 2's of a 4-process run).
 """
 from __future__ import annotations
 
@@ -63,8 +65,8 @@ class Counter:
         return a + b + self.offset
 
 
-def _trainer(model_dir: str, out: str, use_usp: bool):
-    """ds-usp's GRPO trainer on every rank, or TRL's own with the keyed sampler in one process."""
+def _trainer(model_dir: str, out: str, use_usp: bool, layout: tuple = LAYOUT):
+    """ds-usp's GRPO trainer on every rank at ``layout``, or TRL's own with the keyed sampler in one process."""
     import ds_usp  # noqa: F401 - registers "usp" and the deepspeed.initialize hook
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -72,7 +74,7 @@ def _trainer(model_dir: str, out: str, use_usp: bool):
     from ds_usp.integration.trainers.rl import KeyedRolloutMixin
     from test_hf_trainer import _fresh_accelerate
 
-    stage, u, r, layout = LAYOUT
+    stage, u, r, order = layout
     seen: list = []
 
     def keep(self, inputs):  # the completions of each rollout, as trained on, without the right padding
@@ -85,9 +87,10 @@ def _trainer(model_dir: str, out: str, use_usp: bool):
     base = ds_usp.USPGRPOTrainer if use_usp else type("OneProcess", (KeyedRolloutMixin, GRPOTrainer), {})
     cls = type(base.__name__, (base,), {"_generate_and_score_completions": keep})
     _fresh_accelerate()
-    args = GRPOConfig(**_common(out, _ds_config(stage, u, r, layout, {"timeout_seconds": 300}) if use_usp else None),
-                      per_device_train_batch_size=8, num_generations=4, temperature=0.8, shuffle_dataset=False,
-                      max_completion_length=256, loss_type="grpo")
+    replicas = 4 // (u * r) if use_usp else 1  # the same global batch of 8 rows (2 prompts) per step
+    args = GRPOConfig(**_common(out, _ds_config(stage, u, r, order, {"timeout_seconds": 300}) if use_usp else None),
+                      per_device_train_batch_size=8 // replicas, num_generations=4, temperature=0.8,
+                      shuffle_dataset=False, max_completion_length=256, loss_type="grpo")
     prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"add {i} and {i * i % 9}"}]
                                             for i in range(16)]})
     trainer = cls(model=model_dir, reward_funcs=[_reward_chat], args=args, train_dataset=prompts,
@@ -95,15 +98,15 @@ def _trainer(model_dir: str, out: str, use_usp: bool):
     return trainer, seen
 
 
-def train(model_dir: str, out: str) -> dict:
-    """On every rank: the run; its logs, final parameters, completions and environment draws."""
+def train(model_dir: str, out: str, layout: tuple = LAYOUT) -> dict:
+    """On every rank: the run at ``layout``; its logs, final parameters, completions and environment draws."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     DRAWS.clear()
-    trainer, seen = _trainer(model_dir, out, True)
+    trainer, seen = _trainer(model_dir, out, True, layout)
     _train(trainer, "tools")  # TRL's generation call made to call the environment's add (tests/test_rl.py)
-    return {**_summary(trainer, LAYOUT[0]), "completions": seen, "draws": list(DRAWS)}
+    return {**_summary(trainer, layout[0]), "completions": seen, "draws": list(DRAWS)}
 
 
 def _reference(model_dir: str, out: str) -> dict:
@@ -114,10 +117,17 @@ def _reference(model_dir: str, out: str) -> dict:
         return {**_summary(trainer, 0), "completions": seen, "draws": list(DRAWS)}
 
 
+def _streams(seed: int, n: int) -> list:
+    """The first ``n`` of :class:`Counter`'s Python and NumPy draws after ``set_seed(seed)``."""
+    python, numpy = random.Random(seed), np.random.RandomState(seed)
+    return [(python.randint(0, 999), int(numpy.randint(0, 999))) for _ in range(n)]
+
+
 def test_environment_draws_are_the_groups_first_ranks(world4, model_dir, tmp_path_factory):
     results = world4.run(train, model_dir, str(tmp_path_factory.mktemp("usp")))
     want = _reference(model_dir, str(tmp_path_factory.mktemp("ref")))
     assert len(want["draws"]) == 8 * STEPS and len(set(want["draws"])) > 1  # one reset per row, each rollout
+    assert [d[:2] for d in want["draws"]] == _streams(0, len(want["draws"]))  # only the environment draws from them
     for k, res in enumerate(results):  # every rank of the group drew what one process draws
         assert res["draws"] == want["draws"], (k, res["draws"], want["draws"])
         assert res["completions"] == want["completions"], k
@@ -125,3 +135,23 @@ def test_environment_draws_are_the_groups_first_ranks(world4, model_dir, tmp_pat
     tokenizer = _chat_tokenizer()  # the environment's tool ran, with its offset in the conversation
     assert any("<tool_response>" in tokenizer.decode(c) for rows in want["completions"] for c in rows)
     _same(results[0], want)
+
+
+def test_with_two_replicas_each_group_draws_what_trls_process_of_its_replica_draws(world4, model_dir,
+                                                                                   tmp_path_factory):
+    """2 replicas of an SP group of 2 (2x1 ZeRO-2): each group's ranks draw the same, and group k draws what TRL's
+    process k of a 2-process data-parallel run draws: TRL seeds that process with ``seed + k`` (ds-usp seeds each
+    rank with its replica's index, not its rank), and nothing but the environment draws from Python's or NumPy's
+    global state here (one process's draws are the streams of ``seed``: the test above), so group k's are the
+    streams of ``seed + k``. TRL also draws from torch's generator between resets (its batch shuffle): the torch
+    draws are checked within the group only. (Seeded by rank, group 1 drew the streams of ``seed + 2``.)"""
+    results = world4.run(train, model_dir, str(tmp_path_factory.mktemp("usp")), (2, 2, 1, "zigzag"))
+    for k, res in enumerate(results):  # group-consistent: the first rank's draws, completions and logs
+        first = results[k - k % 2]
+        assert (res["draws"], res["completions"], res["logs"]) == (first["draws"], first["completions"],
+                                                                    first["logs"]), k
+    for replica in range(2):  # the seed is 0 (test_rl._common)
+        draws = results[2 * replica]["draws"]
+        assert len(draws) == 4 * STEPS  # one reset per row of the replica's 4, each rollout
+        assert [d[:2] for d in draws] == _streams(replica, len(draws)), replica
+    assert results[0]["draws"] != results[2]["draws"]

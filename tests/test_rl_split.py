@@ -181,3 +181,40 @@ def test_generation_patches_check_trl_and_restore_what_they_change(monkeypatch):
     with pytest.raises(UpstreamChanged, match="keeps no fwd_pre_hook"):
         with start_of_forward_hook_off(engine):
             pass
+
+
+def test_accelerate_operations_and_trls_seed_see_the_replicas_and_come_back(monkeypatch):
+    """Inside the replicas view, accelerate's operations module counts the replicas (its other state and the rest of
+    torch are the real ones) and TRL's ``set_seed(seed, device_specific=True)`` adds the replica's index, not the
+    rank; both come back after the block; a trainer module whose ``set_seed`` is not accelerate's is refused."""
+    import random
+    import types
+
+    import accelerate.state
+    import accelerate.utils.operations as operations
+    import trl.trainer.grpo_trainer as grpo
+
+    from ds_usp.upstream.accelerate import operations_over_replicas
+    from ds_usp.upstream.registry import UpstreamChanged
+    from ds_usp.upstream.trl import seed_per_replica
+
+    state = type("State", (), {"num_processes": 8, "process_index": 5, "backend": "gloo"})
+    monkeypatch.setattr(operations, "PartialState", state)
+    with operations_over_replicas(None, 2, 1):
+        seen = operations.PartialState()
+        assert (seen.num_processes, seen.process_index, seen.backend) == (2, 1, "gloo")
+        assert operations.torch.cat is torch.cat and operations.torch.distributed.get_rank is \
+            torch.distributed.get_rank
+    assert operations.PartialState is state and operations.torch is torch
+
+    monkeypatch.setattr(accelerate.state, "AcceleratorState", state)  # rank 5 of 8: replica 2 of an SP size of 2
+    set_seed = grpo.set_seed
+    with seed_per_replica((grpo,), 2):
+        grpo.set_seed(10, device_specific=True)
+        assert random.random() == random.Random(12).random()
+        grpo.set_seed(10)
+        assert random.random() == random.Random(10).random()
+    assert grpo.set_seed is set_seed
+    with pytest.raises(UpstreamChanged, match="set_seed is not accelerate's"):
+        with seed_per_replica((types.ModuleType("planted"),), 2):
+            pass

@@ -1,7 +1,8 @@
 """ds-usp's changes to TRL's objects: a GRPO / RLOO config's generation batch counted per sequence-parallel group, the
-settings of TRL's fused LM head kept on the model, the arguments TRL's generate call gets during a rollout (the keyed
-sampler, ``synced_gpus``) and, under ZeRO-3, the parameters gathered once per rollout instead of per generation call
-(accelerate's processes seen as the replicas while TRL's code runs are :mod:`.accelerate`'s)."""
+settings of TRL's fused LM head kept on the model, TRL's per-process seed counting the replicas, the arguments TRL's
+generate call gets during a rollout (the keyed sampler, ``synced_gpus``) and, under ZeRO-3, the parameters gathered
+once per rollout instead of per generation call (accelerate's processes seen as the replicas while TRL's code runs
+are :mod:`.accelerate`'s)."""
 from __future__ import annotations
 
 import contextlib
@@ -94,6 +95,56 @@ def record_fused_head(model: Any, attr: str, settings: Any) -> None:
 
     require_parameters("fused_head_settings", add_fused_lm_head, ("model", "temperature", "cast_lm_head_to_fp32"))
     set_module_attribute(model, attr, settings)
+
+
+register("seed_per_replica", Patch(
+    "the set_seed TRL's GRPO / RLOO trainer modules import, while a ds-usp RL trainer's __init__ runs (TRL calls "
+    "set_seed(args.seed, device_specific=True) there)",
+    "accelerate's set_seed(seed, device_specific, deterministic) adding AcceleratorState().process_index (the global "
+    "rank) to the seed when device_specific, and the trainer modules importing it from accelerate",
+    "TRL seeds each process differently: the ranks of a sequence-parallel group would start from different random "
+    "states, and replica k's first rank (whose states its group shares each rollout) from the seed of process "
+    "k * sequence_parallel_size of a run of every rank, so that environments and tools drawing from them would draw "
+    "what no data-parallel run of the replicas draws, and differently at each SP size",
+    "TRL seeding by the data-parallel index (the replicas), or accelerate's process_index counting them"))
+
+
+@functools.cache
+def _adds_process_index(set_seed: Any) -> bool:
+    return "seed += AcceleratorState().process_index" in inspect.getsource(set_seed)
+
+
+@contextlib.contextmanager
+def seed_per_replica(modules: tuple, sp_size: int) -> Iterator[None]:
+    """While the block runs, ``set_seed(seed, device_specific=True)`` in ``modules`` (TRL trainer modules) seeds each
+    rank with ``seed + its replica's index`` (SP groups are contiguous ranks: ``rank // sp_size``), as TRL seeds the
+    processes of a data-parallel run of the replicas; without ``device_specific`` it is accelerate's.
+
+    Raises:
+        UpstreamChanged: a module's ``set_seed`` is not accelerate's, or accelerate's does not add the process index.
+    """
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import set_seed
+
+    require_parameters("seed_per_replica", set_seed, ("seed", "device_specific", "deterministic"))
+    if not _adds_process_index(set_seed):
+        refuse("seed_per_replica", "accelerate's set_seed does not add AcceleratorState().process_index")
+    for module in modules:
+        if getattr(module, "set_seed", None) is not set_seed:
+            refuse("seed_per_replica", f"{module.__name__}.set_seed is not accelerate's")
+
+    def per_replica(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+        if device_specific:
+            seed += AcceleratorState().process_index // sp_size
+        set_seed(seed, deterministic=deterministic)
+
+    for module in modules:
+        module.set_seed = per_replica
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_seed = set_seed
 
 
 register("generate_arguments", Patch(

@@ -18,7 +18,9 @@ changes, in one place for the three trainers (:class:`USPRLMixin`); each TRL tra
   the prompts. TRL's metrics run on every rank on the gathered
   completions, and TRL's tool loop too (each rank runs every row's tools; the tool turns' generation calls are split
   again, row by row); each rollout starts with the group's first rank's Python, NumPy and torch CPU random states on
-  every rank of the group, so environments and tools that draw from them draw the same on every rank. Each row is
+  every rank of the group, so environments and tools that draw from them draw the same on every rank, and TRL seeds
+  each rank with its replica's index (:func:`~ds_usp.upstream.trl.seed_per_replica`), so they draw what TRL's process
+  of that replica draws in a data-parallel run of the replicas. Each row is
   sampled with noise keyed by its row (:class:`~ds_usp.integration.trainers.rollout.KeyedSampler`): a completion
   does not depend on the rank that made it. Under ZeRO-3 the parameters are gathered once per rollout with the hooks
   off and ``synced_gpus`` off, so that no generation step waits on another rank (equal, unequal or empty shares, any
@@ -61,7 +63,7 @@ from ds_usp.integration.trainers.rollout import Rollout
 from ds_usp.integration.trainers.trainer import USPTrainerBase
 from ds_usp.upstream.deepspeed import torch_linear
 from ds_usp.upstream.trl import (generate_arguments, generation_batch_per_group, record_fused_head,
-                                 require_fused_head, rollout_gathered_once)
+                                 require_fused_head, rollout_gathered_once, seed_per_replica)
 
 
 def _refusals(trainer_name: str, args: Any, kwargs: dict, zero_stage: Any = None) -> list[str]:
@@ -122,7 +124,9 @@ class USPRLMixin(USPTrainerBase):
             if problems:
                 raise ValueError("; ".join(problems))
             generation_batch_per_group(trl_args, usp_config.sequence_parallel_size)
-        super().__init__(*args, **kwargs)
+        with seed_per_replica(self._trl_modules, usp_config.sequence_parallel_size) if usp_config.enabled else \
+                contextlib.nullcontext():  # TRL's per-process seed: the replica's, as one process of the replicas
+            super().__init__(*args, **kwargs)
         if not usp_config.enabled:
             return
         models = [m for m in (self.model, getattr(self, "ref_model", None)) if m is not None]
