@@ -5,6 +5,18 @@
 #
 #     bash benchmarks/gpu_session.sh RESULTS_DIR [STEP...]
 #
+# Issue 65's run (name its steps: issue65 runs them in this order, the essential rows first; limits 1270 s in all,
+# more than one 10-minute device call: a session with 15 minutes takes peers3b usp3b128 budget3b and says which were
+# left, the next one longest3b peers1b):
+#   peers3b      the 3B Llama-3.2 shape (hd 128) at 16K and 32K: ds-usp "auto" and each peer configuration (Liger's
+#                fused linear cross-entropy + HF checkpointing, ALST's tiled loss alone, plain HF, ALST full), 3 steps
+#                each, ds-usp's 16K step profiled (300 s)
+#   usp3b128     ds-usp on the 3B shape at 128K, 2 timed steps and one profiled: MFU (target 45%) (150 s)
+#   budget3b     ds-usp "auto" with usp.memory_gib 60 at 32K and 64K: its peak under 60 GiB (120 s)
+#   longest3b    the longest S on one GPU, 3B shape: ds-usp from 192K and ALST full offload (the longest peer) from
+#                128K, S x 1.5 each step, one step per S, until out of memory; the planner's prediction printed
+#                first (400 s)
+#   peers1b      the 1.5B shape at 16K-64K, ds-usp and the peers as peers3b (300 s)
 # Default STEPS: issue 49's first run (limits 470 s, about 8 minutes with the setup): attention alst usp alstoffload.
 #   attention    ds-usp's flash SDPA against cuDNN's SDPA with log-sum-exp, forward and backward, 16K-128K (50 s)
 #   alst         ALST full at 16K, 32K, 64K and 128K, four timed steps each, one profiled step at 16K (180 s; from
@@ -28,6 +40,7 @@ set -u
 R=${1:?results folder}
 shift
 STEPS=${*:-attention alst usp alstoffload}
+STEPS=${STEPS/issue65/peers3b usp3b128 budget3b longest3b peers1b}
 mkdir -p "$R"
 R=$(cd "$R" && pwd)
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
@@ -68,6 +81,20 @@ step 170 usp python3 gpu_train.py "${LENGTHS[@]}" --systems "ds-usp" --profile-s
     --json "$R/gpu_usp.json"
 step 70 alstoffload python3 gpu_train.py --shape "$SHAPE" --systems "ALST full offload" --start "$LAST" \
     --max-seq "$LAST" --steps 2 --budget 600 --json "$R/gpu_alst_offload.json"
+# ---- issue 65: the peers at their best, the longest sequence, MFU, the budget (3B: SHAPE3, 1.5B: SHAPE)
+SHAPE3=${SHAPE3:-3b} PEERS="ds-usp,Liger,ALST tiled loss,HF plain,ALST full"
+step 300 peers3b python3 gpu_train.py --shape "$SHAPE3" --systems "$PEERS" --start "$FIRST" --max-seq $((FIRST * 2)) \
+    --steps 3 --budget 120 --profile-seqs "$FIRST" --json "$R/gpu_peers3b.json"
+step 150 usp3b128 python3 gpu_train.py --shape "$SHAPE3" --systems ds-usp --start "$LAST" --max-seq "$LAST" \
+    --steps 2 --budget 120 --profile-seqs "$LAST" --trace-dir "$R/traces" --json "$R/gpu_usp3b128.json"
+step 120 budget3b python3 gpu_train.py --shape "$SHAPE3" --systems "ds-usp budget" --memory-gib "${BUDGET_GIB:-60}" \
+    --start $((FIRST * 2)) --max-seq $((FIRST * 4)) --steps 2 --budget 100 --json "$R/gpu_budget3b.json"
+step 250 longest3b python3 gpu_train.py --shape "$SHAPE3" --systems "ds-usp" --start $((LAST * 3 / 2)) \
+    --max-seq $((LAST * 16)) --growth 1.5 --steps 1 --one-step-from 0 --budget 200 --json "$R/gpu_longest3b.json"
+step 150 longest3b python3 gpu_train.py --shape "$SHAPE3" --systems "ALST full offload" --start "$LAST" \
+    --max-seq $((LAST * 8)) --growth 1.5 --steps 1 --one-step-from 0 --budget 150 --json "$R/gpu_longest3b_alst.json"
+step 300 peers1b python3 gpu_train.py --shape "$SHAPE" --systems "$PEERS" --start "$FIRST" --max-seq $((FIRST * 4)) \
+    --steps 3 --budget 80 --json "$R/gpu_peers1b.json"
 # ---- issue 40's steps
 # the whole training step, 1B Llama-3 shape, bf16, ZeRO-3, S doubling from 16K (the GPU otherwise idle)
 step 330 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 3 --budget 120 \

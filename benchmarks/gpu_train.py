@@ -66,6 +66,7 @@ from long_seq import alst_full, alst_tiled_loss
 TAG = "[gpu_train]"
 SHAPES = {
     "1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256),
+    "3b": dict(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192, vocab=128256),  # Llama-3.2 3B, hd 128
     "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000),  # a CPU smoke run
 }
@@ -75,6 +76,11 @@ PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # bf16 dense, the v
 TARGET_VS_ALST = 1.3  # issue 49: ds-usp "auto" at least 1.3x ALST full's tokens/s at every S
 TARGET_SPREAD = 0.05  # steps 2 to 4 within 5% of each other
 TARGET_MFU_128K = 0.30
+TARGET_VS_BEST_PEER = 1.2  # issue 65: "auto" against the fastest peer configuration that ran, at every S
+TARGET_LONGEST = 1.5  # issue 65: ds-usp's longest S against the longest any peer configuration trains
+TARGET_AT_PEER_LONGEST = 1.3  # and its tokens/s at that S
+TARGET_MFU_3B_128K = 0.45
+PEERS = ("HF plain", "ALST tiled loss", "ALST full", "ALST full offload", "Liger", "Liger all")  # issue 65's peer configurations
 Step = Callable[[], float]
 
 
@@ -89,6 +95,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=240.0, help="seconds a system may spend on its steps")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 dense peak (MFU)")
     p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-3 optimizer state in host memory")
+    p.add_argument("--growth", type=float, default=2.0, help="each next S is this many times the last (a multiple "
+                   "of 1024): 2 doubles; a smaller factor finds the longest S more closely")
+    p.add_argument("--memory-gib", type=float, default=None, help="usp.memory_gib of 'ds-usp budget' (its peak must "
+                   "stay under it)")
     p.add_argument("--profile", action="store_true", help="--profile-seqs at the first S")
     p.add_argument("--profile-seqs", type=comma_list(int), default=[],
                    help="after the timed steps at each of these S, one more step under torch.profiler: its kernels "
@@ -107,6 +117,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--systems: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SYSTEMS)}")
     if args.steps < 1 or args.iters < 1:
         p.error("--steps and --iters must be at least 1")
+    if args.growth <= 1.0:
+        p.error("--growth must be above 1")
+    if "ds-usp budget" in args.systems and not args.memory_gib:
+        p.error("--systems 'ds-usp budget' needs --memory-gib")
     if args.profile and args.start not in args.profile_seqs:
         args.profile_seqs = [*args.profile_seqs, args.start]
     return args
@@ -129,17 +143,36 @@ def peak_tflops(args: argparse.Namespace) -> float:
 # ---------------------------------------------------------------------------------------- systems
 
 
+def llama_config(shape: dict) -> Any:
+    """The HF config of ``shape`` (Llama-3: rope theta 500000, untied embeddings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                       num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                       num_key_value_heads=shape["kv_heads"], max_position_embeddings=1 << 23, rope_theta=500000.0,
+                       tie_word_embeddings=False, use_cache=False)
+
+
 def build_model(shape: dict, attn: str) -> Any:
     """Random Llama-3-shaped weights, the same for every system (seeded, made on the GPU in bf16)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                      num_key_value_heads=shape["kv_heads"], max_position_embeddings=1 << 21, rope_theta=500000.0,
-                      tie_word_embeddings=False, use_cache=False)
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_config(llama_config(shape), attn_implementation=attn, dtype=torch.bfloat16)
+
+
+def predicted_longest(shape: dict, args: argparse.Namespace) -> Optional[int]:
+    """The planner's longest S for ds-usp's "auto" on this device before the run (``python -m ds_usp.plan``'s
+    ``largest_fitting_seq``: one GPU, ZeRO-3, bf16, its memory or ``--memory-gib``; to 1%)."""
+    from ds_usp.cost import Hardware
+    from ds_usp.integration.models.shape import model_shape
+    from ds_usp.plan import largest_fitting_seq
+
+    memory = args.memory_gib or (torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if CUDA else 80.0)
+    hw = Hardware(nodes=1, gpus_per_node=1, gpu_mem_gib=memory)
+    return largest_fitting_seq(model_shape(llama_config(shape)), hw, 1 << 23, zero=3, presets=("auto",),
+                               offload=args.offload_optimizer)
 
 
 def ds_config(args: argparse.Namespace) -> dict:
@@ -160,7 +193,7 @@ def usp_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, C
     import ds_usp
 
     ds_usp.hf.register_usp_attention()
-    usp = USP_SETTINGS[name]
+    usp = dict(USP_SETTINGS[name], **({"memory_gib": args.memory_gib} if name == "ds-usp budget" else {}))
     model = build_model(shape, "usp")
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(),
                                    config=dict(ds_config(args), sequence_parallel="usp", usp=usp))
@@ -179,14 +212,52 @@ def usp_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, C
     return engine, at
 
 
-def alst_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, Callable[[int], Step]]:
-    """DeepSpeed's TiledMLP, TiledFusedLogitsLoss and HF checkpointing, as ALST's tutorial wires them; ``ALST full
-    offload``: with DeepSpeed's checkpoint offload of each layer's input around the forward and backward."""
+def hf_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, Callable[[int], Step]]:
+    """HF + DeepSpeed as its users run it: ``HF plain`` (sdpa, HF's loss on the whole logits, no memory feature);
+    ``Liger``: Liger-Kernel's fused linear cross-entropy (no logits) and HF gradient checkpointing; ``Liger all``:
+    also its RoPE, RMSNorm and SwiGLU kernels (Liger's defaults: what LLaMA-Factory's ``enable_liger_kernel`` and
+    axolotl's Liger plugin apply; GPU only: those kernels do not run under Triton's CPU interpreter). Liger's loss
+    reads ``lm_head.weight`` without calling ``lm_head``, so under ZeRO-3 the weight is registered as an external
+    parameter of the model (DeepSpeed's way: gathered for the model's forward, its gradient reduced)."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if CUDA else "gloo")
     model = build_model(shape, "sdpa")
-    alst_full(model)
+    liger = name.startswith("Liger")
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        every = name == "Liger all"
+        apply_liger_kernel_to_llama(model=model, rope=every, rms_norm=every, swiglu=every,
+                                    fused_linear_cross_entropy=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
+    if liger:
+        deepspeed.zero.register_external_parameter(engine.module, engine.module.lm_head.weight)
+
+    def at(seq: int) -> Step:
+        ids = tokens(shape, seq).to(engine.device)
+
+        def step() -> float:
+            loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+            return float(loss)
+        return step
+
+    return engine, at
+
+
+def alst_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, Callable[[int], Step]]:
+    """DeepSpeed's TiledMLP, TiledFusedLogitsLoss and HF checkpointing, as ALST's tutorial wires them; ``ALST full
+    offload``: with DeepSpeed's checkpoint offload of each layer's input around the forward and backward; ``ALST
+    tiled loss``: the tiled loss alone (no TiledMLP, no checkpointing: the fastest ALST setting where it fits)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if CUDA else "gloo")
+    model = build_model(shape, "sdpa")
+    if name != "ALST tiled loss":
+        alst_full(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
     module = engine.module
     offload = None
@@ -219,8 +290,10 @@ USP_SETTINGS = {"ds-usp": {},
                 "ds-usp off": {"chunked_loss": False, "tiled_mlp": False, "activation_checkpointing": False,
                                "offload_activations": False},
                 "ds-usp offload": {"offload_activations": True},
-                "ds-usp no offload": {"offload_activations": False}}
-SYSTEMS = {**{name: usp_system for name in USP_SETTINGS}, "ALST full": alst_system, "ALST full offload": alst_system}
+                "ds-usp no offload": {"offload_activations": False},
+                "ds-usp budget": {}}  # usp.memory_gib: --memory-gib
+SYSTEMS = {**{name: usp_system for name in USP_SETTINGS}, "ALST full": alst_system, "ALST full offload": alst_system,
+           "ALST tiled loss": alst_system, "HF plain": hf_system, "Liger": hf_system, "Liger all": hf_system}
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -234,6 +307,9 @@ def run_worker(args: argparse.Namespace) -> None:
     if CUDA:
         torch.cuda.set_device(0)
     t0 = time.perf_counter()
+    predicted = predicted_longest(shape, args) if name.startswith("ds-usp") else None
+    if predicted:
+        print(f"{TAG} {name}: the planner predicts the longest S at {predicted} before the run", flush=True)
     engine, at = SYSTEMS[name](name, shape, args)
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
     out = open(path, "a")
@@ -242,8 +318,8 @@ def run_worker(args: argparse.Namespace) -> None:
     seq, last = args.start, None
     while seq <= args.max_seq:
         steps = 1 if seq >= args.one_step_from else args.steps
-        if last is not None:  # attention grows as S^2: the next length costs up to 4x
-            expected = 4 * last * steps
+        if last is not None:  # attention grows as S^2: the next length costs up to growth^2 x
+            expected = args.growth ** 2 * last * steps
             if time.perf_counter() - t0 + expected > args.budget:
                 out.write(json.dumps({"system": name, "S": seq, "note": f"not run: ~{expected:.0f} s would pass "
                                       f"--budget {args.budget:.0f} s"}) + "\n")
@@ -267,7 +343,8 @@ def run_worker(args: argparse.Namespace) -> None:
             # slower than the one before with the same work points there)
             stats.append((time.perf_counter() - w0, torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0,
                           torch.cuda.max_memory_reserved() / 2 ** 30 if CUDA else 0.0, _alloc_retries() - retries))
-            row = _row(name, seq, stats, losses[0], params, shape, args, engine)
+            row = dict(_row(name, seq, stats, losses[0], params, shape, args, engine), predicted_longest_S=predicted,
+                       budget_GiB=args.memory_gib if name == "ds-usp budget" else None)
             out.write(json.dumps(row) + "\n")  # after every step: a run stopped from outside keeps its steps
             out.flush()
         if error:
@@ -284,8 +361,16 @@ def run_worker(args: argparse.Namespace) -> None:
               f"{row['tokens_per_s']:.0f} tokens/s, {row['tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), peak "
               f"{row['peak_GiB']:.1f} GiB, reserved {row['reserved_GiB']:.1f} GiB, {row['alloc_retries']} allocator "
               f"retries", flush=True)
-        seq *= 2
+        seq = next_seq(seq, args.growth)
     out.close()
+
+
+def next_seq(seq: int, growth: float) -> int:
+    """The next length tried: ``seq * growth`` rounded to a multiple of 1024, at least 1024 more (tiny shapes:
+    doubled)."""
+    if seq < 1024:
+        return seq * 2
+    return max(seq + 1024, round(seq * growth / 1024) * 1024)
 
 
 def _row(name: str, seq: int, stats: list[tuple], loss: float, params: int, shape: dict, args: argparse.Namespace,
@@ -381,7 +466,54 @@ def compare(rows: list[dict]) -> str:
             top = ran[-1]
             lines.append(f"{name}: longest S {top['S']} ({top['tokens_per_s']:.0f} tokens/s, MFU {top['mfu']:.1%}, "
                          f"peak {top['peak_GiB']:.1f} GiB); next: {stop}")
+    lines += peer_lines(rows, by)
     return "\n".join(f"{TAG} {line}" for line in lines)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def peer_lines(rows: list[dict], by: dict) -> list[str]:
+    """Issue 65's targets: ds-usp "auto" against the fastest peer configuration that ran at each S (>= 1.2x), its
+    longest S against the longest any peer trains (>= 1.5x) and its tokens/s at that S (>= 1.3x), the planner's
+    prediction of its longest S (within 10%), MFU at 128K on the 3B shape (>= 45%), and a budget's peak under it."""
+    lines = []
+    for seq in sorted({s for _, s in by}):
+        peers = [by[(p, seq)] for p in PEERS if (p, seq) in by]
+        usp = by.get(("ds-usp", seq))
+        if peers and usp:
+            best = max(peers, key=lambda r: r["tokens_per_s"])
+            ratio = usp["tokens_per_s"] / best["tokens_per_s"]
+            lines.append(f"S={seq}: ds-usp {ratio:.2f} x the fastest peer, {best['system']} (target >= "
+                         f"{TARGET_VS_BEST_PEER}: {_met(ratio >= TARGET_VS_BEST_PEER)}); auto chose: {usp['choices']}")
+        if seq == 131072 and usp and usp["params"] > 2.5e9:
+            lines.append(f"S={seq}: ds-usp MFU {usp['mfu']:.1%} on the 3B shape (target >= {TARGET_MFU_3B_128K:.0%}: "
+                         f"{_met(usp['mfu'] >= TARGET_MFU_3B_128K)})")
+        budget = by.get(("ds-usp budget", seq))
+        if budget and budget.get("budget_GiB"):
+            lines.append(f"S={seq}: ds-usp budget peak {budget['peak_GiB']:.1f} GiB of usp.memory_gib "
+                         f"{budget['budget_GiB']:g} ({'kept' if budget['peak_GiB'] <= budget['budget_GiB'] else 'MISSED'})")
+    longest = {name: max(s for n, s in by if n == name) for name in {n for n, _ in by}}
+    peer_top = max(((s, n) for n, s in longest.items() if n in PEERS), default=None)
+    if peer_top and "ds-usp" in longest:
+        seq, peer = peer_top
+        ratio = longest["ds-usp"] / seq
+        lines.append(f"longest S: ds-usp {longest['ds-usp']}, peers' {seq} ({peer}): {ratio:.2f} x (target >= "
+                     f"{TARGET_LONGEST}: {_met(ratio >= TARGET_LONGEST)})")
+        if ("ds-usp", seq) in by:
+            at = by[("ds-usp", seq)]["tokens_per_s"] / by[(peer, seq)]["tokens_per_s"]
+            lines.append(f"at the peers' longest S={seq}: ds-usp {at:.2f} x {peer}'s tokens/s (target >= "
+                         f"{TARGET_AT_PEER_LONGEST}: {_met(at >= TARGET_AT_PEER_LONGEST)})")
+    predicted = next((r.get("predicted_longest_S") for r in rows if r["system"] == "ds-usp"
+                      and r.get("predicted_longest_S")), None)
+    if predicted and "ds-usp" in longest:
+        stopped = any(r["system"] == "ds-usp" and "out of memory" in (r.get("note") or "") for r in rows)
+        off = longest["ds-usp"] / predicted - 1
+        lines.append(f"ds-usp's longest S {longest['ds-usp']} against the planner's {predicted} before the run: "
+                     f"{off:+.1%}" + (f" (target within 10%: {_met(abs(off) <= 0.1)})" if stopped else
+                                      " (no out-of-memory stop: the run did not reach the longest S)"))
+    return lines
 
 
 # ---------------------------------------------------------------------------------------- attention kernels

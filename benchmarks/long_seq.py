@@ -14,6 +14,13 @@ layers, 8 heads), random weights, ZeRO (``--zero``, default 3) with AdamW, seque
   ``offload_activations`` false (only the USP attention);
 * ``ds-usp UxR`` (any split of the ranks, e.g. ``ds-usp 2x2``): the degrees given;
 * ``ds-usp fp8``: the user default with ``"comm_dtype": "fp8"`` (activations on the wire as float8 e4m3);
+* ``ds-usp ALST features``: ALST full's features through ds-usp (chunked loss, tiled MLP, full checkpointing of
+  every layer, forced on): what ds-usp's own pieces cost and save doing what ALST full does;
+* ``ds-usp budget``: "auto" with ``usp.memory_gib`` equal to ALST full's absolute peak at the same S (the largest
+  over its ranks); it must stay under it. Needs ``ALST full`` earlier in ``--systems``;
+* ``ds-usp tight``: "auto" with ``usp.memory_gib`` equal to ds-usp's own resident size before its step plus half of
+  ALST full's peak growth: the smallest plan must take it (growth <= 0.5x ALST full's). Needs ``ds-usp`` and
+  ``ALST full`` earlier in ``--systems``;
 * ``ALST plain``: DeepSpeed's ``UlyssesSPAttentionHF`` (core attention sdpa) and its ``mpu``,
   contiguous shards, HF's loss on each shard's logits, the differentiable weighted average of the
   per-rank losses, as DeepSpeed's ALST tutorial wires it;
@@ -57,6 +64,7 @@ LOSSY = ("ds-usp fp8",)  # systems that are not exact by design: their first los
 TARGET_PEAK_VS_ALST_FULL = 0.5  # issue 26's targets: peak, steady step and first step against ALST full
 TARGET_TIME_VS_ALST_FULL = 0.9
 TARGET_FIRST_VS_ALST_FULL = 1.0
+BUDGETED = {"ds-usp budget": ("ALST full",), "ds-usp tight": ("ds-usp", "ALST full")}  # -> the rows their budget needs
 TAG = "[long_seq]"
 Step = Callable[[], float]  # one training step; returns the loss
 System = Callable[[str, int, argparse.Namespace], tuple[Step, Callable[[], str]]]  # -> (step, what it runs)
@@ -80,10 +88,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "them (a later file's row replaces one of the same system and S), report, run nothing")
     p.add_argument("--plot", default="", help="write a plot of peak memory against S here (needs matplotlib)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "system|seq|result path"
+    p.add_argument("--memory-gib", type=float, default=None, help=argparse.SUPPRESS)  # a budgeted system's
     args = parse(p, argv)
     args.head_dim = args.head_dim or args.hidden // args.heads
-    for name in args.systems:
+    for i, name in enumerate(args.systems):
         why = system_refusal(name, args.ranks)
+        missing = [need for need in BUDGETED.get(name, ()) if need not in args.systems[:i]]
+        if missing and not args.worker:
+            why = f"{name!r} takes its budget from {' and '.join(missing)}: list them before it"
         if why:
             p.error(f"--systems: {why}")
     return args
@@ -101,6 +113,11 @@ def usp_keys(name: str, ranks: int) -> Optional[dict]:
     if name == "ds-usp off":
         return {"chunked_loss": False, "tiled_mlp": False, "activation_checkpointing": False,
                 "offload_activations": False}
+    if name == "ds-usp ALST features":
+        return {"chunked_loss": True, "tiled_mlp": True, "activation_checkpointing": "full",
+                "offload_activations": False}
+    if name in BUDGETED:
+        return {}  # usp.memory_gib: from the rows its budget needs (run_job)
     split = re.fullmatch(r"ds-usp (\d+)x(\d+)", name)
     return {"ulysses_degree": int(split[1]), "ring_degree": int(split[2])} if split else None
 
@@ -109,7 +126,8 @@ def system_refusal(name: str, ranks: int) -> Optional[str]:
     """Why ``name`` is not a system for ``ranks`` ranks (None: it is)."""
     keys = usp_keys(name, ranks)
     if keys is None and name not in ("ALST plain", "ALST full"):
-        return f"unknown system {name!r}: ds-usp, ds-usp off, ds-usp fp8, ds-usp UxR, ALST plain, ALST full"
+        return (f"unknown system {name!r}: ds-usp, ds-usp off, ds-usp fp8, ds-usp ALST features, ds-usp budget, "
+                f"ds-usp tight, ds-usp UxR, ALST plain, ALST full")
     if keys and "ring_degree" in keys and keys["ulysses_degree"] * keys["ring_degree"] != ranks:
         return f"{name!r}: U x R must equal --ranks ({ranks})"
     return None
@@ -165,6 +183,8 @@ def usp_engine(args: argparse.Namespace, usp: dict, seq: int) -> tuple[Any, Step
 def usp_system(name: str, seq: int, args: argparse.Namespace) -> tuple[Step, Callable[[], str]]:
     """A ds-usp system's step (:func:`usp_engine`) and its plan."""
     usp = dict(usp_keys(name, args.ranks), layout=args.layout, native_op=NATIVE_OP[args.native_op])
+    if args.memory_gib:
+        usp["memory_gib"] = args.memory_gib
     engine, step = usp_engine(args, usp, seq)
     topo = engine.usp.topo
 
@@ -313,8 +333,9 @@ def run_worker(args: argparse.Namespace) -> None:
         except RuntimeError as e:  # e.g. out of memory: reported, not hidden
             steps.append({"error": str(e).splitlines()[0][:300]})
             break
+        peak = read_peak()
         steps.append({"loss": loss, "seconds": time.perf_counter() - w0, "cpu_seconds": time.process_time() - c0,
-                      "peak_growth": read_peak() - base})
+                      "peak_growth": peak - base, "base": base, "peak": peak})
     Path(f"{path}.rank{dist.get_rank()}").write_text(json.dumps({"plan": describe(), "steps": steps}))
     close_distributed()
 
@@ -322,12 +343,34 @@ def run_worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------- driver
 
 
-def run_job(name: str, seq: int, args: argparse.Namespace, argv: Sequence[str], scratch: Path) -> dict:
-    """Launch one job of ``--ranks`` ranks and reduce it to a table row."""
+def budget_gib(name: str, seq: int, rows: list[dict]) -> Optional[float]:
+    """A budgeted system's ``usp.memory_gib`` at ``seq`` from the rows run before it (None: they did not run)."""
+    by = {(r["system"], r["S"]): r for r in rows}
+    full, usp = by.get(("ALST full", seq), {}), by.get(("ds-usp", seq), {})
+    if name == "ds-usp budget" and full.get("abs_peak_MiB"):
+        return full["abs_peak_MiB"] / 1024
+    if name == "ds-usp tight" and full.get("peak_MiB") and usp.get("base_MiB"):
+        return (usp["base_MiB"] + full["peak_MiB"] / 2) / 1024
+    return None
+
+
+def run_job(name: str, seq: int, args: argparse.Namespace, argv: Sequence[str], scratch: Path,
+            rows: Sequence[dict] = ()) -> dict:
+    """Launch one job of ``--ranks`` ranks and reduce it to a table row (``rows``: those run before it, whose
+    figures a budgeted system's ``usp.memory_gib`` comes from)."""
     path, port = scratch / f"{name.replace(' ', '_')}_{seq}", free_port()
+    row = {"system": name, "S": seq, "peak_MiB": None, "abs_peak_MiB": None, "base_MiB": None, "budget_MiB": None,
+           "step_s": None, "first_s": None, "cpu_s": None, "first_loss": None, "fits": "no", "note": None}
+    extra = []
+    if name in BUDGETED:
+        gib = budget_gib(name, seq, list(rows))
+        if gib is None:
+            return dict(row, note=f"not run: {' and '.join(BUDGETED[name])} at S={seq} did not run")
+        extra, row["budget_MiB"] = ["--memory-gib", f"{gib:.6f}"], round(gib * 1024)
     print(f"{TAG} {name} S={seq}: running ({args.steps} steps)", flush=True)
     try:
-        proc = start_ranks(__file__, [*argv, "--worker", f"{name}|{seq}|{path}"], args.ranks, launcher="deepspeed",
+        proc = start_ranks(__file__, [*argv, *extra, "--worker", f"{name}|{seq}|{path}"], args.ranks,
+                           launcher="deepspeed",
                            port=port, timeout=args.timeout, capture=True, echo=False)
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
         tail = "" if proc.returncode == 0 else (errors[-1] if errors else proc.stderr[-300:])[-300:]
@@ -341,8 +384,6 @@ def run_job(name: str, seq: int, args: argparse.Namespace, argv: Sequence[str], 
         if f.exists():
             ranks.append(json.loads(f.read_text()))
             f.unlink()
-    row = {"system": name, "S": seq, "peak_MiB": None, "step_s": None, "first_s": None, "cpu_s": None,
-           "first_loss": None, "fits": "no", "note": None}
     errors = [s["error"] for r in ranks for s in r["steps"] if "error" in s]
     if tail or errors or len(ranks) != args.ranks:
         return dict(row, note=(errors[0] if errors else tail or "a rank wrote no result").replace("\n", " "))
@@ -350,7 +391,9 @@ def run_job(name: str, seq: int, args: argparse.Namespace, argv: Sequence[str], 
     timed = range(1, len(ranks[0]["steps"]))
     median = {k: statistics.median(max(r["steps"][i][k] for r in ranks) for i in timed) if timed else None
               for k in ("seconds", "cpu_seconds")}
-    return dict(row, peak_MiB=round(peak / MIB), step_s=median["seconds"], cpu_s=median["cpu_seconds"],
+    return dict(row, peak_MiB=round(peak / MIB), abs_peak_MiB=round(max(r["steps"][-1]["peak"] for r in ranks) / MIB),
+                base_MiB=round(max(r["steps"][-1]["base"] for r in ranks) / MIB),
+                step_s=median["seconds"], cpu_s=median["cpu_seconds"],
                 first_s=max(r["steps"][0]["seconds"] for r in ranks),
                 first_loss=ranks[0]["steps"][0]["loss"], fits="yes" if peak <= args.cap_gib * 2 ** 30 else "no",
                 note=ranks[0]["plan"])
@@ -375,6 +418,7 @@ def compare(rows: list[dict]) -> tuple[str, bool]:
                 parts.append(f"{what} {ratio:.2f} x ALST full ({'met' if ratio <= target else 'missed'});")
         if usp.get("step_s") and plain.get("step_s"):
             parts.append(f"step {usp['step_s'] / plain['step_s']:.2f} x ALST plain;")
+        parts += budget_lines(by, seq)
         at_seq = [r for r in rows if r["S"] == seq and r["first_loss"] is not None]
         losses = [r["first_loss"] for r in at_seq if r["system"] not in LOSSY]
         if len(losses) > 1:
@@ -387,6 +431,29 @@ def compare(rows: list[dict]) -> tuple[str, bool]:
         if len(parts) > 1:
             lines.append(" ".join(parts))
     return "\n".join(lines), agree
+
+
+def budget_lines(by: dict, seq: int) -> list[str]:
+    """ds-usp running ALST's features, and "auto" under the two budgets, against ALST full at ``seq``."""
+    full = by.get(("ALST full", seq), {})
+    feats, budget, tight = (by.get((s, seq), {}) for s in ("ds-usp ALST features", "ds-usp budget", "ds-usp tight"))
+    parts = []
+    if feats.get("peak_MiB") and full.get("peak_MiB"):
+        parts.append(f"ds-usp with ALST's features: peak {feats['peak_MiB'] / full['peak_MiB']:.2f} x, step "
+                     f"{feats['step_s'] / full['step_s']:.2f} x ALST full;" if feats.get("step_s") and full.get("step_s")
+                     else f"ds-usp with ALST's features: peak {feats['peak_MiB'] / full['peak_MiB']:.2f} x ALST full;")
+    for name, row in (("ds-usp budget", budget), ("ds-usp tight", tight)):
+        if row.get("abs_peak_MiB"):
+            kept = row["abs_peak_MiB"] <= row["budget_MiB"]
+            parts.append(f"{name}: absolute peak {row['abs_peak_MiB']} of a {row['budget_MiB']} MiB budget "
+                         f"({'kept' if kept else 'MISSED'});")
+        elif row.get("note"):
+            parts.append(f"{name} ({row.get('budget_MiB')} MiB): {row['note'][:160]};")
+    if tight.get("peak_MiB") and full.get("peak_MiB"):
+        ratio = tight["peak_MiB"] / full["peak_MiB"]
+        parts.append(f"ds-usp tight grew {ratio:.2f} x ALST full's growth (target <= {TARGET_PEAK_VS_ALST_FULL}: "
+                     f"{'met' if ratio <= TARGET_PEAK_VS_ALST_FULL else 'missed'});")
+    return parts
 
 
 def pivot(rows: list[dict]) -> str:
@@ -449,9 +516,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = []
         for seq in args.seqs:
             for name in args.systems:
-                rows.append(run_job(name, seq, args, argv, scratch))
+                rows.append(run_job(name, seq, args, argv, scratch, rows))
                 print(f"{TAG} {rows[-1]}", flush=True)
-    print(table(rows, ["system", "S", "peak_MiB", "step_s", "first_s", "cpu_s", "first_loss", "fits", "note"],
+    print(table(rows, ["system", "S", "peak_MiB", "abs_peak_MiB", "budget_MiB", "step_s", "first_s", "cpu_s",
+                       "first_loss", "fits", "note"],
                 {"step_s": ".1f", "first_s": ".1f", "cpu_s": ".1f", "first_loss": ".6f"}))
     print(pivot(rows))
     text, agree = compare(rows)
