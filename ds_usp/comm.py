@@ -4,7 +4,10 @@
 * :func:`fp8_encode` / :func:`fp8_decode`: ``usp.comm_dtype = "fp8"``, activations on the wire as float8
   e4m3 with one fp32 scale per row of the last dim, in one ``uint8`` message.
 * :func:`ring_shift`: non-blocking send to the next ring rank and receive from the previous one,
-  returning a ``wait`` callable (the ring algorithm computes while it is in flight).
+  returning a ``wait`` callable (the ring algorithm computes while it is in flight); :func:`ring_exchange`: several
+  of them as one batched exchange. On a backend whose send and recv take host memory only (gloo) a ring exchange of
+  CUDA tensors is staged through pinned host buffers of a pool (:func:`staging_stats`; decided once per group;
+  :func:`stage_point_to_point` forces it for tests). gloo's collectives take CUDA tensors themselves.
 * :func:`gather_seq`: all-gather of sequence shards, autograd-aware (backward keeps this rank's
   slice: the gathered tensor is assumed to feed the same computation on every rank). It is a
   ``torch.library`` custom op, like the attention (:mod:`ds_usp.attention.usp`): an autograd function
@@ -29,6 +32,8 @@ next collective raises it, and a rank stuck in a device sync is ended.
 from __future__ import annotations
 
 import json
+import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -274,7 +279,8 @@ def ring_shift(send: Tensor, group: Any, ring_ranks: Sequence[int], ring_rank: i
                hop: int = 1) -> Callable[[], Tensor]:
     """Start sending ``send`` ``hop`` ranks ahead in the ring and receiving from ``hop`` ranks behind.
 
-    ``send`` must not be modified until the returned ``wait`` has been called.
+    ``send`` must not be modified until the returned ``wait`` has been called. Where the group's backend cannot send
+    ``send``'s device (gloo and CUDA tensors), the exchange is staged through host buffers (:func:`ring_exchange`).
 
     Args:
         send: the tensor to pass on (contiguous); the received tensor has its shape and dtype.
@@ -285,21 +291,12 @@ def ring_shift(send: Tensor, group: Any, ring_ranks: Sequence[int], ring_rank: i
 
     Returns:
         ``wait()``, which blocks until both transfers are done and returns the received tensor.
+
+    Raises:
+        USPCommError: the exchange failed.
     """
-    n = len(ring_ranks)
-    recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, ring_ranks[(ring_rank + hop) % n], group),
-           dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - hop) % n], group)]
-    with _named("ring send/recv", group):
-        works = dist.batch_isend_irecv(ops)
-    token = watch(works, "ring send/recv", group)
-
-    def wait() -> Tensor:
-        with _named("ring send/recv", group):
-            _waited(works, token, _cuda(recv.device))
-        return recv
-
-    return wait
+    wait = ring_exchange([(send, hop)], group, ring_ranks, ring_rank)
+    return lambda: wait()[0]
 
 
 def all_reduce_sum_(x: Tensor, group: Any, what: str) -> Tensor:
@@ -504,6 +501,11 @@ def ring_exchange(sends: Sequence[tuple[Tensor, int]], group: Any, ring_ranks: S
     group of transfers rather than two calls serialized on the backend's stream. The tensors sent must not be
     modified until the returned ``wait`` has been called.
 
+    Where the group's backend cannot send the tensors' device (gloo's send and recv take host memory only: CUDA tensors
+    on a gloo group), the exchange is staged (:func:`_staged_exchange`): the same bytes travel through host buffers of
+    a pool, one wait of the host for the device per exchange. Whether a group stages is decided once per group
+    (:func:`_route`), never by trying.
+
     Args:
         sends: ``(contiguous tensor, hop)`` pairs, ``hop`` >= 1.
         group: the ring process group.
@@ -516,19 +518,201 @@ def ring_exchange(sends: Sequence[tuple[Tensor, int]], group: Any, ring_ranks: S
     Raises:
         USPCommError: the exchange failed.
     """
-    n = len(ring_ranks)
+    if sends and _stages(group, sends[0][0].device):
+        return _staged_exchange(sends, group, ring_ranks, ring_rank)
     recvs = [torch.empty_like(send) for send, _ in sends]
-    ops = []
-    for (send, hop), recv in zip(sends, recvs):
-        ops += [dist.P2POp(dist.isend, send, ring_ranks[(ring_rank + hop) % n], group),
-                dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - hop) % n], group)]
-    with _named("ring send/recv", group):
-        works = dist.batch_isend_irecv(ops)
-    token = watch(works, "ring send/recv", group)
+    works, token = _start_exchange([(send, hop, recv) for (send, hop), recv in zip(sends, recvs)], group, ring_ranks,
+                                   ring_rank)
 
     def wait() -> list[Tensor]:
         with _named("ring send/recv", group):
             _waited(works, token, _cuda(recvs[0].device) if recvs else None)
+        return recvs
+
+    return wait
+
+
+def _start_exchange(transfers: Sequence[tuple[Tensor, int, Tensor]], group: Any, ring_ranks: Sequence[int],
+                    ring_rank: int) -> tuple[list[Any], Optional[int]]:
+    """Issue one ``batch_isend_irecv`` of ``(send, hop, recv)`` transfers; its works and the watchdog's token."""
+    n = len(ring_ranks)
+    ops = []
+    for send, hop, recv in transfers:
+        ops += [dist.P2POp(dist.isend, send, ring_ranks[(ring_rank + hop) % n], group),
+                dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - hop) % n], group)]
+    with _named("ring send/recv", group):
+        works = dist.batch_isend_irecv(ops)
+    return works, watch(works, "ring send/recv", group)
+
+
+# ---- staged point-to-point: a ring exchange through host buffers where the backend cannot send the device's tensors
+#
+# gloo (torch 2.13, ProcessGroupGloo.cpp) moves CUDA tensors in its collectives (allreduce, allgather, alltoall_base,
+# broadcast, reduce; _reduce_scatter_base through allreduce), each through pinned host copies of its own, but its
+# send and recv hand the tensor's data pointer to the TCP transport as host memory, with no CUDA path; batch_isend_irecv
+# on gloo (no coalescing) is one send or recv per op. So only the ring's exchanges need staging.
+
+_P2P_DEVICES = {"nccl": frozenset({"cuda"}), "gloo": frozenset({"cpu"})}  # what each backend's send / recv moves
+
+
+class _Route:
+    """How one group's point-to-point transfers go: the device types its backend sends itself (None: not known, sent
+    as given) and whether every exchange is staged regardless (:func:`stage_point_to_point`, for tests)."""
+
+    __slots__ = ("moves", "forced")
+
+    def __init__(self, moves: Optional[frozenset]) -> None:
+        self.moves, self.forced = moves, False
+
+
+_ROUTES: dict[int, _Route] = {}  # id(group) -> its route, dropped when the group object dies
+
+
+def _route(group: Any) -> _Route:
+    """``group``'s :class:`_Route`, made on its first exchange (a ring's is at its warm-up, when the topology is built):
+    the backend is looked up once per group, never per exchange."""
+    group = group if group is not None else dist.group.WORLD
+    route = _ROUTES.get(id(group))
+    if route is None:
+        route = _ROUTES[id(group)] = _Route(_P2P_DEVICES.get(dist.get_backend(group)))
+        weakref.finalize(group, _ROUTES.pop, id(group), None)
+    return route
+
+
+def _stages(group: Any, device: torch.device) -> bool:
+    """Whether an exchange of ``device`` tensors on ``group`` goes through host buffers: forced, or the backend sends
+    host memory but not this device's."""
+    route = _route(group)
+    moves = route.moves
+    return route.forced or (moves is not None and device.type not in moves and "cpu" in moves)
+
+
+def stage_point_to_point(group: Any, on: bool = True) -> None:
+    """Test-only: stage every ring exchange of ``group`` through host buffers whatever its tensors' device (CPU
+    tensors then take the path CUDA tensors take on gloo, with unpinned buffers and no device waits); ``on=False``
+    restores the backend's own rule.
+
+    Args:
+        group: the process group.
+        on: force staging (True) or not.
+    """
+    _route(group).forced = on
+
+
+class _Slot:
+    """One host buffer of the pool and the CUDA event after which the last copy reading it to the device is done
+    (None: none pending, or an unpinned buffer)."""
+
+    __slots__ = ("buf", "key", "event")
+
+    def __init__(self, buf: Tensor, key: tuple) -> None:
+        self.buf, self.key, self.event = buf, key, None
+
+    def free(self) -> bool:
+        """Whether the host may write it now (gloo's recv does): no copy to the device still reads it."""
+        return self.event is None or self.event.query()
+
+    def read_by_device(self) -> None:
+        """A copy from it to the device was queued on the current stream: it stays busy until that has run."""
+        if self.key[2]:  # pinned: the copy runs on the device after this returns
+            if self.event is None:
+                self.event = torch.cuda.Event()
+            self.event.record()
+
+
+class _HostPool:
+    """Host buffers for staged exchanges, reused by (shape, dtype, pinned) across calls: a ring step takes at most two
+    per tensor it sends (one out, one in), given back at its ``wait``. At most :data:`KEYS` shapes are kept (the least
+    recently used one's buffers are dropped: a pinned buffer still read by a copy is held by torch's pinned-memory
+    allocator until the copy is done)."""
+
+    KEYS = 16
+
+    def __init__(self) -> None:
+        self._free: "OrderedDict[tuple, list[_Slot]]" = OrderedDict()
+        self.allocations = 0  # buffers made so far (flat once every shape the ring uses has been seen)
+
+    def take(self, shape: torch.Size, dtype: torch.dtype, pinned: bool) -> _Slot:
+        """A buffer the host may write now: a free one of this key, else a new one."""
+        key = (tuple(shape), dtype, pinned)
+        free = self._free.get(key)
+        if free is not None:
+            self._free.move_to_end(key)
+            for i, slot in enumerate(free):
+                if slot.free():
+                    return free.pop(i)
+        self.allocations += 1
+        return _Slot(torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned), key)
+
+    def give(self, slot: _Slot) -> None:
+        """Take ``slot`` back (its pending copy, if any, recorded in its event)."""
+        self._free.setdefault(slot.key, []).append(slot)
+        self._free.move_to_end(slot.key)
+        while len(self._free) > self.KEYS:
+            self._free.popitem(last=False)
+
+    def held(self) -> tuple[int, int]:
+        """``(buffers, bytes)`` the pool holds now."""
+        slots = [slot for free in self._free.values() for slot in free]
+        return len(slots), sum(slot.buf.numel() * slot.buf.element_size() for slot in slots)
+
+
+_POOL = _HostPool()
+_COUNTS = {"exchanges": 0, "host_syncs": 0}  # staged exchanges, and the host's waits for the device among them
+
+
+def staging_stats() -> dict[str, int]:
+    """What staged exchanges did in this process so far (for tests and benchmarks).
+
+    Returns:
+        ``exchanges`` (staged exchanges), ``host_syncs`` (the host waited for the device: one per staged exchange of
+        CUDA tensors, before its sends), ``allocations`` (host buffers ever made), ``buffers`` and ``bytes`` (what the
+        pool holds now).
+    """
+    buffers, nbytes = _POOL.held()
+    return {**_COUNTS, "allocations": _POOL.allocations, "buffers": buffers, "bytes": nbytes}
+
+
+def _staged_exchange(sends: Sequence[tuple[Tensor, int]], group: Any, ring_ranks: Sequence[int],
+                     ring_rank: int) -> Callable[[], list[Tensor]]:
+    """:func:`ring_exchange` through host buffers: the same tensors' bytes sent, in the same ``batch_isend_irecv``.
+
+    Order, all on the current stream: each tensor is copied into a host buffer (pinned for CUDA tensors, a
+    ``non_blocking`` copy), then the host waits for the stream (one ``synchronize`` per exchange: the backend reads the
+    buffers from the host as soon as the send is issued), then the receive buffers are taken (the wait also finished
+    every earlier copy out of them queued on this stream; a buffer whose copy is not done, another stream's, is not
+    taken). ``wait()`` waits for the transfers, copies each received buffer to a new tensor on the device
+    (``non_blocking``) and records an event after it: the buffer is not written again before that copy has run.
+    """
+    device = sends[0][0].device
+    pinned = device.type == "cuda"
+    outs = [_POOL.take(send.shape, send.dtype, pinned) for send, _ in sends]
+    for slot, (send, _) in zip(outs, sends):
+        slot.buf.copy_(send, non_blocking=pinned)
+    if pinned:
+        torch.cuda.current_stream(device).synchronize()
+        _COUNTS["host_syncs"] += 1
+    _COUNTS["exchanges"] += 1
+    ins = [_POOL.take(send.shape, send.dtype, pinned) for send, _ in sends]
+    try:
+        works, token = _start_exchange([(o.buf, hop, i.buf) for o, (_, hop), i in zip(outs, sends, ins)], group,
+                                       ring_ranks, ring_rank)
+    except BaseException:
+        for slot in outs + ins:
+            _POOL.give(slot)
+        raise
+
+    def wait() -> list[Tensor]:
+        with _named("ring send/recv", group):
+            _waited(works, token, None)
+        recvs = []
+        for slot in ins:
+            recv = torch.empty(slot.buf.shape, dtype=slot.buf.dtype, device=device)
+            recv.copy_(slot.buf, non_blocking=pinned)
+            slot.read_by_device()
+            recvs.append(recv)
+        for slot in outs + ins:
+            _POOL.give(slot)
         return recvs
 
     return wait
