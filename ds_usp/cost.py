@@ -512,6 +512,16 @@ def activation_memory(shape: ModelShape, tokens: int, f: Features, elem_bytes: i
     return _Pricer(shape, tokens, elem_bytes, attention_peak, 0.0, Hardware(), cal).memory(f)
 
 
+def offloaded_bytes(shape: ModelShape, tokens: int, f: Features, elem_bytes: int = 2) -> float:
+    """The host bytes the features' offloaded layer inputs take on one rank (pinned; none without offload)."""
+    return f.checkpoint_layers * tokens * elem_bytes * shape.hidden if f.offload and f.checkpoint else 0.0
+
+
+def host_held(shape: ModelShape, s: StepSettings) -> float:
+    """The host bytes one rank's optimizer state takes when offloaded (fp32 master weights and Adam's moments)."""
+    return shape.params * 12 / s.world if s.offload_optimizer else 0.0
+
+
 def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int = 1, elem_bytes: int = 2,
                 cal: Calibration = Calibration()) -> StepMemory:
     """The bytes one rank holds at the peak of a training step (AdamW, DeepSpeed ZeRO), by part.
@@ -609,6 +619,8 @@ class Hardware:
         efficiency: the share of the peak the model's matmuls reach.
         host_bw: GB/s between a GPU and its host (PCIe), one way: offloaded activations.
         launch_us: microseconds a kernel launch costs beyond its work (a tile's or a chunk's small kernels).
+        host_mem_gib: memory of one machine's host, shared by its GPUs: offloaded activations (and an offloaded
+            optimizer state) must fit it.
     """
 
     nodes: int = 1
@@ -620,11 +632,17 @@ class Hardware:
     efficiency: float = 0.5
     host_bw: float = 25.0
     launch_us: float = 8.0
+    host_mem_gib: float = 2048.0
 
     @property
     def world(self) -> int:
         """All ranks."""
         return self.nodes * self.gpus_per_node
+
+    def host_budget(self, held: float = 0.0) -> float:
+        """The host bytes one rank's offloaded activations may take: :data:`HEADROOM` of its GPU's share of the
+        host's memory less ``held`` (e.g. an offloaded optimizer state)."""
+        return HEADROOM * (self.host_mem_gib * GIB / self.gpus_per_node - held)
 
 
 @dataclass(frozen=True)
@@ -758,10 +776,15 @@ class _Pricer:
 
     # ---- memory
     def kept(self, mode: str, k: int, offload: bool, tiled: bool) -> float:
-        """What the layers keep for their backward: ``k`` checkpointed (their inputs), the others whole."""
-        per = 0.0 if offload else self.t * self.e * self.shape.hidden * (
-            1 + (self.cal.selective_hidden if mode == "selective" else 0))
+        """What the layers keep on the device for their backward: ``k`` checkpointed (their inputs, unless offloaded;
+        under selective checkpointing also what the policy saves, which stays on the device), the others whole."""
+        per = self.t * self.e * self.shape.hidden * ((0 if offload else 1)
+                                                     + (self.cal.selective_hidden if mode == "selective" else 0))
         return k * per + (self.whole[tiled] * (self.layers - k) / self.layers if self.layers else 0.0)
+
+    def offloaded(self, k: int, offload: bool) -> float:
+        """The bytes the ``k`` checkpointed layers' inputs take in host memory when offloaded (pinned)."""
+        return k * self.t * self.e * self.shape.hidden if offload else 0.0
 
     def backward(self, k: int, tiles: int) -> tuple[float, float]:
         """``(recomputed layer, the larger of the attention's and an MLP tile's buffers)`` in a layer's backward."""
@@ -873,7 +896,8 @@ def _allowed(value: object, auto: list, on: list, off: list) -> list:
 
 def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget: float, hw: Hardware,
                     elem_bytes: int = 2, attention_peak: float = 0.0, attention_flops: float = 0.0,
-                    offload_possible: bool = True, cal: Calibration = Calibration()) -> tuple[Features, float, float]:
+                    offload_possible: bool = True, cal: Calibration = Calibration(),
+                    host_budget: float = math.inf) -> tuple[Features, float, float]:
     """The fastest features whose activations fit ``budget``: what ``"auto"`` takes (and the planner's ``auto``).
 
     Every combination the keys allow is priced: the loss whole or in chunks (multiples of :data:`ROW_MULTIPLE` rows,
@@ -894,6 +918,8 @@ def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget:
         attention_flops: one layer's attention forward FLOPs on this rank.
         offload_possible: the device has a host to offload to (a GPU).
         cal: the measured constants.
+        host_budget: the host bytes offloaded layer inputs may take (:meth:`Hardware.host_budget`): a row that
+            offloads more is not taken.
 
     Returns:
         ``(features, activation bytes, seconds they add)``.
@@ -920,7 +946,7 @@ def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget:
     best = least = None  # (seconds, bytes, features)
     for ckpt, k in ckpts:
         for offload in offloads:
-            if offload and not ckpt:
+            if offload and (not ckpt or p.offloaded(k, offload) > host_budget):
                 continue
             for n in tile_opts:
                 kept = p.kept(ckpt, k, offload, n > 0)

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional, Sequence
 
 from ds_usp.cost import (GIB, HEADROOM, FeatureModes, Hardware, ModelShape, StepMemory, StepSettings, StepTime,
-                         activation_budget, attention_forward_flops, attention_memory, choose_features, model_state_memory,
-                         step_memory, step_time, tokens_per_rank)
+                         activation_budget, attention_forward_flops, attention_memory, choose_features, features_of,
+                         host_held, model_state_memory, offloaded_bytes, step_memory, step_time, tokens_per_rank)
 from ds_usp.integration.data.dynamic import plan_step
 from ds_usp.integration.models.diffusion.shape import dit_shape, dit_tokens, model_on_meta, read_diffusers_config
 from ds_usp.integration.models.shape import model_shape, split_refusal
@@ -158,8 +158,13 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
                         t = step_time(shape, s, seq, hw, micro_batch, elem_bytes)
                         problem = None
                         states = mem.params + mem.grads + mem.optimizer
+                        host = offloaded_bytes(shape, tokens_per_rank(seq, micro_batch, s.sp),
+                                               features_of(shape, tokens_per_rank(seq, micro_batch, s.sp), s),
+                                               elem_bytes)
                         if mem.total - states > activation_budget(hw.gpu_mem_gib * GIB, states):
                             problem = f"needs {mem.total / GIB:.1f} GiB of {hw.gpu_mem_gib:g}"
+                        elif host > hw.host_budget(host_held(shape, s)):
+                            problem = f"offloads {host / GIB:.1f} GiB to a host of {hw.host_mem_gib:g}"
                         out.append(Candidate(s, preset, mem, t, problem))
     # fastest per token first: a plan with replicas trains dp sequences per step
     return sorted(out, key=lambda c: (c.problem is not None, c.time.total / c.settings.dp, c.memory.total))
@@ -176,7 +181,8 @@ def auto_settings(shape: ModelShape, base: StepSettings, seq: int, hw: Hardware,
     att = attention_memory(micro_batch, padded, shape.heads, shape.kv_heads, shape.head_dim, base.ulysses, base.ring,
                            elem_bytes)
     features, _, _ = choose_features(shape, tokens, FeatureModes(), budget, hw, elem_bytes, att.backward_peak,
-                                     attention_forward_flops(shape, padded, micro_batch) / base.sp)
+                                     attention_forward_flops(shape, padded, micro_batch) / base.sp,
+                                     host_budget=hw.host_budget(host_held(shape, base)))
     return replace(base, features=features)
 
 
@@ -310,6 +316,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    p.add_argument("--host-mem", type=float, default=2048.0,
+                   help="GiB of host memory per node, shared by its GPUs (offloaded activations and optimizer state)")
     p.add_argument("--intra-bw", type=float, default=300.0, help="GB/s a rank sends inside a node")
     p.add_argument("--inter-bw", type=float, default=25.0, help="GB/s a rank sends across nodes")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU")
@@ -433,7 +441,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args, dit = _checked_args(p, argv)
         shape = _shape_of_args(p, args, dit)
         hw = Hardware(args.nodes, args.gpus_per_node, args.gpu_mem, args.peak_tflops, args.intra_bw, args.inter_bw,
-                      args.efficiency)
+                      args.efficiency, host_mem_gib=args.host_mem)
         kw = dict(micro_batch=args.micro_batch, elem_bytes=4 if args.fp32 else 2,
                   zero=None if args.zero == "auto" else int(args.zero), offload=args.offload,
                   presets=[x for x in args.presets.split(",") if x], ulysses=args.ulysses, ring=args.ring)

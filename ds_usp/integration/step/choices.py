@@ -5,14 +5,16 @@
 tokens this rank holds into :class:`StepChoices`: the fastest features whose predicted memory fits the rank's budget,
 from the one cost model (:func:`ds_usp.cost.choose_features`; ``python -m ds_usp.plan`` prints the same choice).
 
-The budget: ``usp.memory_gib`` when given, else the device's memory (a GPU's; on CPU the host's available memory
-shared by the node's ranks), of which :data:`HEADROOM` is planned, less what the rank already holds: the larger of
-what the process holds at its first call (the device's allocations on a GPU; on CPU with ``usp.memory_gib`` its
+The budget: :data:`~ds_usp.cost.HEADROOM` of what ``usp.memory_gib`` (when given, else the device's memory: a GPU's;
+on CPU the host's available memory shared by the node's ranks) leaves beside what the rank already holds: the larger
+of what the process holds at its first call (the device's allocations on a GPU; on CPU with ``usp.memory_gib`` its
 resident set, interpreter and libraries included) and what the cost model says the model's states take
 (:func:`ds_usp.cost.model_state_memory`). So a given ``usp.memory_gib`` bounds the rank's whole peak, and a budget no
 plan fits is refused by name (:class:`MemoryBudgetError`) with what the smallest plan needs; without it the plan that
 holds least runs. Under ZeRO-3, or with ``usp.memory_gib`` given, the ranks agree on the budget and on the tokens
-(tile counts decide how often ZeRO-3 gathers; a refusal must be every rank's), one small all-reduce per call.
+(tile counts decide how often ZeRO-3 gathers; a refusal must be every rank's), one small all-reduce per call. On a
+GPU, offloaded layer inputs must fit the host too: :data:`~ds_usp.cost.HEADROOM` of its available memory shared by
+the node's ranks (read at the first call, agreed on likewise).
 """
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ class MemoryContext:
     offload: Any = None  # the checkpointed inputs in host memory (ds_usp.integration.step.recompute.Offload)
     held: Optional[float] = None  # bytes the rank holds before its step (None: measured at the first call)
     _memory: Optional[float] = field(default=None, repr=False)  # the rank's memory (bytes), read at the first call
+    _host: float = field(default=0.0, repr=False)  # host bytes offloaded inputs may take (GPU; 0: unknown), read once
     _known: dict = field(default_factory=dict, repr=False)  # tokens -> choices already made
     _logged: set = field(default_factory=set, repr=False)
 
@@ -131,18 +134,19 @@ class MemoryContext:
             MemoryBudgetError: ``usp.memory_gib`` is given and no plan the ``usp`` keys allow fits it (on every rank:
                 they agreed on the budget and the tokens first).
         """
-        memory, held = self._rank_memory(device)
+        memory, held, host = self._rank_memory(device)
         given = getattr(self.settings, "memory_gib", None) is not None
         whole = self.usp is not None and self.usp.unsharded  # generation: each rank alone, no collective
         if (self.zero3 or given) and not whole and dist.is_initialized() and dist.get_world_size() > 1:
-            agreed = torch.tensor([tokens, -int(memory // MIB), int(held // MIB)], dtype=torch.int64,
-                                  device=_group_device(device))
+            agreed = torch.tensor([tokens, -int(memory // MIB), int(held // MIB), -int(min(host, 2 ** 62) // MIB)],
+                                  dtype=torch.int64, device=_group_device(device))
             all_reduce_max_(agreed, self.topo.sp_dp_group, "the tokens and memory of a step")
-            tokens, neg_mib, held_mib = agreed.tolist()  # one read of the device's values
-            memory, held = -float(neg_mib) * MIB, float(held_mib) * MIB
-        key = (tokens, dtype, memory, held)
+            tokens, neg_mib, held_mib, neg_host = agreed.tolist()  # one read of the device's values
+            memory, held, host = -float(neg_mib) * MIB, float(held_mib) * MIB, -float(neg_host) * MIB
+        key = (tokens, dtype, memory, held, host)
         if key not in self._known:
-            self._known[key] = self._decide(tokens, device, torch.empty(0, dtype=dtype).element_size(), memory, held)
+            self._known[key] = self._decide(tokens, device, torch.empty(0, dtype=dtype).element_size(), memory, held,
+                                            host)
         choices = self._known[key]
         over = choices.predicted > choices.budget
         if over and given:
@@ -155,9 +159,10 @@ class MemoryContext:
                          f"add about {choices.seconds:.3g} s)" if choices.budget else ""))
         return choices
 
-    def _rank_memory(self, device: torch.device) -> tuple[float, float]:
-        """``(memory, held)``: the memory one rank's step may use (``usp.memory_gib``, else the device's) and what the
-        process holds of it before the step (see the module docstring), both read at the first call."""
+    def _rank_memory(self, device: torch.device) -> tuple[float, float, float]:
+        """``(memory, held, host)``: the memory one rank's step may use (``usp.memory_gib``, else the device's), what
+        the process holds of it before the step, and (on a GPU) the host bytes its offloaded layer inputs may take
+        (see the module docstring), read at the first call."""
         if self._memory is None:
             given = getattr(self.settings, "memory_gib", None)
             cuda = device.type == "cuda"
@@ -170,9 +175,11 @@ class MemoryContext:
             if self.held is None:
                 self.held = (float(torch.cuda.memory_allocated(device)) if cuda else
                              resident_bytes() if given is not None else 0.0)
-        return self._memory, self.held
+            self._host = HEADROOM * host_memory_per_rank() if cuda else 0.0  # CPU: nothing to offload to
+        return self._memory, self.held, self._host
 
-    def _decide(self, tokens: int, device: torch.device, elem: int, memory: float, held: float) -> StepChoices:
+    def _decide(self, tokens: int, device: torch.device, elem: int, memory: float, held: float,
+                host: float) -> StepChoices:
         s = self.settings
         modes = FeatureModes(s.chunked_loss, s.tiled_mlp, s.activation_checkpointing, s.offload_activations,
                              s.tile_mib)
@@ -190,9 +197,11 @@ class MemoryContext:
         seq = tokens * topo.sp_size  # the whole rows' length (a batch's rows: b x S over the group)
         att = attention_memory(1, seq, self.shape.heads, self.shape.kv_heads, self.shape.head_dim, topo.ulysses_degree,
                                topo.ring_degree, elem)
+        cuda = device.type == "cuda"
         features, predicted, seconds = choose_features(
-            self.shape, tokens, modes, budget, CPU if device.type != "cuda" else Hardware(), elem, att.backward_peak,
-            attention_forward_flops(self.shape, seq) / topo.sp_size, device.type == "cuda", Calibration())
+            self.shape, tokens, modes, budget, Hardware() if cuda else CPU, elem, att.backward_peak,
+            attention_forward_flops(self.shape, seq) / topo.sp_size, cuda, Calibration(),
+            host_budget=host if host > 0 else math.inf)
         return StepChoices(**vars(features), tokens=tokens, budget=budget, predicted=predicted, seconds=seconds)
 
 
