@@ -215,6 +215,100 @@ def route_initialize(original: Callable[..., Any], call: Mapping[str, Any], init
     return initialize(**call)
 
 
+class EngineArgs:
+    """The ``args`` of a ``deepspeed.initialize`` call as DeepSpeed's engine reads them, with values of ds-usp's in
+    front: ``device_rank`` (the GPU ``DeepSpeedEngine._set_distributed_vars`` sets, instead of ``LOCAL_RANK``'s) and,
+    where ds-usp set ``LOCAL_RANK`` itself, ``local_rank`` (which the engine checks against it and then overwrites).
+
+    Every other attribute is the caller's object's (``None`` has none), and whatever DeepSpeed writes (``local_rank``,
+    ``deepspeed_config``) is written to the caller's object, as without ds-usp.
+
+    Args:
+        args: the caller's ``args`` (an ``argparse.Namespace``, any object, or None).
+        overrides: the attributes ds-usp gives, by name.
+    """
+
+    def __init__(self, args: Any, overrides: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_args", args)
+        object.__setattr__(self, "_overrides", dict(overrides))
+
+    def __getattr__(self, name: str) -> Any:  # only for names the instance lacks: all but the two above
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_args"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._overrides:
+            self._overrides[name] = value
+        if self._args is not None:
+            setattr(self._args, name, value)
+
+    def __repr__(self) -> str:
+        return f"EngineArgs({self._args!r}, {self._overrides!r})"
+
+
+register("zero3_local_device", Patch(
+    "deepspeed.runtime.zero.partition_parameters.Init.__init__, and deepspeed.runtime.zero.utils' get_lst_from_rank0 "
+    "and assert_lst_len_same_as_other_ranks (wrapped, only in a process whose GPU is not cuda:LOCAL_RANK)",
+    "each reading its GPU as os.environ[\"LOCAL_RANK\"] (Init's local_device, which it also makes the current device; "
+    "the tensor each check broadcasts over the ranks), and the two functions taking (lst)",
+    "with one GPU per task (LOCAL_RANK 3, only cuda:0 visible) ZeRO-3 fails with 'invalid device ordinal'; with a GPU "
+    "the user set that is not LOCAL_RANK's, ZeRO-3 moves the rank to LOCAL_RANK's GPU (another rank's) and gathers "
+    "the parameters there, while the engine computes on the one set",
+    "ZeRO-3 taking the engine's device (args.device_rank) or the current device, not LOCAL_RANK, as its GPU"))
+
+_READS_LOCAL_RANK = ('os.environ["LOCAL_RANK"]', "os.environ['LOCAL_RANK']")
+
+
+def _reading_local_rank_as(fn: Callable[..., Any], index: int) -> Callable[..., Any]:
+    """``fn`` run with ``LOCAL_RANK`` reading ``index`` (put back as it was after each call)."""
+
+    @functools.wraps(fn)
+    def on_this_gpu(*args: Any, **kwargs: Any) -> Any:
+        saved = os.environ.get("LOCAL_RANK")
+        os.environ["LOCAL_RANK"] = str(index)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if saved is None:
+                os.environ.pop("LOCAL_RANK", None)
+            else:
+                os.environ["LOCAL_RANK"] = saved
+
+    on_this_gpu._ds_usp_original = fn
+    return on_this_gpu
+
+
+def zero3_on_device(index: int) -> None:
+    """Make ZeRO-3's reads of ``LOCAL_RANK`` as its GPU (``zero.Init``'s device, its checks across ranks) read
+    ``cuda:index``, this rank's GPU, for the rest of the process. ``LOCAL_RANK`` stays the local rank for everything
+    else (the engine's ``local_rank``, node-local checkpoints). Called again, the wrapping is replaced, not stacked.
+
+    Args:
+        index: the CUDA index of this rank's GPU.
+
+    Raises:
+        UpstreamChanged: one of the three no longer reads ``os.environ["LOCAL_RANK"]``, or a check takes no ``lst``.
+    """
+    from deepspeed.runtime.zero import partition_parameters, utils
+
+    places = ((partition_parameters.Init, "__init__"), (utils, "get_lst_from_rank0"),
+              (utils, "assert_lst_len_same_as_other_ranks"))
+    for owner, name in places:
+        current = getattr(owner, name, None)
+        original = getattr(current, "_ds_usp_original", current)
+        if name != "__init__":
+            require_parameters("zero3_local_device", original, ("lst",))
+        source = inspect.getsource(innermost(original)) if callable(original) else ""
+        if not any(read in source for read in _READS_LOCAL_RANK):
+            refuse("zero3_local_device", f"{getattr(owner, '__name__', owner)}.{name} does not read "
+                                         f"os.environ[\"LOCAL_RANK\"]")
+    for owner, name in places:
+        current = getattr(owner, name)
+        setattr(owner, name, _reading_local_rank_as(getattr(current, "_ds_usp_original", current), index))
+
+
 def quiet_deepspeed_deprecations() -> None:
     """Hide the FutureWarnings that DeepSpeed's ZeRO code triggers in torch.distributed on every step.
 
