@@ -148,6 +148,129 @@ def test_a_rank_that_cannot_tell_its_gpu_fails_before_the_collective(monkeypatch
     assert cuda.set == [] and calls == []  # no device set, no collective entered
 
 
+# ---------------------------------------------------------------- the GPU DeepSpeed's engine sets (CUDA faked)
+
+
+@pytest.fixture
+def zero3_untouched(monkeypatch):
+    """The ZeRO-3 functions ds_usp.initialize may wrap (:func:`ds_usp.upstream.deepspeed.zero3_on_device`) are put
+    back after the test; yields them as they were."""
+    from deepspeed.runtime.zero import partition_parameters, utils
+
+    places = ((partition_parameters.Init, "__init__"), (utils, "get_lst_from_rank0"),
+              (utils, "assert_lst_len_same_as_other_ranks"))
+    originals = {name: getattr(owner, name) for owner, name in places}
+    for owner, name in places:
+        monkeypatch.setattr(owner, name, originals[name])  # recorded: the test's wrapping is undone
+    return originals
+
+
+def initialize_up_to_deepspeed(monkeypatch, args=None) -> dict:
+    """``ds_usp.initialize`` on a data-parallel config (2 ranks), its settings given, with ``deepspeed.initialize``
+    replaced by a function that records its arguments; returns them. ``LOCAL_RANK`` is put back afterwards."""
+    import os
+
+    from ds_usp.config import load_usp_config
+    from ds_usp.integration.engine import initialize as initialize_module
+    from ds_usp.integration.engine.settings import Settings
+
+    if "LOCAL_RANK" not in os.environ:  # so that a LOCAL_RANK ds_usp.initialize sets is removed after the test
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.delenv("LOCAL_RANK")
+    raw = {"train_micro_batch_size_per_gpu": 1}
+    settings = Settings(raw, load_usp_config(raw, 2), 2)
+    monkeypatch.setattr(initialize_module, "resolve_settings", lambda source, model: settings)
+    monkeypatch.setattr(initialize_module, "wrap_engine", lambda *a: None)
+    passed: dict = {}
+    monkeypatch.setattr(initialize_module, "deepspeed_initialize",
+                        lambda: lambda **kwargs: passed.update(kwargs) or (None, None, None, None))
+    initialize_module.initialize(args=args, model=None, config=raw)
+    return passed
+
+
+def deepspeeds_engine_device(monkeypatch, args) -> tuple[list, "object"]:
+    """What DeepSpeed's engine does with ``args``: its own ``_do_args_sanity_check``, ``_configure_with_arguments``
+    and ``_set_distributed_vars``, run on a stub engine with the accelerator faked as CUDA's. Returns the indices
+    it passed to ``set_device`` and the stub (``device``, ``local_rank``)."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime import engine as ds_engine
+
+    set_to: list = []
+    accelerator = SimpleNamespace(set_device=set_to.append, device_name=lambda index=None: f"cuda:{index}")
+    monkeypatch.setattr(ds_engine, "get_accelerator", lambda: accelerator)
+    monkeypatch.setattr(ds_engine.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(ds_engine.dist, "get_rank", lambda group=None: 1)
+    stub = SimpleNamespace()
+    ds_engine.DeepSpeedEngine._do_args_sanity_check(stub, args)
+    ds_engine.DeepSpeedEngine._configure_with_arguments(stub, args, None)
+    ds_engine.DeepSpeedEngine._set_distributed_vars(stub, args)
+    return set_to, stub
+
+
+def test_the_engine_sets_the_gpu_of_slurms_local_rank(monkeypatch, launcher, zero3_untouched):
+    """srun without LOCAL_RANK: DeepSpeed would refuse (it reads LOCAL_RANK only); it is told GPU 1 and local rank 1,
+    and the user's own arguments reach it (a --local_rank the launcher never passed is the parser's default)."""
+    import argparse
+    import os
+
+    from deepspeed.runtime.zero import partition_parameters
+
+    cuda = FakeCuda(monkeypatch, 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    mine = argparse.Namespace(local_rank=0, lr=0.5)
+    args = initialize_up_to_deepspeed(monkeypatch, mine)["args"]
+    assert cuda.set == [1] and os.environ["LOCAL_RANK"] == "1"  # DeepSpeed's variable, from SLURM's
+    assert args.lr == 0.5 and args.device_rank == 1
+    set_to, engine = deepspeeds_engine_device(monkeypatch, args)
+    assert set_to == [1] and engine.device == torch.device("cuda", 1) and engine.local_rank == 1
+    assert mine.local_rank == 1 and not hasattr(mine, "device_rank")  # DeepSpeed's write reaches the user's args
+    assert partition_parameters.Init.__init__ is zero3_untouched["__init__"]  # LOCAL_RANK is the GPU: no wrapping
+
+
+def test_the_engine_keeps_the_gpu_the_user_set(monkeypatch, launcher, zero3_untouched):
+    """torch.cuda.set_device(1) under LOCAL_RANK=0: ds-usp keeps GPU 1 (with its warning), and so does the engine."""
+    FakeCuda(monkeypatch, 2, initialized=True, current=1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    args = initialize_up_to_deepspeed(monkeypatch)["args"]
+    set_to, engine = deepspeeds_engine_device(monkeypatch, args)
+    assert set_to == [1] and engine.device == torch.device("cuda", 1) and engine.local_rank == 0
+    assert len(launcher) == 1 and "keeps cuda:1" in launcher[0]
+
+
+def test_the_engine_takes_the_only_visible_gpu(monkeypatch, launcher, zero3_untouched):
+    """One GPU per task, LOCAL_RANK=3: the engine sets cuda:0 (not 'invalid device ordinal'), and ZeRO-3's checks
+    that read LOCAL_RANK as the GPU (DeepSpeed's own get_lst_from_rank0) build their tensor there too."""
+    import os
+
+    from deepspeed.runtime.zero import utils
+
+    FakeCuda(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    args = initialize_up_to_deepspeed(monkeypatch)["args"]
+    set_to, engine = deepspeeds_engine_device(monkeypatch, args)
+    assert set_to == [0] and engine.device == torch.device("cuda", 0) and engine.local_rank == 3
+    named: list = []
+    monkeypatch.setattr(utils, "get_accelerator", lambda: type("A", (), {"device_name": lambda self, i: named.append(i)
+                                                                        or "cpu"})())
+    monkeypatch.setattr(utils.dist, "broadcast", lambda *a, **k: None)
+    monkeypatch.setattr(utils.dist, "get_rank", lambda group=None: 0)
+    assert utils.get_lst_from_rank0([4, 5]) == [4, 5]
+    assert named == ["0"] and os.environ["LOCAL_RANK"] == "3"  # the GPU; LOCAL_RANK itself unchanged
+
+
+def test_a_device_rank_of_the_users_own_that_disagrees_is_refused(monkeypatch, launcher, zero3_untouched):
+    import argparse
+
+    FakeCuda(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match=r"args.device_rank=1 .* cuda:0"):
+        initialize_up_to_deepspeed(monkeypatch, argparse.Namespace(device_rank=1))
+    assert initialize_up_to_deepspeed(monkeypatch, argparse.Namespace(device_rank=0))["args"].device_rank == 0
+
+
 # ---------------------------------------------------------------- ranks per node and Ulysses across nodes
 
 

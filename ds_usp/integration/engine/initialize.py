@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 
 from ds_usp.comm import barrier, group_device
@@ -30,13 +31,14 @@ from ds_usp.config import USPConfig, ranks_per_node, ranks_per_node_and_source
 from ds_usp.integration.engine.adapters import adapter_for
 from ds_usp.integration.engine.checkpoints import AtomicCheckpoints
 from ds_usp.integration.engine.degrees import choose_degrees
+from ds_usp.integration.engine.preflight import choose_device, set_local_rank_for_deepspeed
 from ds_usp.integration.engine.settings import Settings, config_source, resolve_settings
 from ds_usp.integration.models.checks import default_positions
 from ds_usp.integration.models.safety import install_safety_net
 from ds_usp.integration.step.choices import MemoryContext
-from ds_usp.upstream.deepspeed import (attach_state, check_zero_optimizers_first, deepspeed_initialize,
+from ds_usp.upstream.deepspeed import (EngineArgs, attach_state, check_zero_optimizers_first, deepspeed_initialize,
                                        fix_zero3_sequence_parallel_scaling, note_failures, quiet_deepspeed_deprecations,
-                                       replace_checkpointing, unlink_shm_buffer)
+                                       replace_checkpointing, unlink_shm_buffer, zero3_on_device)
 from ds_usp.log import log_info
 from ds_usp.native import resolve_native_op
 from ds_usp.splits import degree_split, divisors
@@ -121,8 +123,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     Raises:
         ValueError: invalid sequence-parallel config (named key), ranks that disagree on the
             config, the model's head counts or the library versions (the same error on every
-            rank), a model its adapter refuses, or an ``mpu`` was passed with USP on.
-        RuntimeError: started without a launcher (no ``RANK``, ``WORLD_SIZE``, ... and no process group).
+            rank), a model its adapter refuses, an ``mpu`` was passed with USP on, or an
+            ``args.device_rank`` that is not this rank's GPU.
+        RuntimeError: started without a launcher (no ``RANK``, ``WORLD_SIZE``, ... and no process group), or this
+            rank's GPU cannot be told (:func:`~ds_usp.integration.engine.preflight.choose_device`).
 
     When it initializes distributed itself, the default process group gets ``usp.timeout_seconds``
     too; the USP groups always do. Errors raised later by ``engine.forward/backward/step`` carry a
@@ -131,6 +135,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     quiet_deepspeed_deprecations()
     check_zero_optimizers_first()
     settings = resolve_settings(config_source(args, config, config_params), model)
+    args = tell_deepspeed_the_device(args)
     adapter = adapter_for(model, settings)
     if settings.sharded and settings.usp.degrees_chosen_automatically:  # the cost model's to choose
         settings = _with_chosen_degrees(settings, adapter, model)
@@ -152,6 +157,43 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                       **kwargs)
     wrap_engine(engine, settings, topo, memory)
     return engine, opt, loader, sched
+
+
+def tell_deepspeed_the_device(args: Any) -> Any:
+    """Set this rank's GPU (:func:`~ds_usp.integration.engine.preflight.choose_device`: kept if the user chose one,
+    else the launcher's local rank) before anything is built on it, and make DeepSpeed use the same: its engine
+    through ``args.device_rank`` (it would set ``cuda:LOCAL_RANK``), ZeRO-3 through
+    :func:`~ds_usp.upstream.deepspeed.zero3_on_device` where the GPU is not ``LOCAL_RANK``'s, and ``LOCAL_RANK`` set
+    where no launcher set it (:func:`~ds_usp.integration.engine.preflight.set_local_rank_for_deepspeed`).
+
+    Args:
+        args: the caller's ``args`` for ``deepspeed.initialize`` (None or any object).
+
+    Returns:
+        The ``args`` to give ``deepspeed.initialize``: the caller's behind an
+        :class:`~ds_usp.upstream.deepspeed.EngineArgs` (every attribute the caller's; DeepSpeed's writes reach it),
+        or ``args`` itself on the CPU when ``LOCAL_RANK`` was set.
+
+    Raises:
+        ValueError: ``args.device_rank`` given and not this rank's GPU.
+        RuntimeError: this rank's GPU cannot be told (see ``choose_device``).
+    """
+    device = choose_device()
+    local_rank, set_from = set_local_rank_for_deepspeed(device)
+    overrides: dict[str, Any] = {}
+    if set_from is not None and hasattr(args, "local_rank"):
+        overrides["local_rank"] = local_rank  # the launcher passed none: the parser's default, not a local rank
+    if device.type == "cuda":
+        own = getattr(args, "device_rank", None)
+        if own is not None and own != device.index:
+            raise ValueError(f"args.device_rank={own} but this rank's GPU is {device} (ds-usp keeps a device you set, "
+                             f"else takes the launcher's local rank): call torch.cuda.set_device({own}) before "
+                             f"ds_usp.initialize, or leave device_rank out")
+        torch.cuda.set_device(device)
+        overrides["device_rank"] = device.index
+        if device.index != local_rank:
+            zero3_on_device(device.index)
+    return EngineArgs(args, overrides) if overrides else args
 
 
 def _with_chosen_degrees(settings: Settings, adapter: Any, model: Any) -> Settings:

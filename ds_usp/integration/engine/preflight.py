@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ds_usp.comm import disagreements
 from ds_usp.config import USPConfigError, ranks_per_node_and_source
-from ds_usp.log import log_warning
+from ds_usp.log import log_rank0, log_warning
 
 
 def installed_version(package: str) -> Optional[str]:
@@ -54,7 +54,9 @@ def _bound_device() -> Optional[torch.device]:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     bound = getattr(dist.group.WORLD, "bound_device_id", None)
-    return bound if isinstance(bound, torch.device) and bound.type == "cuda" else None
+    if not (isinstance(bound, torch.device) and bound.type == "cuda"):
+        return None
+    return bound if bound.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _world_size() -> int:
@@ -113,6 +115,28 @@ def choose_device() -> torch.device:
                            f"this node, let every rank see the node's GPUs, or give each rank one GPU "
                            f"(CUDA_VISIBLE_DEVICES of one device, as srun --gpus-per-task=1 does)")
     return torch.device("cuda", local)
+
+
+def set_local_rank_for_deepspeed(device: torch.device) -> tuple[int, Optional[str]]:
+    """``LOCAL_RANK`` as DeepSpeed reads it (ZeRO-3 reads no other variable, its engine only Open MPI's besides), set
+    where no launcher set it: from the launcher's own variable (:func:`launcher_local_rank`: an MPI launcher's, ``SLURM_LOCALID``), else,
+    as DeepSpeed's convention has it (local rank = GPU index), the index of this rank's GPU (0 on the CPU).
+
+    Args:
+        device: this rank's device (:func:`choose_device`).
+
+    Returns:
+        ``(local rank, where it came from)``; the source is None when the launcher had set ``LOCAL_RANK``.
+    """
+    given = os.environ.get("LOCAL_RANK", "")
+    if given.isdigit():
+        return int(given), None
+    local, said_by = launcher_local_rank()
+    if local is None:
+        local, said_by = (device.index or 0, f"this rank's GPU, {device}") if device.type == "cuda" else (0, "the CPU")
+    os.environ["LOCAL_RANK"] = str(local)
+    log_rank0(f"ds_usp: LOCAL_RANK was not set; set from {said_by} (DeepSpeed's engine and ZeRO-3 read it)")
+    return local, said_by
 
 
 def check_same_everywhere(facts: Mapping[str, Any]) -> None:
