@@ -3,6 +3,9 @@
 * Device selection (:func:`ds_usp.integration.engine.preflight.choose_device`): a device the user chose is kept, the
   launcher's local rank (``LOCAL_RANK``, ``SLURM_LOCALID``) chooses otherwise, and a rank that cannot tell its GPU is
   refused by name before any collective. CUDA is faked (``torch.cuda``'s functions and the environment monkeypatched).
+* The GPU DeepSpeed's engine sets is the one ds-usp chose: what ``ds_usp.initialize`` passes ``deepspeed.initialize``
+  (``args.device_rank``, ``LOCAL_RANK`` filled from ``SLURM_LOCALID``) run through DeepSpeed's own engine methods on a
+  stub, and ZeRO-3's reads of ``LOCAL_RANK`` as a GPU pointed at it.
 * Ranks per node from SLURM (``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``), and the warning when a Ulysses
   group would cross nodes.
 * ``USPTopology.build``: groups over the same ranks are one process group, and each group is warmed up as it is
