@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from ds_usp.cost import ModelShape
 from ds_usp.integration.models.diffusion import DiTContext, FamilyPlan
 from ds_usp.integration.models.diffusion.shape import dit_shape, feed_forward_modules
-from ds_usp.integration.step.choices import MemoryContext, MemorySettings
-from ds_usp.integration.step.recompute import Offload, _selective_contexts, trim_host_heap
+from ds_usp.integration.step.choices import MemoryContext, MemorySettings, trim_host_heap
+from ds_usp.integration.step.recompute import Offload, _selective_contexts
 from ds_usp.integration.step.tiling import tiled_mlp
 from ds_usp.upstream.torch import replace_forward
 from ds_usp.log import log_rank0

@@ -12,8 +12,6 @@ no slower).
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import inspect
 from typing import Any, Callable
@@ -22,30 +20,10 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from ds_usp.integration.step.choices import MemoryContext
+from ds_usp.integration.step.choices import MemoryContext, trim_host_heap
 from ds_usp.upstream.torch import tolerant_recompute
 
 # ---------------------------------------------------------------------- activation checkpointing
-
-
-@functools.lru_cache(maxsize=None)
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-
-
-def trim_host_heap() -> None:
-    """Return the C heap's free pages to the OS (glibc's ``malloc_trim(0)``; a no-op elsewhere).
-
-    Tensors on CPU come from malloc: a freed block below glibc's mmap threshold (up to 32 MiB) stays resident,
-    so layer after layer the resident set grows with what was freed. Trimming costs a walk over the free lists
-    and a page fault when a page is reused.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _keep_ring_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
