@@ -277,6 +277,30 @@ def test_a_device_rank_of_the_users_own_that_disagrees_is_refused(monkeypatch, l
 # ---------------------------------------------------------------- ranks per node and Ulysses across nodes
 
 
+@pytest.mark.parametrize("count,local,user,want", [(1, "3", None, 0), (2, "0", 1, 1), (2, "1", None, 1)],
+                         ids=["one-visible-gpu-local-rank-3", "user-set-cuda1", "launcher-local-rank"])
+def test_the_default_group_is_bound_to_the_chosen_gpu(monkeypatch, launcher, count, local, user, want):
+    """Where ds-usp starts distributed itself, the default group is bound to the GPU it chose, not DeepSpeed's
+    ``cuda:LOCAL_RANK`` (invalid with one visible GPU and LOCAL_RANK 3; another GPU than the one the user set)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from ds_usp.integration.engine import settings
+
+    cuda = FakeCuda(monkeypatch, count, initialized=user is not None, current=user or 0)
+    for var, value in (("LOCAL_RANK", local), ("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(var, value)
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: calls.append(("deepspeed", kw)))
+    settings._start_distributed({})
+    (backend, kw), (ds, _) = calls
+    assert backend == "nccl" and kw["device_id"] == torch.device("cuda", want) and ds == "deepspeed", calls
+    assert cuda.current == want
+
+
 def test_ranks_per_node_from_slurm(monkeypatch, launcher):
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x2),4")
     assert ranks_per_node_and_source(20) == (8, "SLURM_TASKS_PER_NODE")

@@ -191,7 +191,6 @@ def check_launcher_environment() -> None:
                            f"(N = 1 for a single process), or call torch.distributed.init_process_group first")
 
 
-
 def model_heads(model: Any) -> tuple[Optional[int], Optional[int]]:
     """``(attention heads, key/value heads)`` of an HF model's config (None: not an HF model)."""
     cfg = getattr(model, "config", None)

@@ -4,6 +4,7 @@ to agree before anything is built."""
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
@@ -13,8 +14,8 @@ import torch.distributed as dist
 from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
                            read_ds_config)
 from ds_usp.cost import StepSettings
-from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, degrees_left_out,
-                                                 model_heads, versions)
+from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, choose_device,
+                                                 degrees_left_out, model_heads, versions)
 from ds_usp.upstream.deepspeed import unlink_shm_buffer
 
 
@@ -88,15 +89,27 @@ def config_source(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def _start_distributed(raw: Mapping[str, Any]) -> None:
-    """Initialize distributed when the caller did not (the default group gets ``usp.timeout_seconds`` too)."""
+    """Initialize distributed when the caller did not (the default group gets ``usp.timeout_seconds`` too).
+
+    On CUDA, with the launcher's variables set, the default group is bound to the device ds-usp chooses
+    (:func:`~ds_usp.integration.engine.preflight.choose_device`: the one the user set, else the launcher's local rank)
+    before DeepSpeed wraps it: DeepSpeed's own start binds ``cuda:LOCAL_RANK``, which replaced a device the user had
+    set and, with one visible GPU per task and ``LOCAL_RANK`` above 0, named a GPU the process cannot see.
+    """
     import deepspeed
 
     if dist.is_initialized():
         return
     check_launcher_environment()
     timeout = process_group_timeout(raw)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               **({} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}))
+    kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    if torch.cuda.is_available() and all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                      "MASTER_PORT")) \
+            and int(os.environ["WORLD_SIZE"]) > 1:
+        device = choose_device()
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, **kwargs)  # DeepSpeed then wraps this group
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs)
 
 
 def resolve_settings(source: Any, model: Any) -> Settings:
