@@ -380,11 +380,14 @@ def warm_up(group: Any, what: str, ring: Optional[tuple[Sequence[int], int]] = N
         ring_shift(x, group, ranks, position)().item()
 
 
-_BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}  # the tensors each backend moves (for ours)
+_BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}  # the tensors each backend moves natively (for ours)
+_BACKEND_DEVICES = {"nccl": frozenset({"cuda"}), "gloo": frozenset({"cpu", "cuda"})}  # what this module takes on each
 
 
 def backend_device_type(group: Any) -> Optional[str]:
-    """The device type ``group``'s backend moves: ``"cuda"`` for NCCL, ``"cpu"`` for gloo, None for others.
+    """The device type ``group``'s backend moves natively: ``"cuda"`` for NCCL, ``"cpu"`` for gloo, None for others
+    (where :func:`group_device` puts small tensors; :func:`backend_device_types` is every device type this module
+    moves on the group).
 
     Args:
         group: the process group.
@@ -393,6 +396,21 @@ def backend_device_type(group: Any) -> Optional[str]:
         The device type, or None when the backend is not one of those two.
     """
     return _BACKEND_DEVICE.get(dist.get_backend(group))
+
+
+def backend_device_types(group: Any) -> Optional[frozenset]:
+    """Every device type whose tensors this module's collectives move on ``group``: CUDA for NCCL; the CPU and CUDA
+    for gloo (ranks sharing a GPU: gloo's collectives copy CUDA tensors through pinned host memory themselves, and
+    :func:`ring_exchange` stages the point-to-point transfers, which gloo takes in host memory only); None for other
+    backends.
+
+    Args:
+        group: the process group.
+
+    Returns:
+        The device types, or None when the backend is not NCCL or gloo.
+    """
+    return _BACKEND_DEVICES.get(dist.get_backend(group))
 
 
 def group_device(group: Any) -> torch.device:
