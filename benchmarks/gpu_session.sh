@@ -17,6 +17,11 @@
 #                128K, S x 1.5 each step, one step per S, until out of memory; the planner's prediction printed
 #                first (400 s)
 #   peers1b      the 1.5B shape at 16K-64K, ds-usp and the peers as peers3b (300 s)
+# Issue 63's shared-GPU run (name it: shared4; after issue 65's steps in the list below, whatever order it is named in):
+#   shared4      4 ranks sharing the GPU over gloo (benchmarks/gpu_shared.py): a small bf16 Llama (hidden 512, 2 layers)
+#                trained 3 steps at 2x2 and 1x4 on a packed row and on rows of 8K to 64K, against one process in bf16
+#                and fp32; a profiled step per run: host syncs and reads inside the layers, staged ring exchanges
+#                (200 s; the jobs' budgets 40 s + 100 s of steps; writes gpu_shared.json; SHAPE=tiny: its --dry-run)
 # Default STEPS: issue 49's first run (limits 470 s, about 8 minutes with the setup): attention alst usp alstoffload.
 #   attention    ds-usp's flash SDPA against cuDNN's SDPA with log-sum-exp, forward and backward, 16K-128K (50 s)
 #   alst         ALST full at 16K, 32K, 64K and 128K, four timed steps each, one profiled step at 16K (180 s; from
@@ -95,6 +100,8 @@ step 150 longest3b python3 gpu_train.py --shape "$SHAPE3" --systems "ALST full o
     --max-seq $((LAST * 8)) --growth 1.5 --steps 1 --one-step-from 0 --budget 150 --json "$R/gpu_longest3b_alst.json"
 step 300 peers1b python3 gpu_train.py --shape "$SHAPE" --systems "$PEERS" --start "$FIRST" --max-seq $((FIRST * 4)) \
     --steps 3 --budget 80 --json "$R/gpu_peers1b.json"
+# ---- issue 63: the multi-rank GPU path, 4 ranks sharing the one GPU over gloo
+step 200 shared4 python3 gpu_shared.py $([[ "$SHAPE" == tiny ]] && echo --dry-run) --json "$R/gpu_shared.json"
 # ---- issue 40's steps
 # the whole training step, 1B Llama-3 shape, bf16, ZeRO-3, S doubling from 16K (the GPU otherwise idle)
 step 330 train python3 gpu_train.py --shape 1b --systems "ALST full,ds-usp,ds-usp off" --steps 3 --budget 120 \
