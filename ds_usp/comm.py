@@ -582,6 +582,10 @@ class _Route:
     def __init__(self, moves: Optional[frozenset]) -> None:
         self.moves, self.forced = moves, False
 
+    def force(self, on: bool) -> None:
+        """Stage every exchange (``on``) or only those the backend cannot send."""
+        self.forced = on
+
 
 _ROUTES: dict[int, _Route] = {}  # id(group) -> its route, dropped when the group object dies
 
@@ -614,7 +618,7 @@ def stage_point_to_point(group: Any, on: bool = True) -> None:
         group: the process group.
         on: force staging (True) or not.
     """
-    _route(group).forced = on
+    _route(group).force(on)
 
 
 class _Slot:
