@@ -70,7 +70,7 @@ def _bad_attention_calls():
         ("usp_attention", "q, k, v dtypes differ", _attn(2, 2, q=q.double().float().bfloat16()), "share a dtype"),
         ("usp_attention", "q, k, v on different devices", _attn(2, 2, q=q.to("meta")), "on one device"),
         ("usp_attention", "device the groups cannot move", _attn(2, 2, q=q.to("meta"), k=k.to("meta"),
-                                                                 v=v.to("meta")), "needs cpu tensors"),
+                                                                 v=v.to("meta")), "needs cpu or cuda tensors"),
         ("usp_attention", "empty local sequence", _attn(2, 2, s=0), "local sequence is empty"),
         ("usp_attention", "empty batch", _attn(2, 2, b=0), "the batch is empty"),
         ("usp_attention", "q heads not a multiple of kv heads", _attn(2, 2, hq=4, hkv=3), "multiple of kv heads"),

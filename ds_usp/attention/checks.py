@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.attention.ulysses import check_heads
-from ds_usp.comm import all_gather_rows, backend_device_type, group_device
+from ds_usp.comm import all_gather_rows, backend_device_type, backend_device_types, group_device
 from ds_usp.config import LAYOUTS
 from ds_usp.sharding import per_row
 
@@ -207,7 +207,8 @@ def check_scale(softmax_scale: Any) -> None:
 
 
 def check_device(device: torch.device, group: Any) -> None:
-    """Refuse tensors the groups' backend cannot move (NCCL needs CUDA tensors, gloo CPU ones).
+    """Refuse tensors the groups' backend cannot move (NCCL needs CUDA tensors; gloo takes CPU ones, and CUDA ones
+    through host memory: :func:`ds_usp.comm.backend_device_types`).
 
     Args:
         device: the tensors' device.
@@ -218,12 +219,12 @@ def check_device(device: torch.device, group: Any) -> None:
     """
     if dist.get_world_size(group) == 1:
         return
-    wanted = backend_device_type(group)
-    if wanted is not None and device.type != wanted:
+    wanted = backend_device_types(group)
+    if wanted is not None and device.type not in wanted:
+        names = " or ".join(sorted(wanted))
         raise ValueError(f"the tensors are on {device}, but the sequence-parallel groups use "
-                         f"{dist.get_backend(group)}, which "
-                         f"needs {wanted} tensors; move them with .to('{wanted}') or initialize "
-                         f"distributed with the other backend")
+                         f"{dist.get_backend(group)}, which needs {names} tensors; move them with "
+                         f".to('{backend_device_type(group)}') or initialize distributed with the other backend")
 
 
 _SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "v head_dim", "dtype", "causal",
