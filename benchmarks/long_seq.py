@@ -86,6 +86,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--from-json", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="comma-separated result files of earlier runs (bare names: in benchmarks/results/): merge "
                         "them (a later file's row replaces one of the same system and S), report, run nothing")
+    p.add_argument("--prior-json", default="", help="a result file (bare name: in benchmarks/results/) whose rows "
+                   "come first, but for the systems run again: a budgeted system takes its budget from them, and they "
+                   "are reported with this run's")
     p.add_argument("--plot", default="", help="write a plot of peak memory against S here (needs matplotlib)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "system|seq|result path"
     p.add_argument("--memory-gib", type=float, default=None, help=argparse.SUPPRESS)  # a budgeted system's
@@ -94,7 +97,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for i, name in enumerate(args.systems):
         why = system_refusal(name, args.ranks)
         missing = [need for need in BUDGETED.get(name, ()) if need not in args.systems[:i]]
-        if missing and not args.worker:
+        if missing and not args.worker and not args.prior_json:
             why = f"{name!r} takes its budget from {' and '.join(missing)}: list them before it"
         if why:
             p.error(f"--systems: {why}")
@@ -513,7 +516,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"long_seq_{os.getpid()}"
         scratch.mkdir(parents=True, exist_ok=True)
-        rows = []
+        prior = json.loads(result_path(args.prior_json).read_text())["rows"] if args.prior_json else []
+        rows = [r for r in prior if r["system"] not in args.systems]  # a system run again replaces its rows
         for seq in args.seqs:
             for name in args.systems:
                 rows.append(run_job(name, seq, args, argv, scratch, rows))

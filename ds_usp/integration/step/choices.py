@@ -7,11 +7,11 @@ from the one cost model (:func:`ds_usp.cost.choose_features`; ``python -m ds_usp
 
 The budget: :data:`~ds_usp.cost.HEADROOM` of what ``usp.memory_gib`` (when given, else the device's memory: a GPU's;
 on CPU the host's available memory shared by the node's ranks) leaves beside what the rank already holds: the larger
-of what the process holds at its first call (the device's allocations on a GPU; on CPU with ``usp.memory_gib`` its
-resident set, interpreter and libraries included) and what the cost model says the model's states take
-(:func:`ds_usp.cost.model_state_memory`). So a given ``usp.memory_gib`` bounds the rank's whole peak, and a budget no
-plan fits is refused by name (:class:`MemoryBudgetError`) with what the smallest plan needs; without it the plan that
-holds least runs. Under ZeRO-3, or with ``usp.memory_gib`` given, the ranks agree on the budget and on the tokens
+of what the process holds at a call's start (the most seen so far: the device's allocations on a GPU; on CPU with
+``usp.memory_gib`` its resident set, interpreter and libraries included) and what the cost model says the model's
+states take (:func:`ds_usp.cost.model_state_memory`). So a given ``usp.memory_gib`` bounds the rank's whole peak, and
+a budget no plan fits is refused by name (:class:`MemoryBudgetError`) with what the smallest plan needs; without it
+the plan that holds least runs. Under ZeRO-3, or with ``usp.memory_gib`` given, the ranks agree on the budget and on the tokens
 (tile counts decide how often ZeRO-3 gathers; a refusal must be every rank's), one small all-reduce per call. On a
 GPU, offloaded layer inputs must fit the host too: :data:`~ds_usp.cost.HEADROOM` of its available memory shared by
 the node's ranks (read at the first call, agreed on likewise).
@@ -62,6 +62,7 @@ class StepChoices(Features):
 
 
 M_MMAP_THRESHOLD, HEAP_THRESHOLD = -3, 64 * 1024  # glibc's mallopt parameter; the threshold the budget sets
+HELD_GRAIN = 64 * MIB  # what the rank holds is counted in steps of this, so that choices are made again rarely
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,8 +137,9 @@ class MemoryContext:
     step: Optional[StepSettings] = None  # the layout and ZeRO settings, for the model's states in the budget
     choices: Optional[StepChoices] = field(default=None)
     offload: Any = None  # the checkpointed inputs in host memory (ds_usp.integration.step.recompute.Offload)
-    held: Optional[float] = None  # bytes the rank holds before its step (None: measured at the first call)
+    held: Optional[float] = None  # bytes the rank holds before its step (None: measured at every call)
     _memory: Optional[float] = field(default=None, repr=False)  # the rank's memory (bytes), read at the first call
+    _held_seen: float = field(default=0.0, repr=False)  # the most the rank held at a call's start, measured
     _host: float = field(default=0.0, repr=False)  # host bytes offloaded inputs may take (GPU; 0: unknown), read once
     _known: dict = field(default_factory=dict, repr=False)  # tokens -> choices already made
     _logged: set = field(default_factory=set, repr=False)
@@ -197,12 +199,14 @@ class MemoryContext:
         return choices
 
     def _rank_memory(self, device: torch.device) -> tuple[float, float, float]:
-        """``(memory, held, host)``: the memory one rank's step may use (``usp.memory_gib``, else the device's), what
-        the process holds of it before the step, and (on a GPU) the host bytes its offloaded layer inputs may take
-        (see the module docstring), read at the first call."""
+        """``(memory, held, host)``: the memory one rank's step may use (``usp.memory_gib``, else the device's; read
+        at the first call), what the process holds of it before this call (the most seen so far, rounded up to
+        :data:`HELD_GRAIN`: what the first step allocates late, such as gradient buffers and optimizer states, counts
+        from the next call on; :attr:`held` when given), and (on a GPU) the host bytes its offloaded layer inputs may
+        take (see the module docstring)."""
+        given = getattr(self.settings, "memory_gib", None)
+        cuda = device.type == "cuda"
         if self._memory is None:
-            given = getattr(self.settings, "memory_gib", None)
-            cuda = device.type == "cuda"
             if given is not None:
                 self._memory = float(given) * GIB
                 if not cuda:  # the budget bounds the resident set: let it follow the live tensors
@@ -212,11 +216,12 @@ class MemoryContext:
                 self._memory = float(torch.cuda.get_device_properties(device).total_memory)
             else:
                 self._memory = host_memory_per_rank()  # what is free already: nothing held counts against it
-            if self.held is None:
-                self.held = (float(torch.cuda.memory_allocated(device)) if cuda else
-                             resident_bytes() if given is not None else 0.0)
             self._host = HEADROOM * host_memory_per_rank() if cuda else 0.0  # CPU: nothing to offload to
-        return self._memory, self.held, self._host
+        if self.held is not None:
+            return self._memory, self.held, self._host
+        now = (float(torch.cuda.memory_allocated(device)) if cuda else resident_bytes() if given is not None else 0.0)
+        self._held_seen = max(self._held_seen, math.ceil(now / HELD_GRAIN) * HELD_GRAIN)
+        return self._memory, self._held_seen, self._host
 
     def _decide(self, tokens: int, device: torch.device, elem: int, memory: float, held: float,
                 host: float) -> StepChoices:
