@@ -268,11 +268,14 @@ def get_backend(name: str, device: torch.device | str, dtype: Optional[torch.dty
     if chosen == "triton":
         return AttnBackend("triton", _triton.attention_forward, _triton.attention_backward,
                            band_forward_merge_=_triton.band_forward_merge_, band_backward=_triton.band_backward)
-    return _TORCH
+    return _torch_backend()
 
 
-_TORCH = AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward,
-                     _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
+def _torch_backend() -> AttnBackend:
+    """The torch backend, with the kernels the module holds now (made per resolution, which
+    :func:`resolve_backend` caches: a kernel replaced in the module, as a test's counter does, is the one taken)."""
+    return AttnBackend("torch", _torch_sdpa.attention_forward, _torch_sdpa.attention_backward,
+                       _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
 
 
 def _auto_backend(reasons: dict[str, Optional[str]], dtype: Optional[torch.dtype]) -> AttnBackend:
@@ -281,7 +284,7 @@ def _auto_backend(reasons: dict[str, Optional[str]], dtype: Optional[torch.dtype
     fast = tuple(c for c in AUTO_ORDER if reasons.get(c.name, "not listed") is None
                  and (dtype is None or c.dtype_reason(dtype) is None))
     if not fast:
-        return _TORCH
+        return _torch_backend()
     return AttnBackend(f"auto({' > '.join([c.name for c in fast] + ['torch'])})",
                        functools.partial(_auto_forward, fast), functools.partial(_auto_backward, fast),
                        _torch_sdpa.masked_forward, _torch_sdpa.masked_backward)
