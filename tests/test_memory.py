@@ -442,14 +442,23 @@ def steps_within_budget(over_mib: list[float]) -> list[tuple]:
     return out
 
 
-def test_a_given_memory_gib_bounds_the_rank_peak_or_is_refused(world4):
+def test_a_given_memory_gib_bounds_the_rank_peak_or_is_refused():
     """``usp.memory_gib`` holds the rank's whole resident peak (interpreter, model, optimizer and the first step), at
     two budgets where ``"auto"`` chooses differently; a budget no plan fits is refused by name on every rank (they
-    agree on the budget first, so none waits for another), with the least ``usp.memory_gib`` that fits."""
+    agree on the budget first, so none waits for another), with the least ``usp.memory_gib`` that fits. In ranks of
+    their own: a budget on CPU fixes glibc's mmap threshold for the process's life (``bound_host_heap``), which the
+    shared world's later cases should not inherit, and a fresh heap measures cleanly."""
     import re
 
+    from dist_harness import World
+
+    world = World(4)
+    try:
+        results = world.run(steps_within_budget, [400.0, 100.0, 1.0])
+    finally:
+        world.close()
     for rank, ((roomy, roomy_gib, roomy_peak), (tight, tight_gib, tight_peak), (none, none_gib, _)) in enumerate(
-            world4.run(steps_within_budget, [400.0, 100.0, 1.0])):
+            results):
         assert roomy_peak <= roomy_gib and tight_peak <= tight_gib, (rank, roomy_peak, roomy_gib, tight_peak, tight_gib)
         assert roomy != tight, (roomy, tight)  # the tight budget takes features the roomy one does not need
         want = re.search(r"usp.memory_gib \([0-9.]+\) is too small .* Set usp.memory_gib to at least ([0-9.]+),", none)

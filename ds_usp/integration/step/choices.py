@@ -209,7 +209,7 @@ class MemoryContext:
         if self._memory is None:
             if given is not None:
                 self._memory = float(given) * GIB
-                if not cuda:  # the budget bounds the resident set: let it follow the live tensors
+                if not cuda and self.held is None:  # the budget bounds the resident set: let it follow the tensors
                     bound_host_heap()
                     trim_host_heap()
             elif cuda:
