@@ -168,11 +168,11 @@ def predicted_longest(shape: dict, args: argparse.Namespace) -> Optional[int]:
     offloaded layer inputs; to 1%)."""
     from ds_usp.cost import Hardware
     from ds_usp.integration.models.shape import model_shape
+    from ds_usp.integration.step.choices import host_memory_per_rank
     from ds_usp.plan import largest_fitting_seq
 
     memory = args.memory_gib or (torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if CUDA else 80.0)
-    with open("/proc/meminfo") as f:  # offloaded layer inputs must fit this host
-        host = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2 ** 20
+    host = host_memory_per_rank() / 2 ** 30  # offloaded layer inputs must fit this host (what "auto" reads too)
     hw = Hardware(nodes=1, gpus_per_node=1, gpu_mem_gib=memory, host_mem_gib=host)
     return largest_fitting_seq(model_shape(llama_config(shape)), hw, 1 << 23, zero=3, presets=("auto",),
                                offload=args.offload_optimizer)

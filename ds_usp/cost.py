@@ -514,12 +514,22 @@ def activation_memory(shape: ModelShape, tokens: int, f: Features, elem_bytes: i
 
 def offloaded_bytes(shape: ModelShape, tokens: int, f: Features, elem_bytes: int = 2) -> float:
     """The host bytes the features' offloaded layer inputs take on one rank (pinned; none without offload)."""
-    return f.checkpoint_layers * tokens * elem_bytes * shape.hidden if f.offload and f.checkpoint else 0.0
+    return _layer_inputs(shape, tokens, f.checkpoint_layers if f.offload and f.checkpoint else 0, elem_bytes)
 
 
-def host_held(shape: ModelShape, s: StepSettings) -> float:
-    """The host bytes one rank's optimizer state takes when offloaded (fp32 master weights and Adam's moments)."""
-    return shape.params * 12 / s.world if s.offload_optimizer else 0.0
+def _layer_inputs(shape: ModelShape, tokens: int, layers: int, elem_bytes: int) -> float:
+    """The bytes of ``layers`` decoder layers' inputs at ``tokens`` per rank."""
+    return layers * tokens * elem_bytes * shape.hidden
+
+
+def _optimizer_bytes(shape: ModelShape, s: StepSettings, elem_bytes: int) -> float:
+    """One rank's optimizer state wherever it lives: Adam's moments, and fp32 master weights in mixed precision."""
+    return shape.params * (8 + (4 if elem_bytes != 4 else 0)) / s.world
+
+
+def host_held(shape: ModelShape, s: StepSettings, elem_bytes: int = 2) -> float:
+    """The host bytes one rank's optimizer state takes when offloaded (none otherwise)."""
+    return _optimizer_bytes(shape, s, elem_bytes) if s.offload_optimizer else 0.0
 
 
 def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int = 1, elem_bytes: int = 2,
@@ -564,7 +574,7 @@ def model_state_memory(shape: ModelShape, s: StepSettings, elem_bytes: int = 2,
     params = p * e / w + min(p, LIVE_PARAMS) * e if s.zero == 3 else p * e
     grads = (p if s.zero == 1 else min(p, REDUCE_BUCKET)) * e + (0.0 if s.offload_optimizer else p * 4 / w)
     grads += cal.per_param[s.zero - 1] * min(p, REDUCE_BUCKET)
-    optimizer = 0.0 if s.offload_optimizer else p * (8 + (4 if e != 4 else 0)) / w
+    optimizer = 0.0 if s.offload_optimizer else _optimizer_bytes(shape, s, e)
     return params, grads, optimizer
 
 
@@ -784,7 +794,7 @@ class _Pricer:
 
     def offloaded(self, k: int, offload: bool) -> float:
         """The bytes the ``k`` checkpointed layers' inputs take in host memory when offloaded (pinned)."""
-        return k * self.t * self.e * self.shape.hidden if offload else 0.0
+        return _layer_inputs(self.shape, self.t, k if offload else 0, self.e)
 
     def backward(self, k: int, tiles: int) -> tuple[float, float]:
         """``(recomputed layer, the larger of the attention's and an MLP tile's buffers)`` in a layer's backward."""

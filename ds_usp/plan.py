@@ -158,12 +158,11 @@ def plans(shape: ModelShape, hw: Hardware, seq: int, micro_batch: int = 1, elem_
                         t = step_time(shape, s, seq, hw, micro_batch, elem_bytes)
                         problem = None
                         states = mem.params + mem.grads + mem.optimizer
-                        host = offloaded_bytes(shape, tokens_per_rank(seq, micro_batch, s.sp),
-                                               features_of(shape, tokens_per_rank(seq, micro_batch, s.sp), s),
-                                               elem_bytes)
+                        tokens = tokens_per_rank(seq, micro_batch, s.sp)
+                        host = offloaded_bytes(shape, tokens, features_of(shape, tokens, s), elem_bytes)
                         if mem.total - states > activation_budget(hw.gpu_mem_gib * GIB, states):
                             problem = f"needs {mem.total / GIB:.1f} GiB of {hw.gpu_mem_gib:g}"
-                        elif host > hw.host_budget(host_held(shape, s)):
+                        elif host > hw.host_budget(host_held(shape, s, elem_bytes)):
                             problem = f"offloads {host / GIB:.1f} GiB to a host of {hw.host_mem_gib:g}"
                         out.append(Candidate(s, preset, mem, t, problem))
     # fastest per token first: a plan with replicas trains dp sequences per step
@@ -182,7 +181,7 @@ def auto_settings(shape: ModelShape, base: StepSettings, seq: int, hw: Hardware,
                            elem_bytes)
     features, _, _ = choose_features(shape, tokens, FeatureModes(), budget, hw, elem_bytes, att.backward_peak,
                                      attention_forward_flops(shape, padded, micro_batch) / base.sp,
-                                     host_budget=hw.host_budget(host_held(shape, base)))
+                                     host_budget=hw.host_budget(host_held(shape, base, elem_bytes)))
     return replace(base, features=features)
 
 
