@@ -230,3 +230,51 @@ def test_layer_tables_and_the_backend_are_kept_per_shape_and_device():
         assert fn(*args) is fn(*args) and fn.cache_info().maxsize == 64, fn
     assert conv._document_ids(((0, 30),), 40, 48, cpu).tolist() == [[0] * 30 + [1] * 10 + [2] * 8]
     assert resolve_backend("auto", cpu, torch.float32).name == "torch"
+
+
+class _EveryKind(torch.nn.Module):
+    """One call of each host read and host-made tensor the meter knows, a line each (their sites are the lines)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        x.tolist()
+        x[0].item()
+        bool(x[0] > 0)
+        torch.equal(x, x)
+        x.to("cpu")
+        x.nonzero()
+        x[x > 0]
+        torch.tensor([1, 2])
+        torch.from_numpy(np.ones(2))
+        torch.arange(3)
+        x.to(x.device)  # not a read: on a GPU, the device
+        torch.arange(3, device=x.device)  # not host-made: given a device
+        return x * 2
+
+
+def test_the_meters_count_every_kind_of_host_read_and_host_made_tensor_at_its_site():
+    """Both meters (the layer meter and the step meter) see each kind the issue names at its own line, and nothing
+    else: ``.to(x.device)`` and a factory given a device are neither."""
+    import inspect
+
+    from ds_usp.instruments.work_meter import LayerHostReads, StepMeter
+
+    layer = _EveryKind()
+    source, start = inspect.getsourcelines(_EveryKind.forward)
+    first = start + next(i for i, line in enumerate(source) if "x.tolist()" in line)
+    with LayerHostReads([layer]) as reads:
+        layer(torch.ones(3))
+    lines = {int(s.split(" at ")[1].split(":")[1].split(" ")[0]) - first: s.split(" ")[1:3] for s in reads.sites()}
+    assert lines == {0: ["reads", ".tolist"], 1: ["reads", ".item"], 2: ["reads", ".__bool__"],
+                     3: ["reads", ".equal"], 4: ["reads", ".to('cpu')"], 5: ["reads", ".nonzero"],
+                     6: ["reads", ".__getitem__"], 7: ["made", ".tensor"], 8: ["made", ".from_numpy"],
+                     9: ["made", ".arange"]}, reads.sites()
+    assert reads.counts()["fwd"] == {"reads": 7, "made": 3, "module_calls": 0}
+    assert torch.from_numpy.__module__ != __name__ and torch.from_numpy.__name__ == "from_numpy"  # unwrapped after
+    with StepMeter() as meter:
+        layer(torch.ones(3))
+    synced = sorted(int(site.site.split(":")[1].split(" ")[0]) - first for (_, site) in meter.syncs)
+    made = sorted(int(site.site.split(":")[1].split(" ")[0]) - first for (_, site) in meter.host_made)
+    assert synced == [0, 1, 2, 3, 4, 5, 6] and made == [7, 8], (meter.summary())
+    assert meter.total.host_made == 2  # arange given no device is a host tensor, not made of host data

@@ -29,6 +29,9 @@ What it counts (:class:`Counts`, in total and per phase):
   ``host read``, not a sync, so one ``.cpu()`` followed by many ``.item()`` is one sync, as on a GPU. Each sync is
   attributed to its call site (the first frame outside torch, the standard library and this file) and flagged when
   a ``*DecoderLayer.forward`` is on the stack;
+* ``host_made``: tensors made of host data (``torch.tensor`` / ``torch.as_tensor`` of Python values,
+  ``torch.from_numpy``: each ``aten.lift_fresh``), by call site, flagged as syncs are: on a GPU each is a host tensor
+  that a copy to the device follows;
 * ``big_allocs``: op outputs over ``big_bytes`` (64 MiB) in new storage (factories included; in-place and ``out=``
   results are not new), by op and call site;
 * ``sac_ops``: ops that torch's selective-checkpointing dispatch modes handled first (Python code per op);
@@ -198,6 +201,7 @@ class Counts:
     matmul_min_dim: Optional[int] = None
     flops: float = 0.0
     syncs: int = 0
+    host_made: int = 0
     big_allocs: int = 0
     big_alloc_bytes: int = 0
     zero3_param_ops: int = 0
@@ -211,7 +215,7 @@ class Counts:
         """
         return (f"{self.ops} ops ({self.kernels} kernels, {self.custom_ops} custom, {self.sac_ops} through SAC), "
                 f"{self.matmuls} matmuls (smallest dim {self.matmul_min_dim}), {self.flops / 1e12:.4f} TFLOP, "
-                f"{self.syncs} syncs, {self.big_allocs} outputs > 64 MiB ({self.big_alloc_bytes / 2 ** 30:.2f} GiB), "
+                f"{self.syncs} syncs, {self.host_made} tensors made of host data, {self.big_allocs} outputs > 64 MiB ({self.big_alloc_bytes / 2 ** 30:.2f} GiB), "
                 f"{self.zero3_param_ops} ops gathering or releasing ZeRO-3 parameters")
 
 
@@ -244,6 +248,7 @@ class StepMeter(TorchDispatchMode):
         self.matmul_shapes: collections.Counter = collections.Counter()  # (op, a's shape, b's shape) -> calls
         self.syncs: collections.Counter = collections.Counter()  # (kind, Site) -> count
         self.host_reads: collections.Counter = collections.Counter()  # (kind, site) -> reads of host copies
+        self.host_made: collections.Counter = collections.Counter()  # (kind, Site) -> tensors made of host data
         self.allocs: collections.Counter = collections.Counter()  # (op, MiB, Site) -> count
         self._phase: Optional[str] = None
         self._host: set[int] = set()  # storages on the host: copies made by .cpu()/.to("cpu") and what they make
@@ -349,6 +354,10 @@ class StepMeter(TorchDispatchMode):
         if self._host and any(t.dim() and _storage(t) in self._host for t in inputs):
             for t in flat_out:  # on a GPU an op with a host input that is not a scalar runs on the host
                 self._mark_host(t)
+        if packet is aten.lift_fresh:  # torch.tensor / as_tensor of Python values, from_numpy: a copy to a GPU
+            for c in (self.total, phase):
+                c.host_made += 1
+            self.host_made[("tensor of host data", self._site())] += 1
         if packet in SYNC_OPS or self._reads_values(packet, args, kwargs):
             if inputs and _storage(inputs[0]) in self._host:
                 self.host_reads[(name, self._site().site)] += 1
@@ -463,6 +472,7 @@ class StepMeter(TorchDispatchMode):
             "matmul_shapes": [[op, list(a), list(b), n] for (op, a, b), n in self.matmul_shapes.most_common()],
             "syncs": [dict(kind=kind, **asdict(site), count=n) for (kind, site), n in self.syncs.most_common()],
             "host_reads": [dict(kind=kind, site=site, count=n) for (kind, site), n in self.host_reads.most_common()],
+            "host_made": [dict(kind=kind, **asdict(site), count=n) for (kind, site), n in self.host_made.most_common()],
             "big_allocs": [dict(op=op, mib=mib, **asdict(site), count=n) for (op, mib, site), n in
                            sorted(self.allocs.items(), key=lambda kv: (-kv[0][1] * kv[1], kv[0][2].site))],
         }
@@ -481,6 +491,9 @@ class StepMeter(TorchDispatchMode):
         lines.append("ops by name: " + ", ".join(f"{k} {v}" for k, v in self.ops_by_name.most_common(top)))
         for (kind, site), n in self.syncs.most_common():
             lines.append(f"sync {n}x {kind}{' [in a decoder layer]' if site.in_layer else ''} at {site.site}"
+                         + (f" (via {site.via})" if site.via else ""))
+        for (kind, site), n in self.host_made.most_common(top):
+            lines.append(f"made {n}x {kind}{' [in a decoder layer]' if site.in_layer else ''} at {site.site}"
                          + (f" (via {site.via})" if site.via else ""))
         for (op, mib, site), n in sorted(self.allocs.items(), key=lambda kv: -kv[0][1] * kv[1])[:top]:
             lines.append(f"output > {self.big_bytes >> 20} MiB: {n}x {op} {mib} MiB at {site.site}"
@@ -518,8 +531,11 @@ def _to_meta(x: Any) -> Any:
 # ---- host reads inside decoder layers (issue 61, item 5) -------------------------------------------------------------
 # Tensor methods and functions by which the host reads a tensor's values (on a GPU: waits for it) or makes a tensor
 # of host data (on a GPU: a copy to the device); counted by name while a decoder layer's forward runs.
-HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-HOST_MADE = ("tensor", "as_tensor")
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "equal")
+# ops whose output's shape depends on a tensor's values: the host waits for them as for a read
+HOST_SHAPED = ("nonzero", "masked_select", "unique", "unique_consecutive", "bincount", "argwhere")
+HOST_MADE = ("tensor", "as_tensor", "from_numpy", "frombuffer")
+_UNSEEN_MADE = ("from_numpy", "frombuffer")  # not handed to a TorchFunctionMode: wrapped while the meter is on
 # factories that make a host tensor when given no device (the CPU default): on a GPU, moved with a copy after
 HOST_FACTORIES = ("arange", "zeros", "ones", "empty", "full", "eye", "linspace", "randperm")
 
@@ -546,9 +562,14 @@ class LayerHostReads:
             model(**shard).logits.sum().backward()
         reads.counts()  # {"fwd": {"reads": 0, "made": 0, "module_calls": 14}, "recompute": {...}}
 
-    A ``torch.overrides.TorchFunctionMode`` (:class:`_HostCalls`) sees every torch call of Python code (not those
-    inside a function it hands on: a custom op's body). Module hooks push it while a layer runs: the forward
-    pre-hooks and always-called forward hooks of each layer and of every module inside it. A layer's own hooks alone
+    Reads are :data:`HOST_READS`, the ops of :data:`HOST_SHAPED` (their output's shape is a count of values),
+    boolean-mask indexing and ``.to`` a device the call's source line names ``"cpu"``; host-made tensors are
+    :data:`HOST_MADE` and :data:`HOST_FACTORIES` given no device. A ``torch.overrides.TorchFunctionMode``
+    (:class:`_HostCalls`) sees every torch call of Python code (not those inside a function it hands on: a custom
+    op's body); ``torch.from_numpy`` and ``torch.frombuffer``, which it never sees, are wrapped while the meter is on.
+    Module hooks push it while a layer runs: forward pre-hooks put first (so what the other pre-hooks of a layer do,
+    such as cutting its inputs, counts as inside it) and always-called forward hooks, of each layer and of every
+    module inside it. A layer's own hooks alone
     would miss the recomputation, which the checkpointing of transformers and of ds-usp runs below the layer's
     ``__call__``: there the modules inside the layer push it (the layer's own code between them is not seen). The
     mode is not on the stack when ``backward`` is called (a mode does not see what runs inside a call it handles). The
@@ -567,6 +588,7 @@ class LayerHostReads:
         self._mode = _HostCalls(self.by_site)
         self._depth = 0
         self._handles: list = []
+        self._unseen: dict[str, Any] = {}
 
     def _enter(self, module: Any, args: Any, inner: bool) -> None:
         if inner:
@@ -582,16 +604,29 @@ class LayerHostReads:
 
     def __enter__(self) -> "LayerHostReads":
         for layer in self.layers:
-            for m in layer.modules():
+            for m in layer.modules():  # first of the pre-hooks: what other pre-hooks do runs inside the layer
                 self._handles.append(m.register_forward_pre_hook(
-                    lambda module, args, inner=m is not layer: self._enter(module, args, inner)))
+                    lambda module, args, inner=m is not layer: self._enter(module, args, inner), prepend=True))
                 self._handles.append(m.register_forward_hook(self._leave, always_call=True))
+        for name in _UNSEEN_MADE:  # torch functions a TorchFunctionMode never sees
+            original = getattr(torch, name)
+            self._unseen[name] = original
+
+            def made(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+                if self._depth:
+                    self._mode.count(("made", _name))
+                return _original(*args, **kwargs)
+
+            setattr(torch, name, made)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for name, original in self._unseen.items():
+            setattr(torch, name, original)
+        self._unseen = {}
 
     def reset(self) -> None:
         """Forget what was counted (between steps)."""
@@ -625,25 +660,57 @@ def _phase() -> str:
 
 
 class _HostCalls(torch.overrides.TorchFunctionMode):
-    """Counts the calls of :data:`HOST_READS` and :data:`HOST_MADE` into ``by_site`` by phase and call site."""
+    """Counts the calls of :data:`HOST_READS`, :data:`HOST_SHAPED` (as reads), boolean-mask indexing, ``.to`` a
+    device its source line names ``"cpu"`` (``.to(x.device)`` is the CPU on CPU, a device on a GPU) and
+    :data:`HOST_MADE` into ``by_site`` by phase and call site."""
 
     def __init__(self, by_site: collections.Counter) -> None:
         super().__init__()
         self.by_site = by_site
         self._kinds = {**{getattr(torch.Tensor, n): ("reads", n) for n in HOST_READS},
+                       **{f: ("reads", n) for n in HOST_SHAPED + ("equal",)
+                          for f in (getattr(torch, n, None), getattr(torch.Tensor, n, None)) if f is not None},
                        **{getattr(torch, n): ("made", n) for n in HOST_MADE}}
         self._factories = {getattr(torch, n): ("made", n) for n in HOST_FACTORIES}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
         try:
             kind = self._kinds.get(func)
             if kind is None:  # a factory given no device (the default: the CPU) makes a host tensor
                 kind = self._factories.get(func)
-                if kind is not None and ((kwargs or {}).get("device") is not None
+                if kind is not None and (kwargs.get("device") is not None
                                          or torch.get_default_device().type != "cpu"):
                     kind = None
         except TypeError:  # an unhashable callable: none of ours
             kind = None
+        if kind is None and func is torch.Tensor.__getitem__ and _bool_index(args[1] if len(args) > 1 else None):
+            kind = ("reads", "__getitem__ by a boolean mask")
+        if kind is None and func is torch.Tensor.to and _to_the_host(args[1:], kwargs):
+            kind = ("reads", "to('cpu')")
         if kind is not None:
-            self.by_site[(_phase(), *kind, _caller(_HERE))] += 1
-        return func(*args, **(kwargs or {}))
+            self.count(kind)
+        return func(*args, **kwargs)
+
+    def count(self, kind: tuple[str, str]) -> None:
+        """One call of ``kind`` (``(reads | made, name)``) at the caller's caller's site."""
+        self.by_site[(_phase(), *kind, _caller(_HERE))] += 1
+
+
+def _bool_index(index: Any) -> bool:
+    """Whether an index holds a boolean tensor (its result's shape is the count of its True values)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+
+
+def _to_the_host(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` names the CPU in its call's source line and gets it as the device."""
+    device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+    if device is None or torch.device(device).type != "cpu":
+        return False
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH_DIR) or os.path.abspath(f.f_code.co_filename)
+                             == _HERE):
+        f = f.f_back
+    line = linecache.getline(f.f_code.co_filename, f.f_lineno) if f is not None else ""
+    return "cpu" in line
