@@ -278,3 +278,114 @@ def test_the_meters_count_every_kind_of_host_read_and_host_made_tensor_at_its_si
     made = sorted(int(site.site.split(":")[1].split(" ")[0]) - first for (_, site) in meter.host_made)
     assert synced == [0, 1, 2, 3, 4, 5, 6] and made == [7, 8], (meter.summary())
     assert meter.total.host_made == 2  # arange given no device is a host tensor, not made of host data
+
+
+# ------------------------------------------------------------ every input kind, through ds_usp.initialize's engine
+# Each kind: (the model, its batch of a step, its decoder layers). Full checkpointing: every layer is recomputed.
+
+KIND_STEPS = 3
+
+
+def _window_llm():
+    """Mistral with a 16-token sliding window, shorter than a document and than a rank's piece."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from test_training import VOCAB
+
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="usp", dtype=torch.float32)
+
+
+def _qwen3_next():
+    """Qwen3-Next's shape: Gated DeltaNet layers and a gated softmax attention layer, a sparse MoE in every layer
+    (transformers' grouped experts: its eager loop over the experts reads the host in transformers' own code)."""
+    from test_linear import _config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config("qwen3_next"), attn_implementation="usp", dtype=torch.float32,
+                                            experts_implementation="grouped_mm")
+
+
+def _vlm():
+    from test_vlm import _gemma3
+
+    return _gemma3("usp")
+
+
+def _text_batch(step: int) -> dict:
+    batch = _hybrid_batch(step)
+    return {**batch, "labels": batch["input_ids"]}
+
+
+def _vlm_batch(step: int) -> dict:
+    from test_vlm import _gemma3_batch
+
+    return _gemma3_batch(step)
+
+
+KINDS = {"window": (_window_llm, _text_batch, lambda m: m.model.layers),
+         "qwen3_next": (_qwen3_next, _text_batch, lambda m: m.model.layers),
+         "vlm": (_vlm, _vlm_batch, lambda m: m.model.language_model.layers)}
+
+
+def _given(shard: dict, given: str) -> dict:
+    """The shard as a caller gives it: ``shard`` (ds-usp's own), ``position_ids`` (the README loop: positions that
+    restart per document, no ``cu_seq_lens``) or ``cu_seq_lens`` (the caller's own tensors, not ds-usp's)."""
+    lens = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    if given == "position_ids":
+        return {k: v for k, v in shard.items() if k not in lens}
+    if given == "cu_seq_lens":
+        return {**shard, **{k: shard[k].clone() for k in lens[:2]}}
+    return shard
+
+
+def count_host_work_of_kind(kind: str, given: str, u: int, r: int) -> list[dict]:
+    """On every rank: ``kind``'s model (``"llama"`` or one of :data:`KINDS`) trained :data:`KIND_STEPS` steps
+    through ``ds_usp.initialize``'s engine with full checkpointing, its shards given as ``given``; per step the host
+    work inside its decoder layers (:class:`ds_usp.instruments.work_meter.LayerHostReads`)."""
+    import ds_usp
+    from ds_usp.instruments.work_meter import LayerHostReads
+    from test_training import _llama
+
+    build, batch, layers = KINDS.get(kind, (lambda: _llama("usp"), _text_batch, lambda m: m.model.layers))
+    ds_usp.hf.register_usp_attention()
+    model = build()
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,
+                                                                                         "torch_adam": True}},
+              "zero_optimization": {"stage": 1}, "sequence_parallel": "usp", "sequence_parallel_size": u * r,
+              "usp": {"ulysses_degree": u, "ring_degree": r, "activation_checkpointing": "full"}}
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=config)
+    steps = []
+    for step in range(KIND_STEPS):
+        shard = _given(ds_usp.shard_batch(batch(step), engine.usp.topo), given)
+        with LayerHostReads(layers(engine.module)) as reads:
+            loss = engine(**shard).loss
+            engine.backward(loss)
+        engine.step()
+        steps.append({**reads.counts(), "sites": reads.sites(), "loss": float(loss.detach())})
+    return steps
+
+
+@pytest.mark.parametrize("kind, given, u, r", [("llama", "position_ids", 1, 2), ("llama", "cu_seq_lens", 2, 1),
+                                               ("window", "shard", 1, 2), ("vlm", "shard", 2, 1),
+                                               ("qwen3_next", "shard", 1, 2)])
+def test_no_host_work_inside_the_layers_for_every_input_kind(world2, kind, given, u, r):
+    """Packed rows given as ``position_ids`` resets and as the caller's ``cu_seq_lens``, a sliding window, a VLM's
+    image spans (Gemma 3: bidirectional image blocks in sliding-window layers) and Qwen3-Next's hybrid layers: after
+    the first step, 0 host reads and 0 host-made tensors inside the decoder layers, in the forward and in the
+    recomputation, through the engine."""
+    found = []
+    per_rank = world2.run(count_host_work_of_kind, kind, given, u, r)
+    for rank, steps in enumerate(per_rank):
+        for step, counts in enumerate(steps):
+            calls = counts["fwd"]["module_calls"]
+            assert calls > 0 and counts["recompute"]["module_calls"] == calls, counts  # every layer recomputed
+            got = {phase: (counts[phase]["reads"], counts[phase]["made"]) for phase in ("fwd", "recompute")}
+            if step > 0 and got != {"fwd": (0, 0), "recompute": (0, 0)}:
+                found.append(f"rank {rank}, step {step}: (host reads, host-made tensors) {got}:\n    "
+                             + "\n    ".join(counts["sites"]))
+    assert [s["loss"] for s in per_rank[0]] == [s["loss"] for s in per_rank[1]]
+    assert not found, f"{kind} given as {given}: host work inside the layers:\n  " + "\n  ".join(found)

@@ -30,6 +30,7 @@ so the ops take the groups' names and look them up in torch.distributed's own re
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Union
@@ -422,8 +423,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
                                  COMM_DTYPES.index(comm_dtype), chunk or 0, row_spans or (), row_keys or ()))
     native = str(native_op).lower()
     docs_t = documents.tensor if documents is not None else None if docs is None else doc_tensor(docs, real_len)
-    spans_t = None if row_spans is None else _spans_tensor(row_spans)
-    keys_t = None if row_keys is None else _spans_tensor(row_keys)
+    spans_t = None if row_spans is None else spans_tensor(row_spans)
+    keys_t = None if row_keys is None else spans_tensor(row_keys)
     ulysses, ring, _ = topo.group_names
     hq, hkv, dk, dv = q.shape[2], k.shape[2], k.shape[3], v.shape[3]
 
@@ -468,8 +469,18 @@ def _doc_signature(documents: Optional[Documents], docs: Optional[tuple[tuple[in
     return () if documents_agreed(documents, group) else documents
 
 
-def _spans_tensor(spans: tuple[tuple[tuple[int, int], ...], ...]) -> Tensor:
-    """Spans per row -> ``(b, m, 2)`` int64 CPU tensor, rows padded with ``(0, 0)`` (the ring op's argument)."""
+@functools.lru_cache(maxsize=64)
+def spans_tensor(spans: tuple[tuple[tuple[int, int], ...], ...]) -> Tensor:
+    """Spans per row -> ``(b, m, 2)`` int64 CPU tensor, rows padded with ``(0, 0)`` (the ring op's argument, which
+    the op only reads): made once per value, not per layer. Where spans or valid keys are decoded once per model call
+    (a VLM's image blocks, a DiT's key mask), calling it there makes the layers' calls find it.
+
+    Args:
+        spans: per row, ``(start, end)`` pairs (as :func:`~ds_usp.attention.checks.check_spans` returns them).
+
+    Returns:
+        The tensor (shared: not to be written).
+    """
     m = max(len(row) for row in spans)
     return torch.tensor([[list(p) for p in row] + [[0, 0]] * (m - len(row)) for row in spans],
                         dtype=torch.int64).view(len(spans), m, 2)

@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ds_usp.attention.usp import spans_tensor
+
 _HF_MASKS = "transformers.masking_utils"
 
 
@@ -168,6 +170,8 @@ def _read_blocks(ids: Any, found: dict[str, Any]) -> None:
             return
         rows.append(tuple(spans))
     found["spans"] = tuple(rows) if any(rows) else None
+    if found["spans"] is not None:  # the op's tensor of them, made here once per call, found by every layer
+        spans_tensor(found["spans"])
 
 
 def read_mask_function(mask_function: Callable) -> HFMask:
