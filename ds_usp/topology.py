@@ -12,24 +12,27 @@ Rank layout (``N = U * R`` sequence-parallel ranks, ``dp = world / N`` replicas)
 
 :func:`group_ranks` is the pure part (rank lists only) and :meth:`USPTopology.build` turns the
 rank lists into process groups: groups of different kinds over the same ranks are one process group (one
-communicator: with one replica the SP and the sequence x data-parallel groups are the same ranks), and each group is
-warmed up as it is built (:func:`ds_usp.comm.warm_up`), so that ranks that cannot reach each other fail there, with
-the group named. Each group carries a ``group_desc`` (:func:`group_descs`: ``ds_usp_ring_1``, ...) and is described to
-the collectives' watchdog (:func:`ds_usp.watchdog.name_group`: its kinds, ranks and timeout, for the errors of its
-collectives). Groups travel as the frozen :class:`USPTopology` value; no group is kept in module globals.
+communicator: with one replica the SP and the sequence x data-parallel groups are the same ranks), the kinds over every
+rank take the default group itself (:func:`shared_default_group`; never destroyed with a topology:
+:meth:`USPTopology.own_groups`), and each group is warmed up as it is built (:func:`ds_usp.comm.warm_up`: one
+all-reduce, and for a ring one exchange with every ring rank its forward and backward send to), so that ranks that
+cannot reach each other fail there, with the group named. Each group carries a ``group_desc`` (:func:`group_descs`:
+``ds_usp_ring_1``, ...) and is described to the collectives' watchdog (:func:`ds_usp.watchdog.name_group`: its kinds,
+ranks and timeout, for the errors of its collectives). Groups travel as the frozen :class:`USPTopology` value; no group
+is kept in module globals (but the one-rank group each rank shares, :func:`_solo_group`).
 """
 from __future__ import annotations
 
 import datetime
 import functools
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
 from ds_usp.comm import warm_up
 from ds_usp.config import ranks_per_node_and_source
-from ds_usp.log import log_warning
+from ds_usp.log import log_rank0, log_warning
 from ds_usp.watchdog import name_group
 
 Ranks = tuple[int, ...]
@@ -187,52 +190,113 @@ def ulysses_across_nodes(ranks: GroupRanks) -> Optional[str]:
             f"usp.ring_degree, or leave both out (ds-usp keeps Ulysses inside a node)")
 
 
-def group_descs(ranks: GroupRanks) -> dict[Ranks, str]:
+def group_descs(ranks: GroupRanks, kinds: Sequence[str] = KINDS) -> dict[Ranks, str]:
     """The ``group_desc`` of each distinct group (sorted ranks): ``ds_usp_`` and every kind it serves with the group's
     index among that kind's, in :data:`KINDS` order, e.g. ``ds_usp_ring_1`` or ``ds_usp_ulysses_0+sp_0+sp_dp_0`` (kinds
-    over the same ranks are one process group). torch shows it in NCCL's logs and flight-recorder dumps.
+    over the same ranks are one process group). torch shows it in NCCL's logs and flight-recorder dumps; the group over
+    every rank is the default group (:func:`shared_default_group`), whose own ``group_desc`` (``default_pg``) torch
+    shows instead, and which the watchdog's errors still name by this one.
 
     Args:
         ranks: the layout.
+        kinds: the kinds to name (default: all).
 
     Returns:
         ``{sorted ranks: description}``.
     """
     names: dict[Ranks, list[str]] = {}
-    for kind in KINDS:
+    for kind in kinds:
         for index, members in enumerate(getattr(ranks, kind)):
             names.setdefault(tuple(sorted(members)), []).append(f"{kind}_{index}")
     return {key: "ds_usp_" + "+".join(parts) for key, parts in names.items()}
 
 
+def _group_timeout(group: Any) -> Optional[datetime.timedelta]:
+    """The timeout ``group``'s backend has (its collectives', set when the group was created), None when torch does not
+    say (a backend without ``options``)."""
+    try:
+        for device_type in group._device_types:
+            timeout = getattr(getattr(group._get_backend(device_type), "options", None), "_timeout", None)
+            if isinstance(timeout, datetime.timedelta):
+                return timeout
+    except (AttributeError, RuntimeError):
+        pass
+    return None
+
+
+_SAID: set = set()  # the default-group timeouts already said not to match (said once a process)
+
+
+def shared_default_group(timeout: Optional[datetime.timedelta]) -> Any:
+    """The default process group, as the group of every kind whose ranks are the whole world (with one replica the
+    SP and the sequence x data-parallel groups, with U = 1 or R = 1 the ring or Ulysses one too; the data-parallel one
+    when SP is 1): one communicator, not a second one beside ``dist.group.WORLD`` (NCCL keeps buffers for each).
+    None when its timeout is not ``timeout``: a group's timeout is fixed at creation, so those kinds then get a group
+    of their own with ``usp.timeout_seconds`` (said once, on rank 0, with how to share it).
+
+    The default group is never destroyed by ds-usp: :meth:`USPTopology.own_groups` leaves it out.
+
+    Args:
+        timeout: the timeout the topology's groups are to have (None: any, the caller asked for none).
+
+    Returns:
+        ``dist.group.WORLD``, or None.
+    """
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._get_default_group()
+    if timeout is None:
+        return world
+    own = _group_timeout(world)
+    if own == timeout:
+        return world
+    if (own, timeout) not in _SAID:
+        _SAID.add((own, timeout))
+        said = "unknown" if own is None else f"{own.total_seconds():g} s"
+        seconds = f"{timeout.total_seconds():g}"
+        log_rank0(f"ds_usp: the default process group's timeout ({said}) is not usp.timeout_seconds ({seconds} s), so "
+                  f"the USP groups over every rank are a communicator of their own beside it; start distributed with "
+                  f"init_process_group(timeout=datetime.timedelta(seconds={seconds})) (or let ds_usp.initialize start "
+                  f"it) to share one")
+    return None
+
+
 def _name_groups(ranks: GroupRanks, me: int, mine: dict[str, Any], descs: dict[Ranks, str],
                  timeout: Optional[datetime.timedelta]) -> None:
     """Tell the watchdog (:func:`ds_usp.watchdog.name_group`) what each of this rank's groups is: its kinds, ranks,
-    description and timeout, and whether its backend's wait blocks (gloo)."""
+    description and timeout (the default group's own, which is its collectives'), and whether its backend's wait
+    blocks (gloo)."""
+    world = dist.group.WORLD
     for group in {id(g): g for g in mine.values()}.values():
-        kinds = [kind for kind in KINDS if mine[kind] is group]
+        kinds = [kind for kind in KINDS if mine.get(kind) is group]
         members = tuple(sorted(ranks.member_of(kinds[0], me)))
-        name_group(group, kinds, members, descs[members], None if timeout is None else timeout.total_seconds(),
+        limit = (_group_timeout(group) or timeout) if group is world else timeout
+        name_group(group, kinds, members, descs[members], None if limit is None else limit.total_seconds(),
                    wait_blocks=dist.get_backend(group) == "gloo")
 
 
-def _build_groups(ranks: GroupRanks, me: int, **kwargs: Any) -> dict[str, Any]:
+def _build_groups(ranks: GroupRanks, me: int, given: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
     """This rank's group of each kind, created in one fixed order on every rank; kinds over the same ranks share one
-    process group (named by :func:`group_descs`, told to the watchdog), and each group of more than one rank is warmed
-    up (:func:`ds_usp.comm.warm_up`) once."""
+    process group (named by :func:`group_descs`, told to the watchdog), kinds over every rank take the default group
+    (:func:`shared_default_group`), and each group of more than one rank is warmed up (:func:`ds_usp.comm.warm_up`)
+    once. The kinds in ``given`` take the group given (a parent topology's, already named and warmed): none is built,
+    named or warmed for them."""
     made: dict[Ranks, Any] = {}
-    mine: dict[str, Any] = {}
-    descs = group_descs(ranks)
-    for kind in KINDS:
+    mine: dict[str, Any] = dict(given)
+    built = [kind for kind in KINDS if kind not in given]
+    descs = group_descs(ranks, built)
+    everyone = tuple(range(ranks.world_size))
+    for kind in built:
         for members in getattr(ranks, kind):
             key = tuple(sorted(members))
             if key not in made:
-                made[key] = dist.new_group(list(key), group_desc=descs[key], **kwargs)
+                world = shared_default_group(kwargs.get("timeout")) if key == everyone else None
+                made[key] = world if world is not None else dist.new_group(list(key), group_desc=descs[key], **kwargs)
             if me in members:
                 mine[kind] = made[key]
-    _name_groups(ranks, me, mine, descs, kwargs.get("timeout"))
+    _name_groups(ranks, me, {kind: mine[kind] for kind in built}, descs, kwargs.get("timeout"))
     warmed: set[int] = set()  # the ring comes before every kind it can share a group with (sp when U = 1)
-    for kind in KINDS:
+    for kind in built:
         group, members = mine[kind], ranks.member_of(kind, me)
         if len(members) > 1 and id(group) not in warmed:
             warmed.add(id(group))
@@ -304,7 +368,8 @@ class USPTopology:
             ulysses_degree: ranks per Ulysses (all-to-all) group.
             ring_degree: ranks per K/V ring.
             timeout: timeout of every collective on these groups (``None``: the default of
-                ``torch.distributed``).
+                ``torch.distributed``). The kinds over every rank take the default group where its timeout is this
+                one (or none is given), else a group of their own.
 
         Returns:
             This rank's :class:`USPTopology`.
@@ -313,6 +378,12 @@ class USPTopology:
             RuntimeError: ``torch.distributed`` is not initialized.
             ValueError: the degrees do not fit the world size.
         """
+        return cls._build(ulysses_degree, ring_degree, timeout, {})
+
+    @classmethod
+    def _build(cls, ulysses_degree: int, ring_degree: int, timeout: Optional[datetime.timedelta],
+               given: dict[str, Any]) -> "USPTopology":
+        """:meth:`build`, the kinds in ``given`` taking the groups given (see :func:`_build_groups`)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("USPTopology.build needs an initialized process group: call "
                                "deepspeed.init_distributed() (or torch.distributed.init_process_group) first")
@@ -322,7 +393,7 @@ class USPTopology:
         crossing = ulysses_across_nodes(ranks)
         if crossing and me == 0:
             log_warning(crossing)
-        groups = _build_groups(ranks, me, **kwargs)
+        groups = _build_groups(ranks, me, given, **kwargs)
         solo = _solo_group(me, **kwargs)
         return cls(ranks=ranks, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
                    sp_group=groups["sp"], dp_group=groups["dp"], sp_dp_group=groups["sp_dp"],
@@ -397,15 +468,35 @@ class USPTopology:
                 raise ValueError(f"dynamic SP degree {d} with split {u}x{r}: a degree must be a proper divisor of "
                                  f"the SP size {self.sp_size} and U x R must equal it")
         # a degree's own Ulysses, ring and SP groups; every group over the whole world or the replicas stays this
-        # topology's (ranks at different degrees meet in them: one group object, or they would wait on each other)
-        subs = {d: replace(USPTopology.build(u, r, timeout=timeout), parent_sp_group=self.sp_group,
-                           dp_group=self.dp_group, sp_dp_group=self.sp_dp_group,
+        # topology's (ranks at different degrees meet in them: one group object, or they would wait on each other),
+        # given to the degree's build: none is built for them (a degree's own would be a communicator never used),
+        # and the watchdog's names of this topology's groups stay (the default group's kinds are this topology's)
+        shared = {"dp": self.dp_group, "sp_dp": self.sp_dp_group}
+        subs = {d: replace(USPTopology._build(u, r, timeout, shared), parent_sp_group=self.sp_group,
                            model_parallel_group=self.model_parallel_group, default_positions=self.default_positions)
                 for d, (u, r) in sorted(degrees.items())}
         topo = replace(self, degrees={})
         topo.degrees.update(subs)
         topo.degrees[self.sp_size] = topo
         return topo
+
+    def own_groups(self) -> list[Any]:
+        """The process groups this topology (and its degrees) made, each once: what may be destroyed when it is torn
+        down. Never the default group (the kinds over every rank use it: destroying it ends torch.distributed) nor
+        the one-rank model-parallel group (shared by every topology of this rank); a degree's data-parallel and
+        sequence x data-parallel groups are this topology's.
+
+        Returns:
+            The groups, in :data:`KINDS` order.
+        """
+        keep = {id(dist.group.WORLD), id(self.model_parallel_group)}
+        found: dict[int, Any] = {}
+        for topo in [self, *(t for t in self.degrees.values() if t is not self)]:
+            for kind in KINDS:
+                group = getattr(topo, f"{kind}_group")
+                if id(group) not in keep:
+                    found.setdefault(id(group), group)
+        return list(found.values())
 
     @property
     def mpu(self) -> "USPMpu":

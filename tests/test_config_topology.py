@@ -242,9 +242,8 @@ def rebuild_after_groups_are_destroyed():
     from ds_usp.topology import USPTopology
 
     def destroy_all_but_the_one_rank_group(topo):
-        # kinds over the same ranks are one group (with one replica, sp is sp_dp): destroy each group once
-        groups = (topo.ulysses_group, topo.ring_group, topo.sp_group, topo.dp_group, topo.sp_dp_group)
-        for g in {id(g): g for g in groups}.values():
+        # each group the topology made, once (with one replica sp is sp_dp, the default group, which stays)
+        for g in topo.own_groups():
             dist.destroy_process_group(g)
 
     extra = dist.new_group(list(range(dist.get_world_size())))  # alive when first's one-rank group is made
