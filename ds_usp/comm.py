@@ -18,7 +18,8 @@
   :func:`all_gather_objects` and :func:`barrier`: small collectives (token counts, agreed sizes, gathers over
   replicas, checkpoint commits); :func:`disagreements`: which ranks hold which value of facts that must agree
   (configs, batches, rollouts), by :func:`checksum` for tensors; :func:`warm_up`: a new group's first collective
-  and ring exchange, at build, so that a group whose ranks cannot reach each other fails there, named.
+  and, for a ring, one exchange with every ring peer its forward and backward use, at build, so that a group whose
+  ranks cannot reach each other fails there, named.
 
 These functions are not autograd-aware themselves: the attention's forward and backward are each one
 custom op that calls them (:mod:`ds_usp.attention.usp`).
@@ -355,9 +356,15 @@ def barrier(group: Any, what: str) -> None:
 
 
 def warm_up(group: Any, what: str, ring: Optional[tuple[Sequence[int], int]] = None) -> None:
-    """A new group's first collective (one one-element all-reduce) and, for a ring, its first exchange with its
-    neighbours (one :func:`ring_shift`), waited for, so that the backend connects the group's ranks now: a group whose
-    ranks cannot reach each other fails here, named, not inside the first training step.
+    """A new group's first collective (one one-element all-reduce) and, for a ring, its first exchange with every ring
+    rank its forward and backward talk to, waited for, so that the backend connects the group's ranks now: a group
+    whose ranks cannot reach each other fails here, named, not inside the first training step.
+
+    The ring's forward sends each K/V block one hop ahead; its backward sends step ``t``'s dK/dV home ``R - t`` hops
+    ahead (:func:`ds_usp.attention.ring.ring_backward`), so with ``R > 2`` a rank sends to and receives from every
+    other rank of its ring, and NCCL connects each peer on its first transfer. The warm-up sends one element every hop
+    ``1 .. R - 1`` in one batched :func:`ring_exchange` (the ring's own path: staged through host buffers where the
+    ring's tensors will be, CUDA on gloo, :func:`ring_device`), and checks that each came from the rank it should.
 
     Args:
         group: the process group (of more than one rank).
@@ -365,7 +372,8 @@ def warm_up(group: Any, what: str, ring: Optional[tuple[Sequence[int], int]] = N
         ring: ``(ring ranks in ring order, this rank's position)`` when ``group`` is a ring.
 
     Raises:
-        USPCommError: a collective failed, or the all-reduce did not count the group's ranks.
+        USPCommError: a collective failed, the all-reduce did not count the group's ranks, or a ring peer's element
+            did not come from it.
     """
     size = dist.get_world_size(group)
     x = torch.ones(1, dtype=torch.float32, device=group_device(group))
@@ -375,9 +383,38 @@ def warm_up(group: Any, what: str, ring: Optional[tuple[Sequence[int], int]] = N
     if got != size:
         raise USPCommError(f"the warm-up all-reduce of the {what} over ranks {dist.get_process_group_ranks(group)} "
                            f"counted {got:g} ranks, not {size}: the group does not connect its ranks")
-    if ring is not None:
-        ranks, position = ring
-        ring_shift(x, group, ranks, position)().item()
+    if ring is None:
+        return
+    ranks, position = ring
+    n = len(ranks)
+    mine = torch.full((1,), float(position), dtype=torch.float32, device=ring_device(group))
+    with _named(f"warm-up exchange of the {what} with every ring peer", group):
+        try:
+            came = torch.cat(ring_exchange([(mine, hop) for hop in range(1, n)], group, ranks, position)()).tolist()
+        except USPCommError as e:  # named by the exchange itself: say it was the warm-up, at build
+            raise USPCommError(f"the warm-up exchange of the {what} with every ring peer, at build: {e}") from e
+    want = [float((position - hop) % n) for hop in range(1, n)]
+    if came != want:
+        raise USPCommError(f"the warm-up exchange of the {what} over ranks {list(ranks)} gave rank {ranks[position]} "
+                           f"{came} from the ring positions {want}: the group does not connect its ranks")
+
+
+def ring_device(group: Any) -> torch.device:
+    """Where a ring's blocks are exchanged on ``group``, for its warm-up: the backend's device (:func:`group_device`),
+    except on gloo in a process that uses CUDA (ranks sharing a GPU), whose blocks are CUDA tensors staged through host
+    buffers (:func:`ring_exchange`).
+
+    Args:
+        group: the process group.
+
+    Returns:
+        The device.
+    """
+    device = group_device(group)
+    if device.type == "cpu" and dist.get_backend(group) == "gloo" and torch.cuda.is_available() \
+            and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 _BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}  # the tensors each backend moves natively (for ours)
