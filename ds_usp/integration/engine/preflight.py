@@ -67,13 +67,26 @@ def _world_size() -> int:
     return int(value) if value.isdigit() else 1
 
 
+_SAID: set = set()  # (device, local rank) pairs warned of: ds_usp.initialize asks choose_device several times
+
+
+def _say_once(device: int, local: int, message: str) -> None:
+    """``log_warning(message)`` the first time this process keeps GPU ``device`` against local rank ``local`` (a GPU
+    ds-usp keeps as the current one is then bound to the default group it starts: one warning, not one a branch)."""
+    if (device, local) not in _SAID:
+        _SAID.add((device, local))
+        log_warning(message)
+
+
 def choose_device() -> torch.device:
     """The device this rank computes and communicates on: the one the user chose, else the launcher's local rank.
 
-    In order: the CPU without CUDA; the GPU the default process group is bound to; the only GPU of a process that
-    sees one (one GPU per task: whatever the local rank); the current GPU once CUDA is initialized (the user called
-    ``torch.cuda.set_device`` or made CUDA tensors), with a warning when it is not the launcher's local rank; else
-    the GPU of the local rank (:func:`launcher_local_rank`: ``LOCAL_RANK``, an MPI launcher's, ``SLURM_LOCALID``).
+    In order: the CPU without CUDA; the only GPU of a process that sees one (one GPU per task: whatever the local
+    rank); the GPU the default process group is bound to (``init_process_group(device_id=...)``); the current GPU once
+    CUDA is initialized (the user called ``torch.cuda.set_device`` or made CUDA tensors); else the GPU of the local
+    rank. A bound or current GPU that is not the launcher's local rank is kept with a warning (once a process) that
+    names both and what to call; ``ds_usp.initialize`` asks before it builds any group. The local rank is the
+    launcher's (:func:`launcher_local_rank`: ``LOCAL_RANK``, an MPI launcher's, ``SLURM_LOCALID``).
 
     Returns:
         The device; nothing is set (callers pass it to ``torch.cuda.set_device``).
@@ -85,19 +98,27 @@ def choose_device() -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
     bound = _bound_device()
-    if bound is not None:
-        return bound
     count = torch.cuda.device_count()
-    if count == 1:
-        return torch.device("cuda", 0)
+    if count == 1:  # one GPU per task: its index says nothing of the local rank
+        return bound if bound is not None else torch.device("cuda", 0)
     local, said_by = launcher_local_rank()
+    if bound is not None:
+        if local is not None and bound.index != local:
+            _say_once(bound.index, local,
+                      f"ds_usp: the default process group is bound to {bound} (init_process_group(device_id=...)) but "
+                      f"the launcher says local rank {local} ({said_by}); ds-usp keeps {bound}, the GPU NCCL uses for "
+                      f"that group. If you did not choose it, bind this rank's own GPU, init_process_group(..., "
+                      f"device_id=torch.device('cuda', {local})), or leave device_id out and set no device (ds-usp "
+                      f"then takes cuda:{local}): two ranks on one GPU fail in NCCL")
+        return bound
     if torch.cuda.is_initialized():
         current = torch.cuda.current_device()
         if local is not None and current != local:
-            log_warning(f"ds_usp: this rank's current CUDA device is cuda:{current} but the launcher says local rank "
-                        f"{local} ({said_by}); ds-usp keeps cuda:{current}, the device set. If you did not choose it "
-                        f"(a CUDA tensor made before torch.cuda.set_device), call torch.cuda.set_device({local}) "
-                        f"first: two ranks on one GPU fail in NCCL")
+            _say_once(current, local,
+                      f"ds_usp: this rank's current CUDA device is cuda:{current} but the launcher says local rank "
+                      f"{local} ({said_by}); ds-usp keeps cuda:{current}, the device set. If you did not choose it "
+                      f"(a CUDA tensor made before torch.cuda.set_device), call torch.cuda.set_device({local}) "
+                      f"first: two ranks on one GPU fail in NCCL")
         return torch.device("cuda", current)
     if local is None:
         world = _world_size()
