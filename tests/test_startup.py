@@ -8,8 +8,11 @@
   stub, and ZeRO-3's reads of ``LOCAL_RANK`` as a GPU pointed at it.
 * Ranks per node from SLURM (``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``), and the warning when a Ulysses
   group would cross nodes.
-* ``USPTopology.build``: groups over the same ranks are one process group, and each group is warmed up as it is
-  built (one all-reduce per distinct group of more than one rank, one exchange around the ring), counted on 4 ranks.
+* ``USPTopology.build``: groups over the same ranks are one process group, the kinds over every rank the default group
+  (never among what a teardown destroys, and named by its kinds), and each group is warmed up as it is built (one
+  all-reduce per distinct group of more than one rank; one batched ring exchange with every peer the ring's forward
+  and backward use, through the staged route where it stages), counted on 4 ranks.
+* A default group bound to a GPU that is not the launcher's local rank is kept and said, once, before any group.
 * ``examples/smoke_topology.py`` on 4 CPU ranks with torch's default device set to ``meta``: every tensor it hands to
   a collective must be on the backend's device (the CPU for gloo), as NCCL requires its GPU.
 """
@@ -56,6 +59,7 @@ def launcher(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     warnings: list[str] = []
     monkeypatch.setattr(preflight, "log_warning", warnings.append)
+    monkeypatch.setattr(preflight, "_SAID", set(), raising=False)  # each test starts with nothing said
     return warnings
 
 
@@ -122,6 +126,19 @@ def test_the_bound_device_wins(monkeypatch, launcher):
     monkeypatch.setattr(preflight, "_bound_device", lambda: torch.device("cuda", 6))
     monkeypatch.setenv("LOCAL_RANK", "6")
     assert choose_device() == torch.device("cuda", 6) and launcher == []
+
+
+def test_a_bound_device_that_is_not_the_local_rank_is_kept_and_said(monkeypatch, launcher):
+    """init_process_group(device_id=cuda:6) under LOCAL_RANK=2: NCCL uses cuda:6, so ds-usp keeps it, and says so once
+    (ds_usp.initialize asks several times), naming both and what to call."""
+    FakeCuda(monkeypatch, 8, initialized=True, current=6)
+    monkeypatch.setattr(preflight, "_bound_device", lambda: torch.device("cuda", 6))
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert choose_device() == torch.device("cuda", 6) == choose_device()
+    assert len(launcher) == 1, launcher
+    for part in ("bound to cuda:6", "local rank 2 (LOCAL_RANK)", "keeps cuda:6",
+                 "device_id=torch.device('cuda', 2)"):
+        assert part in launcher[0], launcher[0]
 
 
 def _fake_nccl_world(monkeypatch) -> list:
@@ -242,6 +259,18 @@ def test_the_engine_keeps_the_gpu_the_user_set(monkeypatch, launcher, zero3_unto
     assert len(launcher) == 1 and "keeps cuda:1" in launcher[0]
 
 
+def test_the_engine_keeps_a_bound_gpu_and_says_so_before_any_group(monkeypatch, launcher, zero3_untouched):
+    """The default group bound to cuda:1 under LOCAL_RANK=0: said (once) where ds_usp.initialize sets the device
+    (before it builds any group); the engine uses cuda:1."""
+    FakeCuda(monkeypatch, 2, initialized=True, current=1)
+    monkeypatch.setattr(preflight, "_bound_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    args = initialize_up_to_deepspeed(monkeypatch)["args"]
+    set_to, engine = deepspeeds_engine_device(monkeypatch, args)
+    assert set_to == [1] and engine.device == torch.device("cuda", 1)
+    assert len(launcher) == 1 and "bound to cuda:1" in launcher[0], launcher
+
+
 def test_the_engine_takes_the_only_visible_gpu(monkeypatch, launcher, zero3_untouched):
     """One GPU per task, LOCAL_RANK=3: the engine sets cuda:0 (not 'invalid device ordinal'), and ZeRO-3's checks
     that read LOCAL_RANK as the GPU (DeepSpeed's own get_lst_from_rank0) build their tensor there too."""
@@ -345,6 +374,7 @@ def build_and_count(u: int, r: int, local_size: str) -> dict:
     import ds_usp.topology as topology
 
     counts = {"new_group": 0, "all_reduce": [], "batch_isend_irecv": 0}
+    peers: set = set()
     originals = {name: getattr(dist, name) for name in counts}
     warned: list[str] = []
 
@@ -358,6 +388,7 @@ def build_and_count(u: int, r: int, local_size: str) -> dict:
 
     def batch_isend_irecv(ops):
         counts["batch_isend_irecv"] += 1
+        peers.update(_peers(ops))
         return originals["batch_isend_irecv"](ops)
 
     saved_env, saved_warn = os.environ.get("LOCAL_SIZE"), topology.log_warning
@@ -374,16 +405,33 @@ def build_and_count(u: int, r: int, local_size: str) -> dict:
         os.environ.pop("LOCAL_SIZE") if saved_env is None else os.environ.update(LOCAL_SIZE=saved_env)
     groups = {kind: getattr(topo, f"{kind}_group") for kind in KINDS}
     return {"same": {(a, b) for a in KINDS for b in KINDS if groups[a] is groups[b]},
-            "sizes": {kind: dist.get_world_size(g) for kind, g in groups.items()}, "warned": warned, **counts}
+            "world": {kind for kind, g in groups.items() if g is dist.group.WORLD}, "peers": peers,
+            "own": len(topo.own_groups()), "sizes": {kind: dist.get_world_size(g) for kind, g in groups.items()},
+            "warned": warned, **counts}
+
+
+def _peers(ops) -> set:
+    """``{("isend" | "irecv", global peer)}`` of a ``batch_isend_irecv``'s ops."""
+    return {(op.op.__name__, op.peer) for op in ops}
+
+
+def _ring_peers(plan, rank: int) -> set:
+    """Every ring rank but this one, as a peer of both a send and a receive (what the ring's forward and backward
+    exchange with when each of its R steps computes)."""
+    ring = plan.member_of("ring", rank)
+    return {(op, peer) for peer in ring if peer != rank for op in ("isend", "irecv")}
 
 
 def _expected(u: int, r: int, world: int, rank: int):
     plan = group_ranks(u, r, world)
     mine = {kind: tuple(sorted(plan.member_of(kind, rank))) for kind in KINDS}
     same = {(a, b) for a in KINDS for b in KINDS if mine[a] == mine[b]}
+    everyone = tuple(range(world))
     every = {tuple(sorted(g)) for kind in KINDS for g in getattr(plan, kind)}
     warmed = sorted(len(ranks) for ranks in set(mine.values()) if len(ranks) > 1)
-    return same, len(every), warmed, int(r > 1)
+    world_kinds = {kind for kind in KINDS if mine[kind] == everyone}
+    own = len(set(mine.values()) - {everyone})
+    return same, len(every - {everyone}), world_kinds, own, warmed, int(r > 1), _ring_peers(plan, rank)
 
 
 def test_groups_over_the_same_ranks_are_one_and_each_is_warmed(world4):
@@ -391,11 +439,15 @@ def test_groups_over_the_same_ranks_are_one_and_each_is_warmed(world4):
     for u, r in LAYOUTS:
         results[u, r] = per_rank = world4.run(build_and_count, u, r, "4")
         for rank, got in enumerate(per_rank):
-            same, groups, warmed, exchanges = _expected(u, r, 4, rank)
+            same, groups, world_kinds, own, warmed, exchanges, peers = _expected(u, r, 4, rank)
             assert got["same"] == same, (u, r, rank)
-            assert got["new_group"] == groups, (u, r, rank)  # one process group per distinct rank set
-            # one warm-up all-reduce per distinct group of this rank's of more than one rank, one ring exchange
+            # one process group per distinct rank set; the kinds over every rank are the default group, not a new one
+            assert got["new_group"] == groups and got["world"] == world_kinds, (u, r, rank, got)
+            assert got["own"] == own, (u, r, rank, got)  # what a teardown may destroy: never the default group
+            # one warm-up all-reduce per distinct group of this rank's of more than one rank, one ring exchange with
+            # every peer of the ring (the backward sends dK/dV R - t hops ahead)
             assert sorted(got["all_reduce"]) == warmed and got["batch_isend_irecv"] == exchanges, (u, r, rank, got)
+            assert got["peers"] == peers, (u, r, rank, got["peers"])
             assert got["warned"] == []
     # dp = 1: the sp and sp_dp groups are one communicator (with R = 1 the Ulysses group too, with U = 1 the ring)
     assert {("sp", "sp_dp"), ("ulysses", "sp")} <= results[4, 1][0]["same"]
@@ -406,6 +458,76 @@ def test_groups_over_the_same_ranks_are_one_and_each_is_warmed(world4):
     assert "usp.ulysses_degree=4" in two_nodes[0]["warned"][0] and "2 ranks per node from LOCAL_SIZE" in \
         two_nodes[0]["warned"][0]
     assert all(got["warned"] == [] for got in two_nodes[1:])  # rank 0 says it
+
+
+def ring_of_four_at_build_and_in_a_step() -> dict:
+    """A 1x4 topology (its ring, SP and sequence x data-parallel groups are every rank: the default group) built with
+    its ring exchanges forced through host buffers (the route CUDA tensors take on gloo), then one causal zigzag
+    attention forward and backward: the peers of each, the staged exchanges of the build, what the watchdog says of
+    the default group (before and after the dynamic-SP degrees are cut), and a build under another timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import ds_usp
+    from ds_usp import comm, watchdog
+    from ds_usp.topology import USPTopology
+
+    seen: list = []
+    batch = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: seen.append(_peers(ops)) or batch(ops)
+    world = dist.group.WORLD
+    comm.stage_point_to_point(world)
+    staged = comm.staging_stats()["exchanges"]
+    try:
+        topo = USPTopology.build(1, 4)
+        staged = comm.staging_stats()["exchanges"] - staged
+        comm.stage_point_to_point(world, on=False)
+        at_build, seen[:] = set().union(*seen), []
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (ds_usp.shard_sequence(torch.randn(1, 32, 2, 8, generator=g), topo, 1, "zigzag").requires_grad_()
+                   for _ in range(3))
+        ds_usp.usp_attention(q, k, v, topo, causal=True, layout="zigzag", seq_len=32).sum().backward()
+        in_a_step = set().union(*seen)
+    finally:
+        dist.batch_isend_irecv = batch
+        comm.stage_point_to_point(world, on=False)
+    named = watchdog.describe_group(world)
+    cut = topo.with_degrees({2: (1, 2)})
+    own = topo.own_groups() + cut.own_groups()
+    other = USPTopology.build(1, 4, timeout=datetime.timedelta(seconds=61))  # not the default group's timeout
+    return {"at_build": at_build, "in_a_step": in_a_step, "staged": staged, "named": named,
+            "named_after_cut": watchdog.describe_group(world), "world_in_own": any(g is world for g in own),
+            "cut_shares": cut.degrees[2].sp_dp_group is world and cut.degrees[2].dp_group is topo.dp_group,
+            "other_is_world": other.ring_group is world or other.sp_dp_group is world,
+            "other_named": watchdog.describe_group(other.sp_dp_group)}
+
+
+def test_the_ring_warm_up_reaches_every_peer_of_a_step_and_the_default_group_is_shared(world4):
+    for rank, got in enumerate(world4.run(ring_of_four_at_build_and_in_a_step)):
+        others = {(op, peer) for peer in range(4) if peer != rank for op in ("isend", "irecv")}
+        assert got["in_a_step"] == others, (rank, got)  # the backward's dK/dV go R - t hops: every ring rank
+        assert got["at_build"] == got["in_a_step"], (rank, got)  # ... each connected at build
+        assert got["staged"] == 1, (rank, got)  # through ds_usp.comm's ring route (staged where it stages)
+        assert got["named"] == got["named_after_cut"] == \
+            "ranks [0, 1, 2, 3] (the ring / sp / sp_dp group ds_usp_ring_0+sp_0+sp_dp_0)", (rank, got)
+        assert got["cut_shares"] and not got["world_in_own"], (rank, got)  # never destroyed with a topology
+        assert not got["other_is_world"], (rank, got)  # a group's timeout is fixed: usp.timeout_seconds holds
+        assert got["other_named"] == "ranks [0, 1, 2, 3] (the ring / sp / sp_dp group ds_usp_ring_0+sp_0+sp_dp_0)"
+
+
+def test_the_ring_warm_up_goes_where_the_rings_blocks_go(monkeypatch, launcher):
+    """On gloo in a process that uses CUDA (ranks sharing a GPU) the ring's blocks are CUDA tensors, staged through host
+    buffers: its warm-up exchanges one there too; a CPU job on a machine with GPUs makes no CUDA context for it."""
+    from ds_usp import comm
+
+    FakeCuda(monkeypatch, 4, initialized=True, current=2)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "gloo")
+    assert comm.ring_device(object()) == torch.device("cuda", 2)
+    FakeCuda(monkeypatch, 4)
+    assert comm.ring_device(object()) == torch.device("cpu")
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
+    assert comm.ring_device(object()) == torch.device("cuda", 0)
 
 
 # ---------------------------------------------------------------- the smoke program on NCCL's rules
