@@ -22,6 +22,7 @@ rank (whole inputs, whole output, ``F.mse_loss`` against a random target, 3 Adam
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -323,6 +324,181 @@ def _runs(row: list) -> list[tuple[int, int]]:
 def test_key_mask_is_exact(world4, split):
     errs = world4.run(key_mask_attention, *split)[0]
     assert max(errs) < 1e-5, f"{split}: output / dq / dk / dv errors {errs}"
+
+
+# ------------------------------------------------------------------------------------ no host read inside a block
+
+
+# Still counted inside the blocks, by ds_usp.attention's entry (not the DiT's code): the ring op's valid-keys tensor
+# made of the keys' runs at every attention call (usp.py _spans_tensor, a CPU tensor the op reads back on the host)
+# and, for keys not seen before (a new mask: every step here), the signature's all-gather (checks.py _agree). Both go
+# when the attention takes valid keys prepared and agreed once per forward, as it takes documents (issue 63).
+ATTENTION_ENTRY = re.compile(r" at ds_usp/attention/(usp\.py:\d+ _spans_tensor|checks\.py:\d+ (_agree|<listcomp>))$")
+
+
+def _masked_inputs(family: str, step: int) -> dict:
+    """The family's inputs with a text key mask that changes every step (a new tensor each step)."""
+    g = torch.Generator().manual_seed(200 + step)
+    given = FAMILIES[family]()[1](g)
+    if family == "hunyuan":  # right-padded text; diffusers' forward makes the blocks' (b, 1, 1, image + text) mask
+        given["encoder_attention_mask"] = torch.tensor([[1] * (6 - step) + [0] * step,
+                                                        [1] * (2 + step) + [0] * (4 - step)])
+    else:  # QwenImage: holes that move (the blocks get the mask as bool, the processor a new joint mask per call)
+        rows = [[1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 1]]
+        given["encoder_hidden_states_mask"] = torch.tensor([rows[step % 3], rows[(step + 1) % 3]])
+    return given
+
+
+def block_host_reads(family: str, u: int, r: int, usp: dict, diffusers_checkpointing: bool) -> list[dict]:
+    """On every rank: ``STEPS`` training steps of the family with a key mask that changes per step, the host's reads of
+    tensor values and the tensors it makes of host data inside the transformer blocks counted per step, forward and
+    recomputation apart (:class:`ds_usp.instruments.work_meter.LayerHostReads`), and each step's loss against one
+    process's."""
+    import torch.nn.functional as F
+
+    import ds_usp
+    from ds_usp.instruments.work_meter import LayerHostReads
+
+    build = FAMILIES[family]()[0]
+    torch.manual_seed(0)
+    ref = build()
+    model = build()
+    model.load_state_dict(ref.state_dict())
+    if diffusers_checkpointing:
+        model.enable_gradient_checkpointing()
+    engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(u, r, 2, usp))
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    blocks = [b for name in ("transformer_blocks", "single_transformer_blocks")
+              for b in getattr(engine.module, name, ())]
+    steps = []
+    for step in range(STEPS):
+        given = _masked_inputs(family, step)
+        want = ref(**given)[0]
+        target = torch.randn(want.shape, generator=torch.Generator().manual_seed(300 + step))
+        want_loss = F.mse_loss(want.float(), target)
+        with LayerHostReads(blocks) as reads:
+            loss = F.mse_loss(engine(**given)[0].float(), target)
+            engine.backward(loss)
+        engine.step()
+        opt.zero_grad()
+        want_loss.backward()
+        opt.step()
+        steps.append({**reads.counts(), "sites": reads.sites(),
+                      "loss": abs(loss.item() - want_loss.item()) / want_loss.item()})
+    return steps
+
+
+@pytest.mark.parametrize("family, split, usp, diffusers_checkpointing", [
+    ("hunyuan", (2, 2), {"activation_checkpointing": False}, True),  # diffusers' checkpointing: the block's call again
+    ("qwenimage", (1, 4), {"activation_checkpointing": "full"}, False),  # ds-usp's: the block's forward, below hooks
+])
+def test_no_host_read_inside_a_block_with_a_key_mask(world4, family, split, usp, diffusers_checkpointing):
+    """Issue 63: with a key mask that changes every step, after the first step the host reads no tensor value and
+    makes no tensor of host data inside any block, in the forward and in the recomputation; the training stays exact
+    (each step's loss within 1e-4 relative of one process's)."""
+    steps = world4.run(block_host_reads, family, *split, usp, diffusers_checkpointing)[0]
+    assert max(s["loss"] for s in steps) < LOSS_REL, [s["loss"] for s in steps]
+    assert all(s["recompute"]["module_calls"] for s in steps), "no block was recomputed: the case checks nothing"
+    bad = [(i, {p: s[p] for p in ("fwd", "recompute")}, s["sites"]) for i, s in enumerate(steps)
+           if i and any(not ATTENTION_ENTRY.search(site) for site in s["sites"])]
+    assert not bad, "host reads / host-made tensors inside the blocks after the first step:\n" + "\n".join(
+        f"step {i}: {c}\n  " + "\n  ".join(sites) for i, c, sites in bad)
+
+
+def _reference_keys(masks: dict, lengths: dict, order: tuple, batch: int, n: int):
+    """The valid keys of the global sequence over ``order`` from boolean tensors (what DiTCall.keys computed before it
+    worked on runs): per rank, each stream's part of its mask, padding dropped."""
+    ranks = []
+    for rank in range(n):
+        parts = []
+        for name in order:
+            c = -(-lengths[name] // n)
+            mask = masks.get(name, torch.ones(batch, lengths[name], dtype=torch.bool))
+            part = mask[:, rank * c:(rank + 1) * c]
+            part = torch.cat([part, torch.zeros(batch, c - part.shape[1], dtype=torch.bool)], dim=1)
+            parts.append(part & (torch.arange(c) + rank * c < lengths[name]))
+        ranks.append(torch.cat(parts, dim=1))
+    valid = torch.cat(ranks, dim=1)
+    return None if bool(valid.all()) else tuple(tuple(_runs(row)) for row in valid.tolist())
+
+
+def test_dit_call_keys_cuts_and_deferred_checks():
+    """In one process, a forward's state on every rank of several splits (a stand-in topology): the rank's part of a
+    stream is ``shard_sequence``'s contiguous shard; the valid keys worked out from runs are those of the boolean
+    masks; a mask object already cut is handed back as it was; a block's mask that is not the one the model's
+    parameter makes, a second block's that differs from the first, and an attention's mask that is not the one ds-usp
+    cut, are refused by name at the forward's end (:meth:`DiTCall.finish`), and what a recomputation checks after it
+    is dropped."""
+    from types import SimpleNamespace
+
+    import ds_usp
+    from ds_usp.integration.models.diffusion.hooks import cut_key_mask
+    from ds_usp.integration.models.diffusion.plans import IMAGE, TEXT, RootMask
+    from ds_usp.integration.models.diffusion.routing import AttentionRoute
+    from ds_usp.integration.models.diffusion.state import DiTCall
+
+    g = torch.Generator().manual_seed(0)
+    prefix, kept = RootMask("encoder_attention_mask", TEXT, "prefix"), RootMask("text_mask", TEXT, "kept")
+
+    def error(fn) -> str:
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    for u, r in ((1, 1), (2, 2), (1, 4), (3, 1)):
+        for rank in range(u * r):
+            topo = SimpleNamespace(ulysses_degree=u, ring_degree=r, sp_size=u * r, sp_rank=rank)
+            for image, text in ((9, 5), (4, 6), (1, 3)):
+                lengths = {IMAGE: image, TEXT: text}
+                x = torch.randn(2, image, 3, generator=g)
+                root = (torch.rand(2, text, generator=g) < 0.6).long()
+                root[:, 0] = 1
+                for form in (prefix, kept, None):  # HunyuanVideo's, QwenImage's, read where first given
+                    call = DiTCall(topo, "M")
+                    assert torch.equal(call.cut(x, IMAGE, 1), ds_usp.shard_sequence(x, topo, 1, "contiguous"))
+                    call.cut(torch.randn(2, text, 3), TEXT, 1)
+                    if form is not None:
+                        call.expect_mask(form, root)
+                    text_kept = torch.arange(text) < root.sum(1, keepdim=True) if form is prefix else root != 0
+                    whole = torch.cat([torch.ones(2, image, dtype=torch.bool), text_kept], dim=1)[:, None, None]
+                    part = cut_key_mask(call, whole, (IMAGE, TEXT))
+                    assert cut_key_mask(call, whole, (IMAGE, TEXT)) is part
+                    for order in ((IMAGE, TEXT), (TEXT, IMAGE), (TEXT,), (IMAGE,)):
+                        assert call.keys(order, 2) == _reference_keys({TEXT: text_kept}, lengths, order, 2, u * r)
+                    route = AttentionRoute(SimpleNamespace(call=call, model_name="M"), (IMAGE, TEXT), "blocks.0.attn")
+                    route._check_mask(part, 2)  # the part handed on: nothing to compare
+                    route._check_mask(part.clone().float().log(), 2)  # the same, additive
+                    call.finish()
+    # refused at the forward's end, by name
+    topo = SimpleNamespace(ulysses_degree=2, ring_degree=1, sp_size=2, sp_rank=1)
+    root = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+
+    def forward(block_masks: list, attention_mask=None, recomputed=None) -> str:
+        call = DiTCall(topo, "M")
+        call.cut(torch.randn(2, 5, 3), IMAGE, 1)
+        call.cut(torch.randn(2, 4, 3), TEXT, 1)
+        call.expect_mask(prefix, root)
+        parts = [cut_key_mask(call, m[:, None, None], (IMAGE, TEXT)) for m in block_masks]
+        route = AttentionRoute(SimpleNamespace(call=call, model_name="M"), (IMAGE, TEXT), "blocks.0.attn")
+        if attention_mask is not None:
+            route._check_mask(attention_mask, 2)
+        found = error(call.finish)
+        if recomputed is not None:  # after the forward: dropped
+            cut_key_mask(call, recomputed[:, None, None], (IMAGE, TEXT))
+            route._check_mask(torch.zeros_like(parts[0]), 2)
+            assert not call._pending
+        return found
+
+    made = torch.cat([torch.ones(2, 5, dtype=torch.bool), torch.arange(4) < root.sum(1, keepdim=True)], dim=1)
+    holed = made.clone()
+    holed[0, 5] = False
+    assert forward([made, made.clone()], recomputed=holed) == ""
+    assert "not the one ds-usp makes of its encoder_attention_mask" in forward([holed])
+    assert "blocks are given different text key masks in one forward" in forward([made, holed])
+    wrong = torch.zeros(2, 1, 1, 5, dtype=torch.bool)  # the rank's 3 image + 2 text tokens, none kept
+    assert "M (blocks.0.attn) passes an attention mask to its attention" in forward([made], wrong)
 
 
 # ----------------------------------------------------------------------------------------------- refusals, safety

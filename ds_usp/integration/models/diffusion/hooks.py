@@ -69,11 +69,16 @@ def cut_value(call: DiTCall, value: Any, cut: Cut) -> Any:
 
 def cut_key_mask(call: DiTCall, mask: Tensor, order: tuple[str, ...]) -> Tensor:
     """Record a key mask over ``order`` (its last dimension: the streams' whole lengths, in order) and return the
-    rank's part of it, in the same order (padding masked).
+    rank's part of it, in the same order (padding masked). A mask object already cut in this forward (the one
+    HunyuanVideo and QwenImage give every block; a block recomputed with its saved inputs) gets its part back at once;
+    another is compared with the forward's mask on its device (:meth:`DiTCall.take_mask`), never read here.
 
     Raises:
         ValueError: a mask whose length is not the streams' (or that depends on the query).
     """
+    done = call.cut_of(mask, order)
+    if done is not None:
+        return done
     known = {s: call.streams[s].length for s in order if s in call.streams}
     unknown = [s for s in order if s not in known]
     total = mask.shape[-1]
@@ -88,17 +93,19 @@ def cut_key_mask(call: DiTCall, mask: Tensor, order: tuple[str, ...]) -> Tensor:
     for name in order:
         n = known[name]
         call.stream(name, n)
-        call.record_mask(name, kept[:, at:at + n])
+        call.take_mask(name, kept[:, at:at + n])
         parts.append(call.cut(mask[..., at:at + n], name, mask.dim() - 1, pad=0))
         at += n
-    return torch.cat(parts, dim=-1)
+    return call.hand_on(mask, order, torch.cat(parts, dim=-1))
 
 
 class DiTForward:
     """The forward of a sharded diffusion transformer (what :func:`install` makes ``model.forward``): it starts the
     call's :class:`~ds_usp.integration.models.diffusion.state.DiTCall`, refuses what the plan refuses, checks at the
-    first call that the SP group's ranks were given the same inputs, cuts the plan's root inputs and runs the model's
-    own forward, whose output comes back whole (gathered before the final projection).
+    first call that the SP group's ranks were given the same inputs, reads the plan's mask parameter to the host (the
+    forward's one read of its key mask, before any block), cuts the plan's root inputs and runs the model's own
+    forward, whose output comes back whole (gathered before the final projection) once the checks its blocks made on
+    the device are read (one read, :meth:`~ds_usp.integration.models.diffusion.state.DiTCall.finish`).
 
     Args:
         model: the model.
@@ -111,7 +118,8 @@ class DiTForward:
         self.name, self.original, self.plan, self.dit = type(model).__name__, original, plan, dit
         self.signature = inspect.signature(original)
         self.cuts = plan.inputs.get("", {})
-        missing = [n for n in (*self.cuts, *plan.refused) if n not in self.signature.parameters]
+        root = [plan.mask_root.parameter] if plan.mask_root is not None else []
+        missing = [n for n in (*self.cuts, *plan.refused, *root) if n not in self.signature.parameters]
         if missing:
             raise ValueError(f"{self.name}.forward takes no {', '.join(missing)}: ds-usp's plan for the family no "
                              f"longer fits the installed diffusers (docs/models.md)")
@@ -124,6 +132,9 @@ class DiTForward:
         call = self.dit.begin()
         if not self.dit.inputs_checked:
             self._check_same_inputs(given)
+        root = self.plan.mask_root
+        if root is not None and isinstance(given.get(root.parameter), Tensor):
+            call.expect_mask(root, given[root.parameter])
         for name, cut in self.cuts.items():
             if given.get(name) is not None:
                 given[name] = cut_value(call, given[name], cut)
@@ -131,6 +142,7 @@ class DiTForward:
         if not call.gathered:
             raise RuntimeError(f"{self.name}: its {self.plan.gather} did not run in the forward, so its output was "
                                f"never gathered from the ranks' parts: ds-usp's plan for the family no longer fits it")
+        call.finish()
         return out
 
     def _refuse(self, given: dict) -> None:

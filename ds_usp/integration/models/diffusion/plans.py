@@ -41,6 +41,24 @@ class Cut:
 
 
 @dataclass(frozen=True)
+class RootMask:
+    """The model's parameter its blocks' key mask is made from, read once per forward in the model's own forward
+    (outside every block: the valid keys of every attention are worked out from it on the host, and each block's mask
+    is compared with it on its device, :meth:`~ds_usp.integration.models.diffusion.state.DiTCall.expect_mask`).
+
+    Attributes:
+        parameter: the model's ``(b, tokens)`` mask parameter.
+        stream: the stream it masks (a block mask's other streams are kept whole).
+        form: how the model's forward makes the blocks' mask of it: ``"kept"``, the nonzero entries (QwenImage passes
+            it on as bool); ``"prefix"``, a row's first ``sum(row)`` tokens (HunyuanVideo's right padding).
+    """
+
+    parameter: str
+    stream: str
+    form: str
+
+
+@dataclass(frozen=True)
 class Role:
     """An attention module that attends over the rank's part of its streams.
 
@@ -71,6 +89,8 @@ class FamilyPlan:
         outputs: ``path -> (Cut or None per output)``: a module's outputs cut after it ran (RoPE tables).
         key_masks: ``path -> (parameter, streams)``: a boolean key mask the module is given over these streams (in
             this order), its valid keys recorded for the attention and the rank's part handed on.
+        mask_root: the model parameter the ``key_masks`` are made from (None: each mask is read where a block is
+            first given it).
         prefix_counts: ``path -> (parameter, stream)``: a count of the stream's first tokens (HunyuanVideo's
             first-frame tokens under token_replace) turned into the count among this rank's tokens, where the module
             takes that parameter.
@@ -87,6 +107,7 @@ class FamilyPlan:
     inputs: Mapping[str, Mapping[str, Cut]]
     outputs: Mapping[str, tuple[Optional[Cut], ...]] = field(default_factory=dict)
     key_masks: Mapping[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    mask_root: Optional[RootMask] = None
     prefix_counts: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     roles: Mapping[str, Role] = field(default_factory=dict)
     blocks: tuple[str, ...] = ("transformer_blocks",)
@@ -123,6 +144,7 @@ FAMILIES: dict[str, FamilyPlan] = {p.name: p for p in (
         outputs={"rope": (Cut(IMAGE, 0), Cut(IMAGE, 0))},
         key_masks={"transformer_blocks.*": ("attention_mask", (IMAGE, TEXT)),
                    "single_transformer_blocks.*": ("attention_mask", (IMAGE, TEXT))},
+        mask_root=RootMask("encoder_attention_mask", TEXT, "prefix"),
         prefix_counts={"transformer_blocks.*": ("num_tokens", IMAGE),
                        "single_transformer_blocks.*": ("num_tokens", IMAGE)},
         roles={"transformer_blocks.*.attn": Role((IMAGE, TEXT), "HunyuanVideoAttnProcessor2_0"),
@@ -159,6 +181,7 @@ FAMILIES: dict[str, FamilyPlan] = {p.name: p for p in (
                 "transformer_blocks.*": {"modulate_index": Cut(IMAGE, 1)}},
         outputs={"pos_embed": (Cut(IMAGE, 0), Cut(TEXT, 0))},
         key_masks={"transformer_blocks.*": ("encoder_hidden_states_mask", (TEXT,))},
+        mask_root=RootMask("encoder_hidden_states_mask", TEXT, "kept"),
         roles={"transformer_blocks.*.attn": Role((TEXT, IMAGE), "QwenDoubleStreamAttnProcessor2_0")},
         refused={"controlnet_block_samples": CONTROLNET}, lora_kwargs="attention_kwargs"),
 )}

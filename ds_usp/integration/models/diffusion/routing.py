@@ -80,20 +80,30 @@ class AttentionRoute(DispatchRoute):
                          scale)
 
     def _check_mask(self, attn_mask: Tensor, batch: int) -> None:
-        """Refuse a mask that is not the key mask ds-usp cut for this module's streams (compared on real tokens)."""
+        """Refuse a mask that is not the key mask ds-usp cut for this module's streams (compared on real tokens, on
+        the mask's device: the result is read with the forward's other checks at its end, never here)."""
         s = attn_mask.shape[-1]
         if attn_mask.dim() < 2 or (attn_mask.dim() > 2 and attn_mask.shape[-2] != 1):
             self._refuse(f"attn_mask of shape {tuple(attn_mask.shape)}", "only a key mask, the same for every "
                          "query, is supported")
+        call = self.dit.call
+        if call.handed(attn_mask, self.order):  # the very part ds-usp handed on (HunyuanVideo's processors)
+            return
         kept = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -1.0  # additive: 0 kept, -1e4 / -inf not
-        kept = kept.reshape(kept.shape[0], -1, s).all(dim=1).expand(batch, s).cpu()  # (b, ..., s) -> (b, s)
-        want, real = self.dit.call.local_mask(self.order, batch)
-        if want.shape[1] != s or not bool(((kept == want) | ~real).all()):
-            self._refuse("an attention mask", "it is not the key mask ds-usp cut for the module's streams (a mask "
-                         "passed through the attention keyword arguments, or one the family's plan does not know)")
+        kept = kept.reshape(kept.shape[0], -1, s).all(dim=1).expand(batch, s)  # (b, ..., s) -> (b, s)
+        want, real = call.local_mask(self.order, batch, kept.device)
+        unknown = "it is not the key mask ds-usp cut for the module's streams (a mask passed through the attention " \
+                  "keyword arguments, or one the family's plan does not know)"
+        if want.shape[1] != s:
+            self._refuse("an attention mask", unknown)
+        if not call.closed:  # a recomputation repeats what the forward checked
+            call.defer(((kept == want) | ~real).all(), self._refusal("an attention mask", unknown))
+
+    def _refusal(self, what: str, why: str) -> str:
+        return f"{self.dit.model_name} ({self.module}) passes {what} to its attention: {why}"
 
     def _refuse(self, what: str, why: str) -> None:
-        raise ValueError(f"{self.dit.model_name} ({self.module}) passes {what} to its attention: {why}")
+        raise ValueError(self._refusal(what, why))
 
 
 def route_call(route: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ds_usp.attention import AttentionRun
-from ds_usp.sharding import gather_sequence, shard_sequence
+from ds_usp.sharding import gather_sequence
 from ds_usp.topology import USPTopology
 
 
@@ -50,6 +50,13 @@ class Stream:
 class DiTCall:
     """One forward of a sharded diffusion transformer (its backward and recomputations included).
 
+    The model's key mask reaches the host once per forward, in the model's own forward before its first block
+    (:meth:`expect_mask`: the plan names the parameter the blocks' masks are made from), as ``(start, end)`` runs of
+    kept tokens from which every attention's valid keys are worked out in Python (:meth:`keys`). Inside the blocks
+    nothing is read: each block's mask is compared with that parameter on the device, once per mask object (a block
+    given the object a block before it was given, or recomputed with it, gets its part back from a cache), and so is
+    the mask each attention is given; the comparisons are read together at the forward's end (:meth:`finish`).
+
     Args:
         topo: the topology the forward runs on.
         model_name: the model's class (named in errors).
@@ -58,10 +65,21 @@ class DiTCall:
     def __init__(self, topo: USPTopology, model_name: str) -> None:
         self.topo, self.model_name = topo, model_name
         self.streams: dict[str, Stream] = {}
-        self.masks: dict[str, Tensor] = {}  # stream -> (b, length) bool: keys the model's mask keeps
+        # stream -> per row, the (start, end) runs of its tokens the model's mask keeps (host; absent, or no block
+        # given a mask over the stream yet: every token)
+        self.runs: dict[str, tuple[tuple[tuple[int, int], ...], ...]] = {}
         self.gathered = False
+        self.closed = False  # the forward returned: what its recomputations check again is not read
         self.memory: Any = None  # the memory features of this forward (ds_usp.integration.step.dit)
         self._keys: dict[tuple, Optional[tuple]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}  # stream -> the shape of the mask its runs were read from
+        self._root: Optional[tuple[Any, Tensor]] = None  # (the plan's RootMask, the parameter), read this forward
+        self._reference: dict[str, Tensor] = {}  # stream -> (b, length) bool on the device: the first block's mask
+        self._local: dict[str, Tensor] = {}  # stream -> (b, chunk) bool on the device: the rank's part of it
+        self._local_masks: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._cuts: dict[tuple, tuple[Tensor, int, Tensor]] = {}  # (id, order) -> (mask, its version, its part)
+        self._handed: dict[int, tuple[Tensor, int, tuple[str, ...]]] = {}  # id -> (a part handed on, version, order)
+        self._pending: list[tuple[Tensor, str]] = []  # (a check's result on the device, the error if it failed)
 
     # ---- streams ------------------------------------------------------------------------------------------------
     def stream(self, name: str, length: int) -> Stream:
@@ -83,7 +101,9 @@ class DiTCall:
         return known
 
     def cut(self, x: Any, name: str, dim: int, pad: Any = 0) -> Any:
-        """This rank's part of ``x`` (a tensor, or a tuple / list of them) along ``dim``, stream ``name``.
+        """This rank's part of ``x`` (a tensor, or a tuple / list of them) along ``dim``, stream ``name``: its tokens
+        ``[start, start + chunk)``, padded with ``pad`` past the stream's end (:func:`ds_usp.shard_sequence`'s
+        ``"contiguous"`` shard, made without an index tensor: a slice, no copy from the host).
 
         Args:
             x: the whole tensor(s), the same on every rank of the group.
@@ -92,13 +112,19 @@ class DiTCall:
             pad: the padding's value.
 
         Returns:
-            ``x`` with ``chunk`` tokens along ``dim``; differentiable (its backward fills the other ranks' tokens
-            with zeros).
+            ``x`` with ``chunk`` tokens along ``dim``, in new storage; differentiable (its backward fills the other
+            ranks' tokens with zeros).
         """
         if isinstance(x, (tuple, list)):
             return type(x)(self.cut(t, name, dim, pad) for t in x)
-        self.stream(name, x.shape[dim])
-        return shard_sequence(x, self.topo, dim=dim, layout="contiguous", pad_value=pad)
+        stream = self.stream(name, x.shape[dim])
+        take = max(0, min(stream.chunk, stream.length - stream.start))
+        part = x.narrow(dim, min(stream.start, stream.length), take)
+        if take == stream.chunk:
+            return part.clone(memory_format=torch.contiguous_format)
+        shape = list(x.shape)
+        shape[dim] = stream.chunk - take
+        return torch.cat([part, x.new_full(shape, pad)], dim=dim)
 
     def gather(self, x: Tensor, name: str, dim: int) -> Tensor:
         """The whole stream from every rank's part, padding dropped; the backward keeps this rank's part of the
@@ -114,42 +140,166 @@ class DiTCall:
         """The memory features this forward runs with (chosen at its first block)."""
         self.memory = features
 
-    # ---- the attention's view -------------------------------------------------------------------------------------
-    def record_mask(self, name: str, mask: Tensor) -> None:
-        """The key mask the model gives its attention over stream ``name``: ``(b, length)``, True where kept.
+    # ---- the key mask ---------------------------------------------------------------------------------------------
+    def expect_mask(self, root: Any, value: Tensor) -> None:
+        """The model's mask parameter that its blocks' key masks are made from (the plan's
+        :class:`~ds_usp.integration.models.diffusion.plans.RootMask`), given to the model's forward: read to the host
+        here, before the first block (the forward's one read of the mask), as runs of kept tokens.
+
+        Args:
+            root: the plan's ``RootMask``.
+            value: ``(b, tokens)``; another form is left to the blocks (each mask read where first given).
+        """
+        if value.dim() != 2:
+            return
+        host = value.detach().to("cpu")  # the one copy of the mask to the host in this forward
+        if root.form == "prefix":
+            runs = tuple(((0, c),) if c > 0 else () for c in host.sum(dim=1, dtype=torch.int).tolist())
+        else:
+            runs = tuple(_runs(row) for row in host != 0)
+        self.runs[root.stream] = runs
+        self._shapes[root.stream] = tuple(value.shape)
+        self._root = (root, value)
+
+    def cut_of(self, mask: Tensor, order: tuple[str, ...]) -> Optional[Tensor]:
+        """The rank's part of a key mask over ``order`` already cut in this forward (the same object, unchanged
+        since), or None."""
+        hit = self._cuts.get((id(mask), order))
+        return hit[2] if hit is not None and hit[0] is mask and hit[1] == _version(mask) else None
+
+    def hand_on(self, mask: Tensor, order: tuple[str, ...], part: Tensor) -> Tensor:
+        """Remember ``part``, the rank's part of ``mask`` over ``order``, and return it (:meth:`cut_of`,
+        :meth:`handed`)."""
+        self._cuts[(id(mask), order)] = (mask, _version(mask), part)
+        self._handed[id(part)] = (part, _version(part), order)
+        return part
+
+    def handed(self, mask: Tensor, order: tuple[str, ...]) -> bool:
+        """Whether ``mask`` is a part of a key mask over ``order`` that ds-usp handed on, unchanged since."""
+        hit = self._handed.get(id(mask))
+        return hit is not None and hit[0] is mask and hit[1] == _version(mask) and hit[2] == order
+
+    def take_mask(self, name: str, kept: Tensor) -> None:
+        """A block's key mask over stream ``name`` (registered): ``(b, length)`` bool on the model's device, True
+        where kept. The forward's first is compared on the device with the mask parameter it is made from
+        (:meth:`expect_mask`; without one it is read to the host here), and later ones with the first; the rank's part
+        is kept for the attention's check (:meth:`local_mask`).
 
         Raises:
-            ValueError: a block given another mask than the blocks before it in this forward.
+            ValueError: a mask of another shape than the first's or the parameter's (at once), or of other values
+                (at the forward's end, :meth:`finish`).
         """
-        mask = mask.detach().to("cpu", torch.bool)
-        known = self.masks.get(name)
-        if known is not None and not torch.equal(known, mask):
-            raise ValueError(f"{self.model_name}: its blocks are given different {name} key masks in one forward, "
-                             f"which ds-usp does not shard (it records one per forward)")
-        if known is None:
-            self._keys.clear()  # valid keys worked out before this mask was known
-        self.masks[name] = mask
+        stream = self.known(name)
+        reference = self._reference.get(name)
+        if reference is not None:
+            if kept.shape != reference.shape:
+                raise self._differ(name)
+            if not self.closed:
+                self.defer((kept == reference).all(), str(self._differ(name)))
+            return
+        self._reference[name] = kept
+        self._local[name] = self.cut(kept, name, 1, pad=False)
+        self._local_masks.clear()
+        self._keys.clear()  # valid keys worked out before a block was given this mask
+        if self._root is not None:
+            root, value = self._root
+            if name != root.stream:
+                made = None  # a stream the parameter does not mask: every token kept
+            elif root.form == "prefix":
+                made = torch.arange(stream.length, device=value.device) < value.sum(dim=1, dtype=torch.int)[:, None]
+            else:
+                made = value != 0
+            if made is not None and made.shape != kept.shape:
+                raise ValueError(f"{self.model_name}: its {name} key mask has shape {tuple(kept.shape)}, expected "
+                                 f"{tuple(made.shape)} (its {root.parameter})")
+            if not self.closed:
+                self.defer(kept.all() if made is None else (kept == made).all(),
+                           f"{self.model_name}: its blocks are given a {name} key mask that is not the one ds-usp "
+                           f"makes of its {root.parameter} ({'every token kept' if made is None else root.form}): "
+                           f"ds-usp's plan for the family no longer fits it (docs/models.md)")
+            return
+        host = kept.detach().to("cpu", torch.bool)  # no parameter to read it from: read where first given
+        self.runs[name] = tuple(_runs(row) for row in host)
+        self._shapes[name] = tuple(host.shape)
 
+    def _differ(self, name: str) -> ValueError:
+        return ValueError(f"{self.model_name}: its blocks are given different {name} key masks in one forward, which "
+                          f"ds-usp does not shard (it records one per forward)")
+
+    # ---- checks on the device -------------------------------------------------------------------------------------
+    def defer(self, ok: Tensor, error: str) -> None:
+        """A check made on the device (``ok``: a bool scalar, True when it passed), read with the forward's others at
+        its end (:meth:`finish`), where ``ValueError(error)`` is raised if it failed. Once the forward returned (a
+        recomputation in the backward, repeating what the forward checked) it is dropped."""
+        if not self.closed:
+            self._pending.append((ok, error))
+
+    def finish(self) -> None:
+        """The forward ends (before its output is returned): its checks on the device are read, in one read.
+
+        Raises:
+            ValueError: the first check that failed.
+        """
+        self.closed = True
+        pending, self._pending = self._pending, []
+        if pending:
+            for passed, (_, error) in zip(torch.stack([ok for ok, _ in pending]).tolist(), pending):
+                if not passed:
+                    raise ValueError(error)
+
+    # ---- the attention's view -------------------------------------------------------------------------------------
     def local_length(self, order: tuple[str, ...]) -> int:
         """Tokens of one rank's local sequence over ``order``."""
         return sum(self.known(s).chunk for s in order)
 
     def keys(self, order: tuple[str, ...], batch: int) -> Optional[tuple]:
         """The valid keys of the attention's global sequence over ``order``, per row, as ``(start, end)`` runs (the
-        form :func:`ds_usp.usp_attention` takes; None: every key is valid)."""
+        form :func:`ds_usp.usp_attention` takes; None: every key is valid), worked out on the host from the streams'
+        runs (no tensor)."""
         cache = (order, batch)
         if cache not in self._keys:
-            valid = self._valid(order, batch)  # (b, N, s)
-            self._keys[cache] = None if bool(valid.all()) else tuple(_runs(row) for row in valid.flatten(1))
+            kept = [self._kept_runs(name, batch) for name in order]
+            local, rows = self.local_length(order), []
+            for row in range(batch):
+                runs: list[tuple[int, int]] = []
+                for rank in range(self.topo.sp_size):
+                    at = rank * local  # the rank's local sequence in the global one
+                    for name, stream_runs in zip(order, kept):
+                        stream = self.known(name)
+                        lo, hi = rank * stream.chunk, min((rank + 1) * stream.chunk, stream.length)
+                        for a, b in stream_runs[row]:
+                            a, b = max(a, lo) - lo + at, min(b, hi) - lo + at
+                            if a >= b:
+                                continue
+                            if runs and runs[-1][1] == a:
+                                runs[-1] = (runs[-1][0], b)
+                            else:
+                                runs.append((a, b))
+                        at += stream.chunk
+                rows.append(tuple(runs))
+            whole = ((0, self.topo.sp_size * local),)
+            self._keys[cache] = None if all(row == whole for row in rows) else tuple(rows)
         return self._keys[cache]
 
-    def local_mask(self, order: tuple[str, ...], batch: int) -> tuple[Tensor, Tensor]:
-        """``(kept, real)``, each ``(b, s)``: which of this rank's local keys the model's masks keep, and which are
-        real tokens (not padding), to check a mask the attention is given against."""
-        kept = torch.cat([self._part(s, batch, self.topo.sp_rank) for s in order], dim=1)
-        real = torch.cat([torch.arange(self.known(s).chunk) + self.known(s).start < self.known(s).length
-                          for s in order])
-        return kept, real.expand(batch, -1)
+    def local_mask(self, order: tuple[str, ...], batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(kept, real)``, each ``(b, s)`` on ``device``: which of this rank's local keys the model's masks keep
+        (the parts ds-usp handed on), and which are real tokens (not padding), to check a mask the attention is given
+        against; made on the device, once per forward, order and batch."""
+        cache = (order, batch, device)
+        if cache not in self._local_masks:
+            kept, real = [], []
+            for name in order:
+                stream = self.known(name)
+                part = self._local.get(name)
+                if part is None:
+                    part = torch.ones(batch, stream.chunk, dtype=torch.bool, device=device)
+                elif part.shape[0] != batch:
+                    raise ValueError(f"{self.model_name}: its {name} key mask has shape "
+                                     f"{tuple(self._reference[name].shape)}, expected ({batch}, {stream.length})")
+                kept.append(part)
+                real.append(torch.arange(stream.chunk, device=device) + stream.start < stream.length)
+            self._local_masks[cache] = torch.cat(kept, dim=1), torch.cat(real).expand(batch, -1)
+        return self._local_masks[cache]
 
     def known(self, name: str) -> Stream:
         """The stream ``name``, which some tensor was already cut into.
@@ -163,35 +313,27 @@ class DiTCall:
                              f"cut: ds-usp's plan for the family no longer fits it (docs/models.md)")
         return stream
 
-    def _part(self, name: str, batch: int, rank: int) -> Tensor:
-        """``(b, chunk)``: the keys of stream ``name`` on SP rank ``rank`` that the model's mask keeps (padding: kept
-        here, dropped by :meth:`_valid`)."""
+    def _kept_runs(self, name: str, batch: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per row, the runs of stream ``name``'s tokens the model's mask keeps (stream positions, maybe past its
+        end: the caller clips); every token while no block was given a mask over it."""
         stream = self.known(name)
-        mask = self.masks.get(name)
-        if mask is None:
-            return torch.ones(batch, stream.chunk, dtype=torch.bool)
-        if mask.shape != (batch, stream.length):
-            raise ValueError(f"{self.model_name}: its {name} key mask has shape {tuple(mask.shape)}, expected "
+        runs = self.runs.get(name)
+        if runs is None or name not in self._reference:
+            return (((0, stream.length),),) * batch
+        shape = self._shapes[name]
+        if shape != (batch, stream.length):
+            raise ValueError(f"{self.model_name}: its {name} key mask has shape {shape}, expected "
                              f"({batch}, {stream.length})")
-        a = rank * stream.chunk
-        part = mask[:, a:a + stream.chunk]
-        return torch.cat([part, part.new_ones(batch, stream.chunk - part.shape[1])], dim=1)
+        return runs
 
-    def _valid(self, order: tuple[str, ...], batch: int) -> Tensor:
-        """``(b, N, s)``: the valid keys of every rank's local sequence over ``order``."""
-        ranks = []
-        for rank in range(self.topo.sp_size):
-            parts = []
-            for name in order:
-                stream = self.known(name)
-                real = torch.arange(stream.chunk) + rank * stream.chunk < stream.length
-                parts.append(self._part(name, batch, rank) & real)
-            ranks.append(torch.cat(parts, dim=1))
-        return torch.stack(ranks, dim=1)
+
+def _version(t: Tensor) -> int:
+    """``t``'s version counter (-1 for an inference tensor, which keeps none)."""
+    return -1 if t.is_inference() else t._version
 
 
 def _runs(row: Tensor) -> tuple[tuple[int, int], ...]:
-    """The ``(start, end)`` runs of True in a 1-D bool tensor."""
+    """The ``(start, end)`` runs of True in a 1-D bool tensor on the host."""
     edges = torch.diff(torch.cat([row.new_zeros(1), row, row.new_zeros(1)]).to(torch.int8))
     starts = torch.nonzero(edges == 1).flatten().tolist()
     ends = torch.nonzero(edges == -1).flatten().tolist()
