@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ds_usp.comm import warm_up
 from ds_usp.config import ranks_per_node_and_source
 from ds_usp.log import log_rank0, log_warning
+from ds_usp.upstream.c10d import group_timeout
 from ds_usp.watchdog import name_group
 
 Ranks = tuple[int, ...]
@@ -211,19 +212,6 @@ def group_descs(ranks: GroupRanks, kinds: Sequence[str] = KINDS) -> dict[Ranks, 
     return {key: "ds_usp_" + "+".join(parts) for key, parts in names.items()}
 
 
-def _group_timeout(group: Any) -> Optional[datetime.timedelta]:
-    """The timeout ``group``'s backend has (its collectives', set when the group was created), None when torch does not
-    say (a backend without ``options``)."""
-    try:
-        for device_type in group._device_types:
-            timeout = getattr(getattr(group._get_backend(device_type), "options", None), "_timeout", None)
-            if isinstance(timeout, datetime.timedelta):
-                return timeout
-    except (AttributeError, RuntimeError):
-        pass
-    return None
-
-
 _SAID: set = set()  # the default-group timeouts already said not to match (said once a process)
 
 
@@ -242,12 +230,10 @@ def shared_default_group(timeout: Optional[datetime.timedelta]) -> Any:
     Returns:
         ``dist.group.WORLD``, or None.
     """
-    from torch.distributed import distributed_c10d
-
-    world = distributed_c10d._get_default_group()
+    world = dist.group.WORLD
     if timeout is None:
         return world
-    own = _group_timeout(world)
+    own = group_timeout(world)
     if own == timeout:
         return world
     if (own, timeout) not in _SAID:
@@ -270,7 +256,7 @@ def _name_groups(ranks: GroupRanks, me: int, mine: dict[str, Any], descs: dict[R
     for group in {id(g): g for g in mine.values()}.values():
         kinds = [kind for kind in KINDS if mine.get(kind) is group]
         members = tuple(sorted(ranks.member_of(kinds[0], me)))
-        limit = (_group_timeout(group) or timeout) if group is world else timeout
+        limit = (group_timeout(group) or timeout) if group is world else timeout
         name_group(group, kinds, members, descs[members], None if limit is None else limit.total_seconds(),
                    wait_blocks=dist.get_backend(group) == "gloo")
 
@@ -378,26 +364,7 @@ class USPTopology:
             RuntimeError: ``torch.distributed`` is not initialized.
             ValueError: the degrees do not fit the world size.
         """
-        return cls._build(ulysses_degree, ring_degree, timeout, {})
-
-    @classmethod
-    def _build(cls, ulysses_degree: int, ring_degree: int, timeout: Optional[datetime.timedelta],
-               given: dict[str, Any]) -> "USPTopology":
-        """:meth:`build`, the kinds in ``given`` taking the groups given (see :func:`_build_groups`)."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("USPTopology.build needs an initialized process group: call "
-                               "deepspeed.init_distributed() (or torch.distributed.init_process_group) first")
-        ranks = group_ranks(ulysses_degree, ring_degree, dist.get_world_size())
-        me = dist.get_rank()
-        kwargs = {} if timeout is None else {"timeout": timeout}
-        crossing = ulysses_across_nodes(ranks)
-        if crossing and me == 0:
-            log_warning(crossing)
-        groups = _build_groups(ranks, me, given, **kwargs)
-        solo = _solo_group(me, **kwargs)
-        return cls(ranks=ranks, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
-                   sp_group=groups["sp"], dp_group=groups["dp"], sp_dp_group=groups["sp_dp"],
-                   model_parallel_group=solo)
+        return _built(cls, ulysses_degree, ring_degree, timeout, {})
 
     # ---- sizes and this rank's coordinates (all derived from the rank lists) ----
     ulysses_degree = _of_ranks("ulysses_degree", "Ranks per Ulysses group (U).")
@@ -472,7 +439,7 @@ class USPTopology:
         # given to the degree's build: none is built for them (a degree's own would be a communicator never used),
         # and the watchdog's names of this topology's groups stay (the default group's kinds are this topology's)
         shared = {"dp": self.dp_group, "sp_dp": self.sp_dp_group}
-        subs = {d: replace(USPTopology._build(u, r, timeout, shared), parent_sp_group=self.sp_group,
+        subs = {d: replace(_built(USPTopology, u, r, timeout, shared), parent_sp_group=self.sp_group,
                            model_parallel_group=self.model_parallel_group, default_positions=self.default_positions)
                 for d, (u, r) in sorted(degrees.items())}
         topo = replace(self, degrees={})
@@ -508,6 +475,25 @@ class USPTopology:
         return (f"rank {self.rank}: U={self.ulysses_degree} R={self.ring_degree} dp={self.dp_size} | "
                 f"ulysses {list(self.ulysses_ranks)} ring {list(self.ring_ranks)} sp {list(self.sp_ranks)} "
                 f"dp {list(self.dp_ranks)}")
+
+
+def _built(cls: type, ulysses_degree: int, ring_degree: int, timeout: Optional[datetime.timedelta],
+           given: dict[str, Any]) -> USPTopology:
+    """:meth:`USPTopology.build`, the kinds in ``given`` taking the groups given (see :func:`_build_groups`)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("USPTopology.build needs an initialized process group: call "
+                           "deepspeed.init_distributed() (or torch.distributed.init_process_group) first")
+    ranks = group_ranks(ulysses_degree, ring_degree, dist.get_world_size())
+    me = dist.get_rank()
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    crossing = ulysses_across_nodes(ranks)
+    if crossing and me == 0:
+        log_warning(crossing)
+    groups = _build_groups(ranks, me, given, **kwargs)
+    solo = _solo_group(me, **kwargs)
+    return cls(ranks=ranks, rank=me, ulysses_group=groups["ulysses"], ring_group=groups["ring"],
+               sp_group=groups["sp"], dp_group=groups["dp"], sp_dp_group=groups["sp_dp"],
+               model_parallel_group=solo)
 
 
 class USPMpu:

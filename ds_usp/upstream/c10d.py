@@ -1,9 +1,11 @@
-"""ds-usp's use of torch.distributed's (c10d's) internals: a process group looked up by its name."""
+"""ds-usp's use of torch.distributed's (c10d's) internals: a process group looked up by its name, and a group's
+timeout read."""
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -46,3 +48,38 @@ def process_group_named(name: str) -> Any:
         UpstreamChanged: torch has no such lookup, or it takes no ``group_name``.
     """
     return _resolver()(name)
+
+
+register("group_timeout", Patch(
+    "torch.distributed.ProcessGroup._get_backend (a private method, called) and the options._timeout of the backend it "
+    "returns (read)",
+    "the method existing and taking a device type, and the backend's options carrying _timeout as a datetime.timedelta "
+    "(gloo's and NCCL's do); otherwise the timeout counts as unknown and the topology's kinds over every rank get a "
+    "group of their own, as before",
+    "a USP topology's kinds over every rank (with one replica the SP and sequence x data-parallel groups) use the "
+    "default group, one NCCL communicator rather than a second one beside it, only where its collectives' timeout is "
+    "usp.timeout_seconds, and torch has no public getter of a group's timeout",
+    "a public getter of a ProcessGroup's timeout (torch has ProcessGroup.set_timeout only)"))
+
+
+def group_timeout(group: Any) -> Optional[datetime.timedelta]:
+    """The timeout of ``group``'s collectives (its backend's, set when the group was created or by ``set_timeout``),
+    None when torch does not say (a backend without ``options._timeout``).
+
+    Args:
+        group: the process group.
+
+    Returns:
+        The timeout, or None.
+    """
+    get = getattr(group, "_get_backend", None)
+    if not callable(get):
+        return None
+    for device_type in getattr(group, "_device_types", ()):
+        try:
+            timeout = getattr(getattr(get(device_type), "options", None), "_timeout", None)
+        except RuntimeError:  # no backend for that device type
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
