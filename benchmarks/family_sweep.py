@@ -40,7 +40,9 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              n_group=1, topk_group=1, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, n_embd=64,
              n_layer=4, n_head=4, n_positions=256, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, moe_topk=2, intermediate_size_mlp=128,
-             floor_scale=8, rotary_dim=8, linear_num_heads=4, linear_head_dim=16, num_experts_per_token=2)
+             floor_scale=8, rotary_dim=8, linear_num_heads=4, linear_head_dim=16, num_experts_per_token=2,
+             d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+             decoder_ffn_dim=128, encoder_ffn_dim=128)  # the last: BART-style decoders (BlenderBot, Pegasus...)
 MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, qk_head_dim=16,
            head_dim=8, num_key_value_heads=4, index_topk=16, index_head_dim=16, index_n_heads=2)  # latent attention
 PER_LAYER = ("layer_types", "mlp_layer_types", "indexer_types", "layers_block_type")  # lists of one entry per layer
@@ -77,14 +79,29 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     :data:`SPECIFIC`'s and ``overrides``."""
     from transformers import AutoConfig
 
-    defaults = AutoConfig.for_model(family).to_dict()
+    kwargs = _small(AutoConfig.for_model(family).to_dict())
+    return AutoConfig.for_model(family, **{**kwargs, **SPECIFIC.get(family, {}), **overrides})
+
+
+def _small(defaults: dict) -> dict:
+    """The keys of :data:`SMALL` (and :data:`MLA`'s, :data:`PER_LAYER`'s) that a config's ``defaults`` have, and the
+    same for each of its sub-configs (a VLM's ``text_config`` and ``vision_config``: a composite family would
+    otherwise be built at full size)."""
     mla = {k: v for k, v in MLA.items() if defaults.get(k) is not None} if defaults.get("kv_lora_rank") else {}
     kwargs = {k: v for k, v in {**SMALL, **mla}.items() if k in defaults}
     layers = kwargs.get("num_hidden_layers", 4)
-    for key in PER_LAYER:  # a default list for the full-size model: each kind of layer once, then its own order
-        if isinstance(kinds := defaults.get(key), list) and len(kinds) > layers:
-            kwargs[key] = (list(dict.fromkeys(kinds)) + kinds)[:layers]
-    return AutoConfig.for_model(family, **{**kwargs, **SPECIFIC.get(family, {}), **overrides})
+    full = defaults.get("num_hidden_layers")
+    for key, kinds in defaults.items():  # a list of one entry per layer of the full-size model (PER_LAYER's, or
+        # any list as long as its layers): each kind of layer once, then its own order
+        if isinstance(kinds, list) and len(kinds) > layers and (key in PER_LAYER or len(kinds) == full):
+            kwargs[key] = (list(dict.fromkeys(kinds)) + kinds)[:layers] if all(
+                isinstance(k, (str, int, float, bool)) for k in kinds) else kinds[:layers]
+        elif isinstance(kinds, dict) and kinds and all(str(k).isdigit() for k in kinds):  # {layer index: ...}
+            kwargs[key] = {k: v for k, v in kinds.items() if int(k) < layers}
+    for key, sub in defaults.items():
+        if key.endswith("_config") and isinstance(sub, dict) and "model_type" in sub:
+            kwargs[key] = {**sub, **_small(sub)}
+    return kwargs
 
 
 def reference_logits(family: str, **overrides: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -107,7 +124,6 @@ def forward_error(topo: Any, reference: tuple[Any, torch.Tensor, torch.Tensor]) 
     (:func:`reference_logits`; the same config and weights), the largest error relative to the largest logit, the
     maximum over the ranks."""
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     import ds_usp
     from ds_usp.integration.models.attention import USPContext, attach
@@ -116,7 +132,7 @@ def forward_error(topo: Any, reference: tuple[Any, torch.Tensor, torch.Tensor]) 
 
     ds_usp.hf.register_usp_attention()
     ref, ids, want = reference
-    sp = AutoModelForCausalLM.from_config(copy.deepcopy(ref.config), attn_implementation="usp").eval()
+    sp = type(ref)._from_config(copy.deepcopy(ref.config), attn_implementation="usp").eval()
     sp.load_state_dict(ref.state_dict())
     check_model(sp, handled=is_wrapped_mixer)  # what ds_usp.initialize refuses, and the layers it wraps
     attach(sp, USPContext(topo=topo, layout="zigzag"))
