@@ -1,46 +1,66 @@
-"""Training on one GPU (issues 27, 40, 49): ds-usp's whole step against DeepSpeed's ALST recipe, bf16, ZeRO-3.
+"""Training on one GPU (issues 27, 40, 49, 65): ds-usp's whole step against its peers, bf16, ZeRO-3, one sequence.
 
-Run (on a machine with one CUDA GPU; each system is one process, S doubles from ``--start`` until it runs out
-of memory, reaches ``--max-seq`` or the next length would not finish inside ``--budget`` seconds):
+Run (on a machine with one CUDA GPU; each system is one process, S grows by ``--growth`` from ``--start`` until it
+runs out of memory, passes ``--max-seq`` or the next length would not finish inside ``--budget`` seconds of steps):
 
-    python benchmarks/gpu_train.py --shape 1b --systems "ALST full,ds-usp" --start 16384 --max-seq 131072 --steps 4 \
-        --profile-seqs 16384,131072 --json gpu_train.json
+    python benchmarks/gpu_train.py --shape 3b --systems "ds-usp,HF plain,ALST tiled loss,Liger all,Liger" \
+        --start 16384 --max-seq 32768 --steps 3 --profile-seqs 16384 --json gpu_peers3b.json
+    python benchmarks/gpu_train.py --shape 3b --report --prior-json gpu_peers3b.json,gpu_longest3b.json \
+        --json gpu_issue65_3b.json     # run nothing: merge earlier runs' rows and report them together
     python benchmarks/gpu_train.py --attention --seqs 16384,131072 --json gpu_attention.json  # cuDNN vs flash SDPA
-    python benchmarks/gpu_train.py --attention --shape tiny --seqs 256 --json /tmp/dry_attention.json   # on CPU
-    python benchmarks/gpu_train.py --shape tiny --systems "ALST full,ALST full offload,ds-usp" --start 64 \
-        --max-seq 128 --steps 2 --profile-seqs 64 --json /tmp/dry.json      # the CPU dry run of every path
+    python benchmarks/gpu_train.py --shape tiny --systems "ds-usp,Liger,ALST full offload" --start 64 \
+        --max-seq 128 --steps 2 --profile-seqs 64 --json /tmp/dry.json      # a CPU dry run (TRITON_INTERPRET=1)
 
-The model: a Llama-3-shaped decoder with random weights (``--shape 1b``: hidden 2048, 16 layers, 32 heads,
-8 kv heads, intermediate 8192, vocab 128256; ``8b``: hidden 4096, 32 layers, intermediate 14336), bf16 with
-DeepSpeed's fp32 master weights, ZeRO-3, AdamW, one sequence of S random tokens per step, world size 1
-(``sequence_parallel_size: 1``: every piece of the step but the collectives). Systems (:data:`SYSTEMS`):
+The model (``--shape``): a Llama-3-shaped decoder with random weights, the same for every system (seeded), untied
+embeddings, rope theta 500000: ``1b`` hidden 2048, 16 layers, 32 heads, 8 kv heads (head dim 64), intermediate 8192,
+vocab 128256 (1.50 B parameters); ``3b`` Llama-3.2 3B: hidden 3072, 28 layers, 24 heads, 8 kv heads (head dim 128),
+intermediate 8192, vocab 128256; ``8b`` hidden 4096, 32 layers, 32 / 8 heads, intermediate 14336; ``tiny`` hidden 64,
+2 layers, vocab 1000 (the CPU dry run of every path). bf16 with DeepSpeed's fp32 master weights, ZeRO-3, AdamW on the
+GPU (``--offload-optimizer``: its state in host memory), one sequence of S random tokens per step, world size 1
+(``sequence_parallel_size: 1``: every piece of the step but the collectives). Systems (``--systems``, from
+:data:`SYSTEMS`):
 
 * ``ds-usp``: ``"sequence_parallel": "usp"`` and nothing else (memory features "auto": the fastest that fit the
-  GPU's memory, as the cost model prices them);
-* ``ds-usp off``: the same with every memory feature false (only the attention path);
-* ``ds-usp offload`` / ``ds-usp no offload``: "auto" with ``offload_activations`` true / false (what offloading
-  the checkpointed inputs saves and costs);
-* ``ALST full``: DeepSpeed's own pieces as its ALST tutorial and ArcticTraining's SFT trainer wire them at sequence
-  parallel 1: HF Llama with sdpa attention, ``TiledMLP`` (``ceil(S / hidden)`` shards), ``TiledFusedLogitsLoss``
-  (1/8 GiB fp32 logits tiles; the decoder called as ``model.model``, as ArcticTraining does, so ZeRO-3's parameter
-  trace never completes) and HF gradient checkpointing;
-* ``ALST full offload``: the same with each checkpointed layer input offloaded to host memory by DeepSpeed's
-  ``CheckpointHiddenStatesOffload`` (``get_checkpoint_hidden_states_offloading_ctx_manager``, DeepSpeed >= 0.19.8)
-  around the forward and backward.
+  GPU's memory, as the cost model prices them); ``ds-usp budget``: the same with ``usp.memory_gib`` =
+  ``--memory-gib`` (only this system gets it: its planner prediction and its budget row use it);
+* ``ds-usp off``: every memory feature false (only the attention path); ``ds-usp offload`` / ``ds-usp no offload``:
+  "auto" with ``offload_activations`` true / false (what offloading the checkpointed inputs saves and costs);
+* the peers (issue 65's :data:`PEERS`, each with HF's ``sdpa`` attention, as their users run them): ``HF plain``
+  (HF + DeepSpeed, HF's loss over the whole logits, no memory feature); ``ALST tiled loss`` (DeepSpeed's
+  ``TiledFusedLogitsLoss`` alone); ``ALST full`` (DeepSpeed's pieces as its ALST tutorial and ArcticTraining's SFT
+  trainer wire them at sequence parallel 1: ``TiledMLP`` with ``ceil(S / hidden)`` shards, ``TiledFusedLogitsLoss``
+  with 1/8 GiB fp32 logits tiles, the decoder called as ``model.model``, and HF gradient checkpointing); ``ALST full
+  offload`` (the same with each checkpointed layer input in host memory, DeepSpeed's
+  ``CheckpointHiddenStatesOffload``, DeepSpeed >= 0.19.8); ``Liger`` (Liger-Kernel's fused linear cross-entropy and
+  HF gradient checkpointing: LLaMA-Factory's and axolotl's recipe); ``Liger all`` (also Liger's RoPE, RMSNorm and
+  SwiGLU kernels; GPU only: they do not run under Triton's CPU interpreter).
 
-Per (system, S): every step timed (``--steps``; the median is over the steps after the first, and their spread is
-``(slowest - fastest) / fastest``), tokens/s, model TFLOP/s and MFU, ``torch.cuda.max_memory_allocated`` over each
-step (absolute: weights, optimizer state and activations) and the caching allocator's reserved memory and retries
-per step. At each S of ``--profile-seqs`` one more step runs under ``torch.profiler``: its operators by device time,
-the kernels launched, the device's busy time against the step's wall time (``--trace-dir``: the chrome trace too).
-FLOPs of a step (MFU convention, recomputation not counted): ``6 N S`` with ``N`` the parameters that multiply
-(all but the input embedding) plus causal attention ``6 L H d S^2`` (QK^T and PV, forward and backward,
+Per (system, S): every step timed (``--steps``, one from ``--one-step-from`` on; the median is over the steps after
+the first, and their spread is ``(slowest - fastest) / fastest``), tokens/s, model TFLOP/s and MFU, and per step
+``torch.cuda.max_memory_allocated`` (``peak_GiB``: weights, optimizer state and activations) and
+``torch.cuda.max_memory_reserved`` (``reserved_GiB``: what the caching allocator holds, which a budget is judged on),
+the allocator's retries, ds-usp's step choices (``choices``) and, for ds-usp, the planner's longest S before the run
+(``predicted_longest_S``). Each system's sweep ends with a row saying why it stopped (``stopped``: ``out of memory``,
+``the time budget``, ``the list's end``, or ``failed`` / ``stopped from outside``), tagged like its other rows with
+the sweep's id (``sweep``). At each S of ``--profile-seqs`` one more step runs under ``torch.profiler``: its operators
+by device time, the kernels launched, the device's busy time against the step's wall time (``--trace-dir``: the
+chrome trace too). FLOPs of a step (MFU convention, recomputation not counted): ``6 N S`` with ``N`` the parameters
+that multiply (all but the input embedding) plus causal attention ``6 L H d S^2`` (QK^T and PV, forward and backward,
 half the square). MFU divides by ``--peak-tflops`` (default: the bf16 dense peak of the device's name).
 
-``--attention``: no training; ds-usp's local attention kernel (PyTorch's flash SDPA ops, what ``attn_backend``
-"auto" runs on CUDA) against the cuDNN SDPA op with its log-sum-exp, forward and backward, causal, at the 1B shape's
-heads (32 query, 8 kv, head dim 64) for each S of ``--seqs``: milliseconds, TFLOP/s and the largest difference of the
-outputs and log-sum-exps (skipped, saying why, where the op or CUDA is missing).
+The closing report (also over the rows of ``--prior-json`` files of the same shape, merged with this run's: a system
+run again replaces its earlier rows; ``--report`` runs nothing): issue 49's targets (ds-usp against ALST full at
+each S, the spread of steps, MFU at 128K) and issue 65's: ds-usp "auto" against the fastest peer configuration at
+each S (>= 1.2x); ds-usp's longest S against the longest any peer trains (>= 1.5x) and its tokens/s against the
+fastest peer at the peers' longest S (>= 1.3x); the planner's prediction of ds-usp's longest S (within 10%); MFU at
+128K on the 3B shape (>= 45%); ``ds-usp budget``'s reserved peak under ``usp.memory_gib``. A longest-S verdict is
+given only where the sweeps' ``stopped`` rows establish it (a longest S is known only where its sweep ran out of
+memory), else it says "not established (stopped by ...)".
+
+``--attention``: no training; ds-usp's local attention kernel (PyTorch's flash SDPA ops) against the cuDNN SDPA op
+with its log-sum-exp, forward and backward, causal, at the shape's heads for each S of ``--seqs``: milliseconds,
+TFLOP/s and the largest difference of the outputs and log-sum-exps (skipped, saying why, where the op or CUDA is
+missing).
 """
 from __future__ import annotations
 
@@ -60,7 +80,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from _common import base_parser, comma_list, save_results, start_ranks, table, world_of_one
+from _common import base_parser, comma_list, result_path, save_results, start_ranks, table, world_of_one
 from long_seq import alst_full, alst_tiled_loss
 
 TAG = "[gpu_train]"
@@ -80,14 +100,19 @@ TARGET_VS_BEST_PEER = 1.2  # issue 65: "auto" against the fastest peer configura
 TARGET_LONGEST = 1.5  # issue 65: ds-usp's longest S against the longest any peer configuration trains
 TARGET_AT_PEER_LONGEST = 1.3  # and its tokens/s at that S
 TARGET_MFU_3B_128K = 0.45
-PEERS = ("HF plain", "ALST tiled loss", "ALST full", "ALST full offload", "Liger", "Liger all")  # issue 65's peer configurations
+PEERS = ("HF plain", "ALST tiled loss", "ALST full", "ALST full offload", "Liger", "Liger all")  # issue 65's peers
+# why a system's sweep of S stopped (its last row's "stopped"): only running out of memory establishes its longest S
+STOP_OOM, STOP_BUDGET, STOP_END = "out of memory", "the time budget", "the list's end"
+STOP_OUTSIDE = "stopped from outside"
 Step = Callable[[], float]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = base_parser(__doc__)
     p.add_argument("--shape", choices=list(SHAPES), default="1b")
-    p.add_argument("--systems", type=comma_list(str), default=["ds-usp", "ds-usp off", "ALST full"])
+    p.add_argument("--systems", type=comma_list(str), default=["ds-usp", "ds-usp off", "ALST full"],
+                   help=f"comma-separated, run in this order, from: {', '.join(SYSTEMS)} (default: ds-usp,ds-usp off,"
+                   "ALST full)")
     p.add_argument("--start", type=int, default=16384, help="first S")
     p.add_argument("--max-seq", type=int, default=1 << 20, help="last S tried")
     p.add_argument("--steps", type=int, default=3, help="steps per S, each timed (the median: after the first)")
@@ -97,8 +122,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--offload-optimizer", action="store_true", help="ZeRO-3 optimizer state in host memory")
     p.add_argument("--growth", type=float, default=2.0, help="each next S is this many times the last (a multiple "
                    "of 1024): 2 doubles; a smaller factor finds the longest S more closely")
-    p.add_argument("--memory-gib", type=float, default=None, help="usp.memory_gib of 'ds-usp budget' (its peak must "
-                   "stay under it)")
+    p.add_argument("--memory-gib", type=float, default=None, help="usp.memory_gib of 'ds-usp budget' alone (its "
+                   "planner prediction too; its reserved peak must stay under it)")
+    p.add_argument("--prior-json", type=comma_list(str), default=[],
+                   help="comma-separated result files of earlier runs of this script (bare names: in "
+                        "benchmarks/results/): their rows of the same --shape are reported with this run's (a later "
+                        "file's row replaces one of the same system and S; a system run now replaces its rows)")
+    p.add_argument("--report", action="store_true", help="run no system: report the rows of --prior-json")
     p.add_argument("--profile", action="store_true", help="--profile-seqs at the first S")
     p.add_argument("--profile-seqs", type=comma_list(int), default=[],
                    help="after the timed steps at each of these S, one more step under torch.profiler: its kernels "
@@ -119,6 +149,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--steps and --iters must be at least 1")
     if args.growth <= 1.0:
         p.error("--growth must be above 1")
+    if args.report:
+        if not args.prior_json:
+            p.error("--report needs --prior-json")
+        args.systems = []
     if "ds-usp budget" in args.systems and not args.memory_gib:
         p.error("--systems 'ds-usp budget' needs --memory-gib")
     if args.profile and args.start not in args.profile_seqs:
@@ -162,16 +196,17 @@ def build_model(shape: dict, attn: str) -> Any:
         return AutoModelForCausalLM.from_config(llama_config(shape), attn_implementation=attn, dtype=torch.bfloat16)
 
 
-def predicted_longest(shape: dict, args: argparse.Namespace) -> Optional[int]:
-    """The planner's longest S for ds-usp's "auto" on this device before the run (``python -m ds_usp.plan``'s
-    ``largest_fitting_seq``: one GPU, ZeRO-3, bf16, its memory or ``--memory-gib``, this host's available memory for
-    offloaded layer inputs; to 1%)."""
+def predicted_longest(name: str, shape: dict, args: argparse.Namespace) -> Optional[int]:
+    """The planner's longest S for the ds-usp system ``name`` ("auto") on this device before the run (``python -m
+    ds_usp.plan``'s ``largest_fitting_seq``: one GPU, ZeRO-3, bf16, the GPU's memory, or ``--memory-gib`` for ``ds-usp
+    budget`` alone, as its ``usp`` block has it; this host's available memory for offloaded layer inputs; to 1%)."""
     from ds_usp.cost import Hardware
     from ds_usp.integration.models.shape import model_shape
     from ds_usp.integration.step.choices import host_memory_per_rank
     from ds_usp.plan import largest_fitting_seq
 
-    memory = args.memory_gib or (torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if CUDA else 80.0)
+    memory = (args.memory_gib if name == "ds-usp budget" else
+              torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if CUDA else 80.0)
     host = host_memory_per_rank() / 2 ** 30  # offloaded layer inputs must fit this host (what "auto" reads too)
     hw = Hardware(nodes=1, gpus_per_node=1, gpu_mem_gib=memory, host_mem_gib=host)
     return largest_fitting_seq(model_shape(llama_config(shape)), hw, 1 << 23, zero=3, presets=("auto",),
@@ -310,22 +345,23 @@ def run_worker(args: argparse.Namespace) -> None:
     if CUDA:
         torch.cuda.set_device(0)
     t0 = time.perf_counter()
-    predicted = predicted_longest(shape, args) if name.startswith("ds-usp") else None
+    predicted = predicted_longest(name, shape, args) if name.startswith("ds-usp") else None
     if predicted:
         print(f"{TAG} {name}: the planner predicts the longest S at {predicted} before the run", flush=True)
     engine, at = SYSTEMS[name](name, shape, args)
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
     out = open(path, "a")
+    sweep = f"{name}@{os.getpid()}-{time.time_ns() // 10 ** 6}"  # this sweep's rows and its stop row share it
     print(f"{TAG} {name}: built in {time.perf_counter() - t0:.0f} s, {params / 1e9:.3f} B parameters", flush=True)
     t0 = time.perf_counter()  # --budget counts the steps
-    seq, last = args.start, None
+    seq, last, stop = args.start, None, None
     while seq <= args.max_seq:
         steps = 1 if seq >= args.one_step_from else args.steps
         if last is not None:  # attention grows as S^2: the next length costs up to growth^2 x
             expected = args.growth ** 2 * last * steps
             if time.perf_counter() - t0 + expected > args.budget:
-                out.write(json.dumps({"system": name, "S": seq, "note": f"not run: ~{expected:.0f} s would pass "
-                                      f"--budget {args.budget:.0f} s"}) + "\n")
+                stop = {"system": name, "S": seq, "stopped": STOP_BUDGET, "note": f"not run: ~{expected:.0f} s would "
+                        f"pass --budget {args.budget:.0f} s"}
                 break
         step = at(seq)
         stats, losses, error, row = [], [], None, {}
@@ -347,11 +383,11 @@ def run_worker(args: argparse.Namespace) -> None:
             stats.append((time.perf_counter() - w0, torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0,
                           torch.cuda.max_memory_reserved() / 2 ** 30 if CUDA else 0.0, _alloc_retries() - retries))
             row = dict(_row(name, seq, stats, losses[0], params, shape, args, engine), predicted_longest_S=predicted,
-                       budget_GiB=args.memory_gib if name == "ds-usp budget" else None)
+                       budget_GiB=args.memory_gib if name == "ds-usp budget" else None, sweep=sweep)
             out.write(json.dumps(row) + "\n")  # after every step: a run stopped from outside keeps its steps
             out.flush()
-        if error:
-            out.write(json.dumps(dict(row, system=name, S=seq, note=error)) + "\n")
+        if error:  # the row of this S (its steps before the error, if any) says the sweep stopped here
+            stop = dict(row, system=name, S=seq, stopped=STOP_OOM, note=error)
             break
         if seq in args.profile_seqs:
             row["profile"] = profile_step(step, name, seq, args.trace_dir)
@@ -365,6 +401,8 @@ def run_worker(args: argparse.Namespace) -> None:
               f"{row['peak_GiB']:.1f} GiB, reserved {row['reserved_GiB']:.1f} GiB, {row['alloc_retries']} allocator "
               f"retries", flush=True)
         seq = next_seq(seq, args.growth)
+    out.write(json.dumps(dict(stop or {"system": name, "S": seq, "stopped": STOP_END,
+                                       "note": f"not run: past --max-seq {args.max_seq}"}, sweep=sweep)) + "\n")
     out.close()
 
 
@@ -388,7 +426,7 @@ def _row(name: str, seq: int, stats: list[tuple], loss: float, params: int, shap
             "reserved_GiB": max(reserved), "alloc_retries": sum(retries), "step_times_s": times,
             "peak_GiB_per_step": peaks, "reserved_GiB_per_step": reserved, "alloc_retries_per_step": retries,
             "choices": _choices(engine), "tflops": tflops, "mfu": tflops / peak_tflops(args),
-            "tokens_per_s": seq / step_s}
+            "tokens_per_s": seq / step_s, "device": DEVICE}
 
 
 def profile_step(step: Step, name: str, seq: int, trace_dir: str = "") -> dict:
@@ -442,6 +480,44 @@ def _choices(engine: Any) -> Optional[str]:
 # ---------------------------------------------------------------------------------------- driver
 
 
+def prior_rows(paths: Sequence[str], shape: str) -> tuple[list[dict], dict]:
+    """The rows of earlier result files of this script (``--prior-json``) run on ``shape`` (another shape's file is
+    skipped, saying so), merged: a later file's measured row replaces one of the same system and S; rows that
+    measured nothing (a sweep's stop row) are kept per sweep. Returns the rows and each file's provenance."""
+    merged: dict = {}
+    sources = {}
+    for path in paths:
+        run = json.loads(result_path(path).read_text())
+        theirs = (run.get("args") or {}).get("shape")
+        if theirs and theirs != shape:
+            print(f"{TAG} --prior-json {path}: shape {theirs}, not {shape}: skipped", flush=True)
+            continue
+        sources[path] = run.get("provenance")
+        for r in run.get("rows", []):
+            key = (r["system"], r["S"]) if r.get("step_s") else (r["system"], r["S"], r.get("sweep"), r.get("note"))
+            merged[key] = r
+    return list(merged.values()), sources
+
+
+def sweep_stops(rows: list[dict]) -> dict[str, dict]:
+    """Per system: its longest S that trained (a row with a timed step) and why the sweep that reached it stopped
+    (``stopped`` of that sweep's last row: :data:`STOP_OOM`, :data:`STOP_BUDGET`, :data:`STOP_END`, failed or stopped
+    from outside; "not recorded" for rows of a run before sweeps said why), with the S it stopped at (``at``). Where
+    several sweeps reached the same longest S, one that ran out of memory decides (it establishes the S)."""
+    out = {}
+    for name in dict.fromkeys(r["system"] for r in rows):
+        ran = [r for r in rows if r["system"] == name and r.get("step_s")]
+        if not ran:
+            continue
+        longest = max(r["S"] for r in ran)
+        sweeps = {r.get("sweep") for r in ran if r["S"] == longest} - {None}
+        ends = [r for r in rows if r["system"] == name and r.get("stopped") and r.get("sweep") in sweeps]
+        end = next((r for r in ends if r["stopped"] == STOP_OOM), ends[0] if ends else None)
+        out[name] = {"S": longest, "stopped": end["stopped"] if end else "not recorded",
+                     "at": end.get("S") if end else None}
+    return out
+
+
 def compare(rows: list[dict]) -> str:
     """Issue 49's targets: ds-usp against ALST full at equal S (tokens/s, target >= 1.3x), every system's steps after
     the first within 5% of each other, MFU at 128K >= 30%, and each system's longest S."""
@@ -459,17 +535,16 @@ def compare(rows: list[dict]) -> str:
                 lines.append(f"S={seq}: {name} steps after the first within {r['spread']:.1%} of each other (target "
                              f"<= {TARGET_SPREAD:.0%}: {'met' if r['spread'] <= TARGET_SPREAD else 'missed'}); "
                              f"{r['alloc_retries']} allocator retries, reserved up to {r['reserved_GiB']:.1f} GiB")
-        if seq == 131072 and usp:
-            lines.append(f"S={seq}: ds-usp MFU {usp['mfu']:.1%} (target >= {TARGET_MFU_128K:.0%}: "
-                         f"{'met' if usp['mfu'] >= TARGET_MFU_128K else 'missed'})")
-    for name in dict.fromkeys(r["system"] for r in rows):
-        ran = [r for r in rows if r["system"] == name and r.get("step_s")]
-        stop = next((r["note"] for r in rows if r["system"] == name and r.get("note")), "--max-seq reached")
-        if ran:
-            top = ran[-1]
-            lines.append(f"{name}: longest S {top['S']} ({top['tokens_per_s']:.0f} tokens/s, MFU {top['mfu']:.1%}, "
-                         f"peak {top['peak_GiB']:.1f} GiB); next: {stop}")
-    lines += peer_lines(rows, by)
+        if seq == 131072 and usp and usp["params"] < 2.5e9:  # issue 49's: the 1.5B shape
+            lines.append(f"S={seq}: ds-usp MFU {_pct(usp['mfu'])} (target >= {TARGET_MFU_128K:.0%}: "
+                         f"{_met(usp['mfu'] >= TARGET_MFU_128K) if usp['mfu'] else 'no peak known'})")
+    stops = sweep_stops(rows)
+    for name, stop in stops.items():
+        top = by[(name, stop["S"])]
+        lines.append(f"{name}: longest S {stop['S']} ({top['tokens_per_s']:.0f} tokens/s, MFU {_pct(top['mfu'])}, "
+                     f"peak {top['peak_GiB']:.1f} GiB, reserved {top['reserved_GiB']:.1f} GiB); its sweep stopped by "
+                     f"{stop['stopped']}" + (f" at S={stop['at']}" if stop["at"] else ""))
+    lines += peer_lines(rows, by, stops)
     return "\n".join(f"{TAG} {line}" for line in lines)
 
 
@@ -477,10 +552,23 @@ def _met(ok: bool) -> str:
     return "met" if ok else "missed"
 
 
-def peer_lines(rows: list[dict], by: dict) -> list[str]:
+def _pct(x: Optional[float]) -> str:
+    """A share as a percentage; "-" where none is known (an MFU without the device's peak, saved as null)."""
+    return "-" if x is None or x != x else f"{x:.1%}"
+
+
+def _established(stop: dict) -> bool:
+    """Whether a system's longest S is known: its sweep ran out of memory at the next S."""
+    return stop["stopped"] == STOP_OOM
+
+
+def peer_lines(rows: list[dict], by: dict, stops: dict[str, dict]) -> list[str]:
     """Issue 65's targets: ds-usp "auto" against the fastest peer configuration that ran at each S (>= 1.2x), its
-    longest S against the longest any peer trains (>= 1.5x) and its tokens/s at that S (>= 1.3x), the planner's
-    prediction of its longest S (within 10%), MFU at 128K on the 3B shape (>= 45%), and a budget's peak under it."""
+    longest S against the longest any peer trains (>= 1.5x) and its tokens/s against the fastest peer at that S
+    (>= 1.3x), the planner's prediction of its longest S (within 10%), MFU at 128K on the 3B shape (>= 45%), and a
+    budget's reserved peak under it. A longest S counts only where its sweep stopped by running out of memory
+    (:func:`sweep_stops`): a sweep stopped by the time budget, the list's end or from outside gives a lower bound, and
+    a verdict it cannot establish is printed as "not established (stopped by ...)", never as met."""
     lines = []
     for seq in sorted({s for _, s in by}):
         peers = [by[(p, seq)] for p in PEERS if (p, seq) in by]
@@ -491,31 +579,55 @@ def peer_lines(rows: list[dict], by: dict) -> list[str]:
             lines.append(f"S={seq}: ds-usp {ratio:.2f} x the fastest peer, {best['system']} (target >= "
                          f"{TARGET_VS_BEST_PEER}: {_met(ratio >= TARGET_VS_BEST_PEER)}); auto chose: {usp['choices']}")
         if seq == 131072 and usp and usp["params"] > 2.5e9:
-            lines.append(f"S={seq}: ds-usp MFU {usp['mfu']:.1%} on the 3B shape (target >= {TARGET_MFU_3B_128K:.0%}: "
-                         f"{_met(usp['mfu'] >= TARGET_MFU_3B_128K)})")
+            lines.append(f"S={seq}: ds-usp MFU {_pct(usp['mfu'])} on the 3B shape (target >= "
+                         f"{TARGET_MFU_3B_128K:.0%}: " + (_met(usp['mfu'] >= TARGET_MFU_3B_128K) if usp['mfu'] else
+                                                          "no peak known") + ")")
         budget = by.get(("ds-usp budget", seq))
         if budget and budget.get("budget_GiB"):
-            lines.append(f"S={seq}: ds-usp budget peak {budget['peak_GiB']:.1f} GiB of usp.memory_gib "
-                         f"{budget['budget_GiB']:g} ({'kept' if budget['peak_GiB'] <= budget['budget_GiB'] else 'MISSED'})")
-    longest = {name: max(s for n, s in by if n == name) for name in {n for n, _ in by}}
-    peer_top = max(((s, n) for n, s in longest.items() if n in PEERS), default=None)
-    if peer_top and "ds-usp" in longest:
-        seq, peer = peer_top
-        ratio = longest["ds-usp"] / seq
-        lines.append(f"longest S: ds-usp {longest['ds-usp']}, peers' {seq} ({peer}): {ratio:.2f} x (target >= "
-                     f"{TARGET_LONGEST}: {_met(ratio >= TARGET_LONGEST)})")
+            measured = budget.get("device", "cuda") == "cuda"  # on CPU torch.cuda measures nothing
+            kept = budget["reserved_GiB"] <= budget["budget_GiB"]
+            lines.append(f"S={seq}: ds-usp budget reserved {budget['reserved_GiB']:.1f} GiB (allocated peak "
+                         f"{budget['peak_GiB']:.1f}) of usp.memory_gib {budget['budget_GiB']:g}: "
+                         + (("kept" if kept else "MISSED") if measured else "not measured (no CUDA device)"))
+    peer_stops = {n: st for n, st in stops.items() if n in PEERS}
+    if peer_stops and "ds-usp" in stops:
+        usp = stops["ds-usp"]
+        seq = max(st["S"] for st in peer_stops.values())
+        tops = [n for n, st in peer_stops.items() if st["S"] == seq]
+        fastest = max((by[(n, seq)] for n in tops), key=lambda r: r["tokens_per_s"])["system"]
+        peers_known = all(_established(peer_stops[n]) for n in tops)
+        # met needs the peers' longest established (ds-usp's measured S is a lower bound of its own), missed needs
+        # ds-usp's established (the peers' measured S is a lower bound of theirs)
+        ratio = usp["S"] / seq
+        known = peers_known if ratio >= TARGET_LONGEST else _established(usp)
+        why = "; ".join(f"{n} stopped by {st['stopped']}" for n, st in [("ds-usp", usp)] + [
+            (n, peer_stops[n]) for n in tops] if not _established(st))
+        short = ", ".join(f"{n} at {st['S']} ({st['stopped']})" for n, st in peer_stops.items()
+                          if n not in tops and not _established(st))
+        lines.append(f"longest S: ds-usp {usp['S']}, the peers' {seq} ({', '.join(tops)}): {ratio:.2f} x (target >= "
+                     f"{TARGET_LONGEST}: " + (_met(ratio >= TARGET_LONGEST) if known else
+                                                f"not established ({why})") + ")"
+                     + (f"; peers not swept to their longest, taken as shorter (they hold more memory per token than "
+                        f"ALST full offload): {short}" if short else ""))
         if ("ds-usp", seq) in by:
-            at = by[("ds-usp", seq)]["tokens_per_s"] / by[(peer, seq)]["tokens_per_s"]
-            lines.append(f"at the peers' longest S={seq}: ds-usp {at:.2f} x {peer}'s tokens/s (target >= "
-                         f"{TARGET_AT_PEER_LONGEST}: {_met(at >= TARGET_AT_PEER_LONGEST)})")
+            at = by[("ds-usp", seq)]["tokens_per_s"] / by[(fastest, seq)]["tokens_per_s"]
+            lines.append(f"at the peers' longest S={seq}: ds-usp {at:.2f} x the fastest peer there, {fastest} "
+                         f"(target >= {TARGET_AT_PEER_LONGEST}: " + (
+                             _met(at >= TARGET_AT_PEER_LONGEST) if peers_known else
+                             "not established (" + "; ".join(f"{n} stopped by {peer_stops[n]['stopped']}" for n
+                                                             in tops if not _established(peer_stops[n]))
+                             + ": the peers' longest S is not known)") + ")")
+        else:
+            lines.append(f"at the peers' longest S={seq}: no ds-usp row at that S (target >= "
+                         f"{TARGET_AT_PEER_LONGEST}: not established)")
     predicted = next((r.get("predicted_longest_S") for r in rows if r["system"] == "ds-usp"
                       and r.get("predicted_longest_S")), None)
-    if predicted and "ds-usp" in longest:
-        stopped = any(r["system"] == "ds-usp" and "out of memory" in (r.get("note") or "") for r in rows)
-        off = longest["ds-usp"] / predicted - 1
-        lines.append(f"ds-usp's longest S {longest['ds-usp']} against the planner's {predicted} before the run: "
-                     f"{off:+.1%}" + (f" (target within 10%: {_met(abs(off) <= 0.1)})" if stopped else
-                                      " (no out-of-memory stop: the run did not reach the longest S)"))
+    if predicted and "ds-usp" in stops:
+        usp = stops["ds-usp"]
+        off = usp["S"] / predicted - 1
+        lines.append(f"ds-usp's longest S {usp['S']} against the planner's {predicted} before the run: {off:+.1%} "
+                     + (f"(target within 10%: {_met(abs(off) <= 0.1)})" if _established(usp) else
+                        f"(target within 10%: not established (stopped by {usp['stopped']}))"))
     return lines
 
 
@@ -633,35 +745,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                                       "max_out_diff": ".2e", "max_lse_diff": ".2e"}))
         print(f"{TAG} results written to {save_results(args.json, vars(args), rows)}")
         return 0
-    if not CUDA and args.shape != "tiny":
+    if not CUDA and args.shape != "tiny" and not args.report:
         raise SystemExit(f"{TAG} needs a CUDA GPU (--shape tiny runs on CPU, to check the script)")
-    rows: list[dict] = []
+    prior, sources = prior_rows(args.prior_json, args.shape)
+    rows = [r for r in prior if r["system"] not in args.systems]  # a system run again replaces its earlier rows
+    meta = dict(vars(args), sources=sources)  # where the merged rows come from
     args.json = args.json or time.strftime("gpu_train-%Y%m%d-%H%M%S.json", time.gmtime())  # one file, saved often
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"{TAG} stopped (SIGTERM): the rows so far are saved"))
     for name in args.systems:
         path = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_train_{os.getpid()}_{name.replace(' ', '_')}.jsonl"
         path.unlink(missing_ok=True)
         print(f"{TAG} {name}: running", flush=True)
-        failed: Any = [f"stopped from outside (e.g. a session step's time limit) while {name} ran"]
+        failed: Any = [f"{STOP_OUTSIDE} (e.g. a session step's time limit) while {name} ran"]
         try:
             proc = start_ranks(__file__, [*argv, "--worker", f"{name}|{path}"], timeout=args.budget + 300,
                                capture="stderr", echo=False)  # one process: a world of one (world_of_one)
-            failed = proc.returncode != 0 and [ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:]
+            failed = proc.returncode != 0 and ([ln for ln in proc.stderr.splitlines() if "Error" in ln][-1:]
+                                               or [f"exit status {proc.returncode}"])
         except subprocess.TimeoutExpired:
             failed = [f"timed out after {args.budget + 300:.0f} s"]
         finally:  # the worker's lines so far, also when this process is stopped: a run cut short keeps them
             lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
             got = list({(r["system"], r["S"]): r for r in lines}.values())  # a row per S: its last line
-            if failed and not any(r.get("note") for r in got):
-                got.append({"system": name, "S": None, "note": (failed or ["failed"])[0][:300]})
+            if failed and not any(r.get("stopped") for r in got):  # the sweep ended without saying why: this is why
+                why, ran = (failed or ["failed"])[0][:300], [r["S"] for r in got if r.get("step_s")]
+                got.append({"system": name, "S": next_seq(max(ran), args.growth) if ran else args.start,
+                            "stopped": why if why.startswith(STOP_OUTSIDE) else f"failed: {why}", "note": why,
+                            "sweep": next((r["sweep"] for r in got if r.get("sweep")), None)})
             rows += got
-            save_results(args.json, vars(args), rows)
+            save_results(args.json, meta, rows)
     print(table(rows, ["system", "S", "step_s", "spread", "tokens_per_s", "tflops", "mfu", "peak_GiB", "reserved_GiB",
                        "alloc_retries", "loss", "note"],
                 {"step_s": ".2f", "spread": ".3f", "tokens_per_s": ".0f", "tflops": ".0f", "mfu": ".3f",
                  "peak_GiB": ".1f", "reserved_GiB": ".1f", "loss": ".4f"}, markdown=True))
     print(compare(rows))
-    print(f"{TAG} results written to {save_results(args.json, vars(args), rows)}")
+    print(f"{TAG} results written to {save_results(args.json, meta, rows)}")
     if args.plot:
         plot(rows, args.plot)
     return 0
