@@ -164,13 +164,14 @@ def assert_same(got: tuple, want: tuple, tol: float = TOL) -> None:
 @pytest.mark.parametrize("hq,hkv,causal,d,dv,sk,cap", [
     (4, 4, False, 16, 16, None, 0.0), (8, 2, True, 16, 16, None, 0.0), (8, 2, False, 12, 12, None, 0.0),
     (4, 4, True, 16, 24, None, 0.0), (8, 2, False, 16, 16, 40, 0.0), (8, 2, True, 16, 16, None, 5.0),
-    (4, 4, False, 16, 16, None, 5.0)],
+    (4, 4, False, 16, 16, None, 5.0), (8, 2, True, 64, 64, None, 0.0), (6, 2, True, 128, 128, None, 0.0)],
     ids=["mha-full", "gqa-causal", "gqa-d12-padded", "mha-causal-mla-dv24", "gqa-sq-ne-sk", "gqa-causal-softcap",
-         "mha-full-softcap"])
+         "mha-full-softcap", "gqa-causal-d64", "gqa-causal-d128"])
 def test_adapter_equals_torch_backend(calls, hq, hkv, causal, d, dv, sk, cap):
     """Out, lse (FA4's (b, h, sq) natural log, passed on as ds-usp's) and dq, dk, dv through the named backend equal
     the torch backend's to 1e-5 in fp32: padded head dims (12 -> 16), a value head dim of its own, GQA, sq != sk,
-    soft-capped scores."""
+    soft-capped scores, and the head dims the GPU check runs (64: the 1.5B Llama shape's, 32 / 8 heads scaled to 8 /
+    2; 128: Llama-3.2 3B's, 24 / 8 scaled to 6 / 2)."""
     q, k, v, dout = qkv(2, 24, hq, hkv, d, dv, sk)
     backend, ref = get_backend("flash_attn_4", CPU, torch.float32), get_backend("torch", CPU)
     assert backend.name == "flash_attn_4"

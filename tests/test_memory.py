@@ -389,6 +389,43 @@ def test_auto_takes_the_fastest_features_that_fit_the_budget():
     assert forced.checkpoint == "full" and forced.checkpoint_layers == 4 and forced.mlp_tiles >= 1
 
 
+def test_without_memory_gib_the_budget_is_the_device_memory(monkeypatch):
+    """Without ``usp.memory_gib`` the rank's memory is the device's: a GPU's total memory (its properties read once,
+    at the first call), on CPU the host's available memory; the budget is the headroom of it beside the model's
+    states, as with a given ``usp.memory_gib`` of the same size. One process, no world: the GPU is a stand-in of
+    ``torch.cuda.get_device_properties`` (the rank is told it holds nothing else, so nothing else is read)."""
+    import types
+
+    from ds_usp.config import USPSettings
+    from ds_usp.cost import GIB, HEADROOM, ModelShape, StepSettings, model_state_memory
+    from ds_usp.integration.step import choices as chosen
+
+    shape = ModelShape("toy", hidden=256, attention_layers=4, heads=4, kv_heads=4, head_dim=64, v_head_dim=64,
+                       vocab=32000, mlp_width=896, params=20_000_000, active_params=12_000_000)
+    step = StepSettings(1, 1, 1, 2)
+    states = sum(model_state_memory(shape, step, 4))
+    read = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: read.append(device) or types.SimpleNamespace(total_memory=int(80 * GIB)))
+    monkeypatch.setattr(chosen, "host_memory_per_rank", lambda: 24 * GIB)
+
+    def budget(device: str, **settings) -> float:
+        ctx = chosen.MemoryContext(settings=USPSettings(**settings), fallback_topo=_one_rank(), layout="zigzag",
+                                   hidden=256, intermediate=896, vocab=32000, layers=4, zero3=False, shape=shape,
+                                   step=step, held=0.0)
+        got = ctx.make_choices(4096, torch.device(device), torch.float32)
+        ctx.make_choices(8192, torch.device(device), torch.float32)
+        return got.budget
+
+    device = budget("cuda")
+    assert device == pytest.approx(HEADROOM * (80 * GIB - states))  # the GPU's 80 GiB
+    assert len(read) == 1  # read at the first call only
+    assert budget("cuda", memory_gib=20.0) == pytest.approx(HEADROOM * (20 * GIB - states))  # a given one wins
+    assert len(read) == 1  # and reads no device
+    assert budget("cuda", memory_gib=80.0) == pytest.approx(device)  # the device's memory, as if it were given
+    assert budget("cpu") == pytest.approx(HEADROOM * (24 * GIB - states))  # CPU: the host's available memory
+
+
 def _one_rank():
     """A topology stand-in for one rank (the planner reads its degrees)."""
     import types
