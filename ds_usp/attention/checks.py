@@ -229,7 +229,9 @@ def check_device(device: torch.device, group: Any) -> None:
 
 _SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "v head_dim", "dtype", "causal",
               "layout", "seq_len", "softmax_scale", "documents, window, softcap and sinks (a hash)")
-_DOCUMENTS_SIGNATURE = ("batch", "seq_len", "documents (a hash)")
+DOCUMENTS, VALID_KEYS = "documents", "valid keys"  # what agree_value names the attention's own agreed values
+_SAME_SHARDS = ("every rank must pass its shard of the same sequences (shard them with ds_usp.shard_sequence / "
+                "ds_usp.shard_batch) with the same arguments")
 
 
 class Recent:
@@ -272,7 +274,8 @@ class Recent:
         return len(self._keys)
 
 
-# (SP group name, input signature) and (SP group name, documents) every rank of that group has been checked to share.
+# (SP group name, input signature) and (SP group name, what, value) every rank of that group has been checked to share
+# (the values: a model call's documents, a DiT forward's key mask and the valid keys worked out of it, agree_value).
 # A cache like the native op's: it only saves the check's all-gather on later calls with the same shapes. Bounded: a
 # signature forgotten is checked again (the same on every rank, which make the same calls).
 _AGREED = Recent(1024)
@@ -288,8 +291,10 @@ def _show(name: str, x: int) -> str:
     return str(bool(x)) if name == "causal" else str(x)
 
 
-def _agree(sig: tuple[int, ...], names: tuple[str, ...], sp_group: Any, device: torch.device) -> None:
-    """One all-gather of ``sig`` over the group; raise, the same on every rank, naming the values that differ."""
+def _agree(sig: tuple[int, ...], names: tuple[str, ...], sp_group: Any, device: torch.device,
+           caller: str = "usp_attention", advice: str = _SAME_SHARDS) -> None:
+    """One all-gather of ``sig`` over the group; raise, the same on every rank, naming the values that differ
+    (``caller`` was called with them; ``advice``: what to do)."""
     rows = [tuple(r.tolist()) for r in all_gather_rows(torch.tensor(sig, device=device), sp_group,
                                                           "usp_attention input check")]
     bad = [i for i in range(len(names)) if len({r[i] for r in rows}) > 1]
@@ -297,9 +302,8 @@ def _agree(sig: tuple[int, ...], names: tuple[str, ...], sp_group: Any, device: 
         ranks = dist.get_process_group_ranks(sp_group)
         diffs = "; ".join(names[i] + ": " + ", ".join(f"rank {ranks[p]}={_show(names[i], r[i])}"
                                                       for p, r in enumerate(rows)) for i in bad)
-        raise ValueError(f"usp_attention was called with different inputs on the ranks of one sequence-parallel "
-                         f"group ({diffs}); every rank must pass its shard of the same sequences (shard them with "
-                         f"ds_usp.shard_sequence / ds_usp.shard_batch) with the same arguments")
+        raise ValueError(f"{caller} was called with different inputs on the ranks of one sequence-parallel "
+                         f"group ({diffs}); {advice}")
 
 
 def check_same_across_ranks(q: Tensor, k: Tensor, v: Tensor, sp_group: Any, causal: bool, layout: str, seq_len: int,
@@ -337,9 +341,63 @@ def check_same_across_ranks(q: Tensor, k: Tensor, v: Tensor, sp_group: Any, caus
     _AGREED.add(key)
 
 
+def value_agreed(value: Any, sp_group: Any, what: str) -> bool:
+    """Whether every rank of the SP group was shown to hold ``value`` as its ``what`` (:func:`agree_value`, or
+    :func:`mark_value_agreed` after a check that implies it); a group of one always agrees.
+
+    Args:
+        value: a hashable value.
+        sp_group: the sequence-parallel group.
+        what: what the value is (:data:`DOCUMENTS`, :data:`VALID_KEYS`, ...): a value agreed as one thing is not
+            agreed as another.
+
+    Returns:
+        True when it was (the attention then leaves it out of its per-layer signature).
+    """
+    return dist.get_world_size(sp_group) == 1 or _AGREED.seen((sp_group.group_name, what, value))
+
+
+def mark_value_agreed(value: Any, sp_group: Any, what: str) -> None:
+    """Record that every rank of the SP group holds ``value`` as its ``what`` (its caller compared it across the ranks,
+    or compared what it is a deterministic function of).
+
+    Args:
+        value: a hashable value.
+        sp_group: the sequence-parallel group.
+        what: what the value is, as for :func:`value_agreed`.
+    """
+    if dist.get_world_size(sp_group) > 1:
+        _AGREED.add((sp_group.group_name, what, value))
+
+
+def agree_value(value: Any, sp_group: Any, what: str, facts: tuple[tuple[str, int], ...] = (),
+                caller: str = "usp_attention", advice: str = _SAME_SHARDS) -> None:
+    """Check that every rank of the SP group holds the same ``value``: once per model call, before its first layer,
+    with one small all-gather of ``facts`` and the value's hash unless it was shown to agree before (a bounded cache,
+    :data:`_AGREED`); a group of one: nothing.
+
+    Args:
+        value: a hashable value whose hash is the same in every process for the same value (ints and tuples of them;
+            not strings, whose hash each process salts).
+        sp_group: the sequence-parallel group.
+        what: what the value is, as for :func:`value_agreed`; the hash is named ``"<what> (a hash)"`` in the error.
+        facts: ``(name, int)`` pairs compared beside the hash and named in the error (a batch, a length).
+        caller: what was called with the value (named in the error).
+        advice: what to do, the error's end.
+
+    Raises:
+        ValueError: the same message on every rank of the group, naming each differing value per rank.
+    """
+    if value_agreed(value, sp_group, what):
+        return
+    _agree((*(x for _, x in facts), hash(value)), (*(name for name, _ in facts), f"{what} (a hash)"), sp_group,
+           group_device(sp_group), caller, advice)
+    mark_value_agreed(value, sp_group, what)
+
+
 def documents_agreed(documents: Any, sp_group: Any) -> bool:
     """Whether every rank of the SP group was shown to hold ``documents`` (:func:`agree_documents`, or
-    :func:`mark_documents_agreed` after a check of the whole batch); a group of one always agrees.
+    :func:`mark_documents_agreed` after a check of the whole batch): :func:`value_agreed` of them.
 
     Args:
         documents: a :class:`ds_usp.attention.documents.Documents`.
@@ -348,23 +406,23 @@ def documents_agreed(documents: Any, sp_group: Any) -> bool:
     Returns:
         True when they were (the attention then leaves them out of its per-layer signature).
     """
-    return dist.get_world_size(sp_group) == 1 or _AGREED.seen((sp_group.group_name, documents))
+    return value_agreed(documents, sp_group, DOCUMENTS)
 
 
 def mark_documents_agreed(documents: Any, sp_group: Any) -> None:
-    """Record that every rank of the SP group holds ``documents`` (its caller compared them across the ranks).
+    """Record that every rank of the SP group holds ``documents`` (its caller compared them across the ranks):
+    :func:`mark_value_agreed` of them.
 
     Args:
         documents: a :class:`ds_usp.attention.documents.Documents`.
         sp_group: the sequence-parallel group.
     """
-    if dist.get_world_size(sp_group) > 1:
-        _AGREED.add((sp_group.group_name, documents))
+    mark_value_agreed(documents, sp_group, DOCUMENTS)
 
 
 def agree_documents(documents: Any, sp_group: Any) -> None:
-    """Check that every rank of the SP group holds the same documents: once per model call, before its first layer,
-    with one small all-gather unless they were shown to agree before (a bounded cache, :data:`_AGREED`).
+    """Check that every rank of the SP group holds the same documents: once per model call, before its first layer
+    (:func:`agree_value` of them, with their batch and length).
 
     Args:
         documents: a :class:`ds_usp.attention.documents.Documents`.
@@ -373,8 +431,4 @@ def agree_documents(documents: Any, sp_group: Any) -> None:
     Raises:
         ValueError: the same message on every rank of the group, naming each differing value per rank.
     """
-    if documents_agreed(documents, sp_group):
-        return
-    _agree((documents.rows, documents.seq_len, hash(documents)), _DOCUMENTS_SIGNATURE, sp_group,
-           group_device(sp_group))
-    mark_documents_agreed(documents, sp_group)
+    agree_value(documents, sp_group, DOCUMENTS, (("batch", documents.rows), ("seq_len", documents.seq_len)))

@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ds_usp.attention.checks import (check_device, check_keys, check_qkv, check_same_across_ranks, check_scale,
-                                     check_sinks, check_softcap, check_spans, documents_agreed)
+from ds_usp.attention.checks import (VALID_KEYS, check_device, check_keys, check_qkv, check_same_across_ranks,
+                                     check_scale, check_sinks, check_softcap, check_spans, documents_agreed,
+                                     value_agreed)
 from ds_usp.attention.counter import count_sp_layer
 from ds_usp.attention.documents import Documents, doc_tensor
 from ds_usp.attention.masks import MaskSpec, chunk_docs
@@ -420,7 +421,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
         resolve_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
         check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
                                 (_doc_signature(documents, docs, topo.sp_group), left, right, cap, sinks is not None,
-                                 COMM_DTYPES.index(comm_dtype), chunk or 0, row_spans or (), row_keys or ()))
+                                 COMM_DTYPES.index(comm_dtype), chunk or 0, row_spans or (),
+                                 _keys_signature(row_keys, topo.sp_group)))
     native = str(native_op).lower()
     docs_t = documents.tensor if documents is not None else None if docs is None else doc_tensor(docs, real_len)
     spans_t = None if row_spans is None else spans_tensor(row_spans)
@@ -469,11 +471,19 @@ def _doc_signature(documents: Optional[Documents], docs: Optional[tuple[tuple[in
     return () if documents_agreed(documents, group) else documents
 
 
+def _keys_signature(row_keys: Optional[tuple[tuple[tuple[int, int], ...], ...]], group: Any) -> Any:
+    """The valid keys' part of the cross-rank check: nothing when the ranks were shown to hold them (a diffusion
+    transformer's forward agreed its key mask once for all its blocks, and so the keys worked out of it:
+    :func:`ds_usp.attention.checks.mark_value_agreed`), else the keys."""
+    return () if row_keys is None or value_agreed(row_keys, group, VALID_KEYS) else row_keys
+
+
 @functools.lru_cache(maxsize=64)
 def spans_tensor(spans: tuple[tuple[tuple[int, int], ...], ...]) -> Tensor:
     """Spans per row -> ``(b, m, 2)`` int64 CPU tensor, rows padded with ``(0, 0)`` (the ring op's argument, which
     the op only reads): made once per value, not per layer. Where spans or valid keys are decoded once per model call
-    (a VLM's image blocks, a DiT's key mask), calling it there makes the layers' calls find it.
+    (a VLM's image blocks; a DiT's valid keys, worked out of its key mask before its first block), calling it there
+    makes the layers' calls find it.
 
     Args:
         spans: per row, ``(start, end)`` pairs (as :func:`~ds_usp.attention.checks.check_spans` returns them).

@@ -25,6 +25,12 @@ from ds_usp.upstream.diffusers import (backend_takes_route, check_forward_parame
                                                    set_processor)
 
 
+# what the ranks of an SP group that were given different whole inputs must do (the end of the errors saying so)
+SAME_INPUTS = ("every rank of a group must give the same whole inputs (the same batch, noise and timesteps: seed them "
+               "per data-parallel replica, and draw samples with "
+               "DistributedSampler(num_replicas=engine.usp.topo.dp_size, rank=engine.usp.topo.dp_rank))")
+
+
 def modules_at(model: nn.Module, pattern: str) -> Iterator[tuple[str, nn.Module]]:
     """``(path, module)`` of every module a plan path names (``*``: every member of a block list; a missing optional
     attribute such as SD3's ``attn2`` on a block without it yields nothing).
@@ -103,9 +109,11 @@ class DiTForward:
     """The forward of a sharded diffusion transformer (what :func:`install` makes ``model.forward``): it starts the
     call's :class:`~ds_usp.integration.models.diffusion.state.DiTCall`, refuses what the plan refuses, checks at the
     first call that the SP group's ranks were given the same inputs, reads the plan's mask parameter to the host (the
-    forward's one read of its key mask, before any block), cuts the plan's root inputs and runs the model's own
-    forward, whose output comes back whole (gathered before the final projection) once the checks its blocks made on
-    the device are read (one read, :meth:`~ds_usp.integration.models.diffusion.state.DiTCall.finish`).
+    forward's one read of its key mask, before any block) and agrees its runs across the group (one small all-gather
+    when they are new; the attentions' valid keys are then prepared and agreed before the blocks,
+    :meth:`~ds_usp.integration.models.diffusion.state.DiTCall.agree_mask`), cuts the plan's root inputs and runs the
+    model's own forward, whose output comes back whole (gathered before the final projection) once the checks its
+    blocks made on the device are read (one read, :meth:`~ds_usp.integration.models.diffusion.state.DiTCall.finish`).
 
     Args:
         model: the model.
@@ -135,6 +143,7 @@ class DiTForward:
         root = self.plan.mask_root
         if root is not None and isinstance(given.get(root.parameter), Tensor):
             call.expect_mask(root, given[root.parameter])
+            call.agree_mask(SAME_INPUTS)  # and the valid keys of the orders whose streams are known now or later
         for name, cut in self.cuts.items():
             if given.get(name) is not None:
                 given[name] = cut_value(call, given[name], cut)
@@ -164,10 +173,7 @@ class DiTForward:
             holders = "; ".join(f"{name}: ranks {' vs '.join(map(str, ranks.values()))}"
                                 for name, ranks in differ.items())
             raise ValueError(f"{self.name} is called with different {', '.join(sorted(differ))} on the ranks of one "
-                             f"sequence-parallel group ({holders}): every rank of a group must give the same whole "
-                             f"inputs (the same batch, noise and timesteps: seed them per data-parallel replica, and "
-                             f"draw samples with "
-                             f"DistributedSampler(num_replicas=engine.usp.topo.dp_size, rank=engine.usp.topo.dp_rank))")
+                             f"sequence-parallel group ({holders}): {SAME_INPUTS}")
         self.dit.checked_inputs()
 
 
@@ -232,6 +238,7 @@ def _route(module: nn.Module, path: str, role: Role, dit: DiTContext) -> None:
                          f"projections, PAG and other custom processors are not supported under sequence "
                          f"parallelism; build or load the model again for the family's own)")
     route = AttentionRoute(dit, role.order, path)
+    dit.attends(role.order)
     if role.usp_processor is not None:
         set_processor(module, USP_PROCESSORS[role.usp_processor](route))
         return

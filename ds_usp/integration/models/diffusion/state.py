@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from ds_usp.attention import AttentionRun
+from ds_usp.attention.checks import VALID_KEYS, agree_value, check_keys, mark_value_agreed
+from ds_usp.attention.usp import spans_tensor
 from ds_usp.sharding import gather_sequence
 from ds_usp.topology import USPTopology
 
@@ -52,18 +54,25 @@ class DiTCall:
 
     The model's key mask reaches the host once per forward, in the model's own forward before its first block
     (:meth:`expect_mask`: the plan names the parameter the blocks' masks are made from), as ``(start, end)`` runs of
-    kept tokens from which every attention's valid keys are worked out in Python (:meth:`keys`). Inside the blocks
-    nothing is read: each block's mask is compared with that parameter on the device, once per mask object (a block
-    given the object a block before it was given, or recomputed with it, gets its part back from a cache), and so is
-    the mask each attention is given; the comparisons are read together at the forward's end (:meth:`finish`).
+    kept tokens from which every attention's valid keys are worked out in Python (:meth:`keys`). The runs are then
+    agreed across the SP group, in the model's forward too (:meth:`agree_mask`), and as soon as the streams of an
+    attention's order are known outside the blocks (cut in the model's forward or out of its RoPE module, or the
+    mask's stream, whose length is the parameter's), its valid keys are worked out, marked agreed and made into the
+    attention's tensor (:meth:`_prepare`), so the attention's entry finds both (no all-gather, no tensor made in a
+    block). Inside the blocks nothing is read: each block's mask is compared with that parameter on the device, once
+    per mask object (a block given the object a block before it was given, or recomputed with it, gets its part back
+    from a cache), and so is the mask each attention is given; the comparisons are read together at the forward's end
+    (:meth:`finish`).
 
     Args:
         topo: the topology the forward runs on.
         model_name: the model's class (named in errors).
+        orders: the stream orders of the model's attention modules (:attr:`DiTContext.orders`), whose valid keys are
+            prepared before the blocks.
     """
 
-    def __init__(self, topo: USPTopology, model_name: str) -> None:
-        self.topo, self.model_name = topo, model_name
+    def __init__(self, topo: USPTopology, model_name: str, orders: tuple[tuple[str, ...], ...] = ()) -> None:
+        self.topo, self.model_name, self.orders = topo, model_name, orders
         self.streams: dict[str, Stream] = {}
         # stream -> per row, the (start, end) runs of its tokens the model's mask keeps (host; absent, or no block
         # given a mask over the stream yet: every token)
@@ -74,6 +83,8 @@ class DiTCall:
         self._keys: dict[tuple, Optional[tuple]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}  # stream -> the shape of the mask its runs were read from
         self._root: Optional[tuple[Any, Tensor]] = None  # (the plan's RootMask, the parameter), read this forward
+        self.runs_agreed = False  # the runs were read from the parameter and agreed across the SP group (agree_mask)
+        self._prepared: set[tuple] = set()  # (order, batch) whose valid keys were prepared (_prepare)
         self._reference: dict[str, Tensor] = {}  # stream -> (b, length) bool on the device: the first block's mask
         self._local: dict[str, Tensor] = {}  # stream -> (b, chunk) bool on the device: the rank's part of it
         self._local_masks: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -92,13 +103,16 @@ class DiTCall:
         if known is None:
             if length < 1:
                 raise ValueError(f"{self.model_name}: its {name} stream is empty")
-            n = self.topo.sp_size
-            known = Stream(name, length, -(-length // n), self.topo.sp_rank)
+            known = self._new_stream(name, length)
             self.streams[name] = known
+            self._prepare()  # an order whose streams are now all known
         elif known.length != length:
             raise ValueError(f"{self.model_name}: a tensor of its {name} stream has {length} tokens, another "
                              f"{known.length}: ds-usp's plan for the family no longer fits it (docs/models.md)")
         return known
+
+    def _new_stream(self, name: str, length: int) -> Stream:
+        return Stream(name, length, -(-length // self.topo.sp_size), self.topo.sp_rank)
 
     def cut(self, x: Any, name: str, dim: int, pad: Any = 0) -> Any:
         """This rank's part of ``x`` (a tensor, or a tuple / list of them) along ``dim``, stream ``name``: its tokens
@@ -160,6 +174,69 @@ class DiTCall:
         self.runs[root.stream] = runs
         self._shapes[root.stream] = tuple(value.shape)
         self._root = (root, value)
+
+    def agree_mask(self, advice: str) -> None:
+        """Check that every rank of the SP group read the same runs of the mask parameter (:meth:`expect_mask`; one
+        small all-gather of its shape and their hash, in the model's forward, unless these runs were agreed before; a
+        group of one: nothing), then prepare the valid keys of the orders whose streams are known (:meth:`_prepare`).
+        Nothing without a parameter read this forward.
+
+        Args:
+            advice: what to do when they differ (the error's end).
+
+        Raises:
+            ValueError: the same message on every rank of the group, naming the values that differ per rank.
+        """
+        if self._root is None:
+            return
+        root, _ = self._root
+        batch, tokens = self._shapes[root.stream]
+        agree_value((self._shapes[root.stream], self.runs[root.stream]), self.topo.sp_group, root.parameter,
+                    (("batch", batch), (f"{root.parameter} tokens", tokens)), self.model_name, advice)
+        self.runs_agreed = True
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Work out the valid keys of each of :attr:`orders` whose streams are known (the mask's stream: its length is
+        the parameter's), as the blocks' masks made of the parameter give them, mark them agreed across the SP group
+        and make their tensor (:func:`ds_usp.attention.usp.spans_tensor`, a cache by value), once per order: the
+        attention's entry then neither gathers them across the ranks nor makes a tensor of them inside a block. Only
+        once the runs were agreed (:meth:`agree_mask`); keys that will not be the attention's (a parameter whose
+        length is not its stream's, or blocks given no mask) are left to the attention, which works them out at the
+        block as before."""
+        if not self.runs_agreed or not self.orders:
+            return
+        root, _ = self._root
+        batch, tokens = self._shapes[root.stream]
+        for order in self.orders:
+            if (order, batch) in self._prepared:
+                continue
+            streams = [self.streams.get(name) or (self._new_stream(name, tokens) if name == root.stream else None)
+                       for name in order]
+            if None in streams:
+                continue  # a stream cut only in a block: its keys are worked out at the attention (keys)
+            self._prepared.add((order, batch))
+            if root.stream in order and streams[order.index(root.stream)].length != tokens:
+                continue  # the attention refuses the mask's shape (_kept_runs)
+            kept = [self.runs[s.name] if s.name == root.stream else ((((0, s.length),),) * batch) for s in streams]
+            keys = _global_keys(streams, kept, batch, self.topo.sp_size)
+            try:
+                keys = check_keys(keys, batch, sum(s.chunk for s in streams) * self.topo.sp_size)
+            except ValueError:
+                continue  # a row without any valid key: the attention raises it, at the block as before
+            if keys is not None:
+                self._agreed(keys)
+                spans_tensor(keys)
+
+    def _agreed(self, keys: tuple) -> None:
+        """Mark valid keys agreed across the SP group when the runs they are worked out of were agreed. Keys are a
+        deterministic function of the streams' runs and lengths: the runs were agreed (:meth:`agree_mask`; a stream
+        without runs keeps every token), and the lengths are the shapes of the whole inputs every rank gives, checked
+        equal across the group at the first call (``DiTForward``) and carried, as the local and global lengths, in
+        the attention's per-call signature; so agreed runs imply agreed keys, and the attention leaves them out of
+        its per-call check (:func:`ds_usp.attention.checks.value_agreed`)."""
+        if self.runs_agreed:
+            mark_value_agreed(keys, self.topo.sp_group, VALID_KEYS)
 
     def cut_of(self, mask: Tensor, order: tuple[str, ...]) -> Optional[Tensor]:
         """The rank's part of a key mask over ``order`` already cut in this forward (the same object, unchanged
@@ -259,26 +336,10 @@ class DiTCall:
         cache = (order, batch)
         if cache not in self._keys:
             kept = [self._kept_runs(name, batch) for name in order]
-            local, rows = self.local_length(order), []
-            for row in range(batch):
-                runs: list[tuple[int, int]] = []
-                for rank in range(self.topo.sp_size):
-                    at = rank * local  # the rank's local sequence in the global one
-                    for name, stream_runs in zip(order, kept):
-                        stream = self.known(name)
-                        lo, hi = rank * stream.chunk, min((rank + 1) * stream.chunk, stream.length)
-                        for a, b in stream_runs[row]:
-                            a, b = max(a, lo) - lo + at, min(b, hi) - lo + at
-                            if a >= b:
-                                continue
-                            if runs and runs[-1][1] == a:
-                                runs[-1] = (runs[-1][0], b)
-                            else:
-                                runs.append((a, b))
-                        at += stream.chunk
-                rows.append(tuple(runs))
-            whole = ((0, self.topo.sp_size * local),)
-            self._keys[cache] = None if all(row == whole for row in rows) else tuple(rows)
+            keys = _global_keys([self.known(name) for name in order], kept, batch, self.topo.sp_size)
+            if keys is not None:
+                self._agreed(keys)  # the keys _prepare made, or ones worked out only at the block
+            self._keys[cache] = keys
         return self._keys[cache]
 
     def local_mask(self, order: tuple[str, ...], batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -327,6 +388,31 @@ class DiTCall:
         return runs
 
 
+def _global_keys(streams: list[Stream], kept: list[tuple], batch: int, ranks: int) -> Optional[tuple]:
+    """The valid keys of the attention's global sequence over ``streams`` (in order) on ``ranks`` ranks, per row, as
+    ``(start, end)`` runs (None: every key is valid), from each stream's kept runs per row (stream positions, maybe
+    past its end: clipped here)."""
+    local, rows = sum(s.chunk for s in streams), []
+    for row in range(batch):
+        runs: list[tuple[int, int]] = []
+        for rank in range(ranks):
+            at = rank * local  # the rank's local sequence in the global one
+            for stream, stream_runs in zip(streams, kept):
+                lo, hi = rank * stream.chunk, min((rank + 1) * stream.chunk, stream.length)
+                for a, b in stream_runs[row]:
+                    a, b = max(a, lo) - lo + at, min(b, hi) - lo + at
+                    if a >= b:
+                        continue
+                    if runs and runs[-1][1] == a:
+                        runs[-1] = (runs[-1][0], b)
+                    else:
+                        runs.append((a, b))
+                at += stream.chunk
+        rows.append(tuple(runs))
+    whole = ((0, ranks * local),)
+    return None if all(row == whole for row in rows) else tuple(rows)
+
+
 def _version(t: Tensor) -> int:
     """``t``'s version counter (-1 for an inference tensor, which keeps none)."""
     return -1 if t.is_inference() else t._version
@@ -354,6 +440,7 @@ class DiTContext:
         self.topo, self.run, self.model_name = topo, run, model_name
         self._call: Optional[DiTCall] = None
         self.inputs_checked = False
+        self.orders: list[tuple[str, ...]] = []  # the stream orders its attention modules attend over (attends)
 
     @property
     def call(self) -> DiTCall:
@@ -369,8 +456,14 @@ class DiTContext:
 
     def begin(self) -> DiTCall:
         """A forward starts: a new :class:`DiTCall` (it stays current through its backward)."""
-        self._call = DiTCall(self.topo, self.model_name)
+        self._call = DiTCall(self.topo, self.model_name, tuple(self.orders))
         return self._call
+
+    def attends(self, order: tuple[str, ...]) -> None:
+        """An attention module of the model attends over ``order`` (its route, at install): each forward prepares the
+        valid keys of every order before the blocks (:meth:`DiTCall.agree_mask`)."""
+        if order not in self.orders:
+            self.orders.append(order)
 
     def use(self, call: DiTCall) -> None:
         """Make ``call`` current again (a checkpointed block recomputed in the backward)."""
