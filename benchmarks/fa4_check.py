@@ -22,8 +22,11 @@ log-sum-exp with the causal diagonal block) against its one-call result. Times: 
 after ``--warmup``; ``first_s`` the first forward+backward (FA4 compiles its kernels then). TFLOP/s: ``4 b h s^2 d``
 for the forward, 2.5 times that for the backward, halved for the causal mask (the benchmark's convention).
 
-The JSON (``--out``; a bare name goes into benchmarks/results/) has the provenance, the arguments, FA4's version or
-why it could not run, and the rows; each is written as soon as it is measured.
+The JSON (``--out``; a bare name goes into benchmarks/results/) has the provenance, the arguments, the versions of
+FA4 and of what it runs on (None: not installed), why a kernel could not run (``unavailable``: where flash-attn-4 is
+not installed or does not import, the reason, and the cuDNN rows alone), and the rows; each is written as soon as it
+is measured. On the project's GPU machine FA4 travels in two device calls (``benchmarks/gpu_wheels.sh fa4``, then
+``benchmarks/gpu_session.sh``'s ``fa4stage`` and ``fa4`` steps; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -198,8 +201,9 @@ def versions() -> dict[str, Optional[str]]:
     from importlib import metadata
 
     found: dict[str, Optional[str]] = {}
-    for name in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "quack-kernels",
-                 "apache-tvm-ffi", "torch"):
+    for name in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
+                 "nvidia-cutlass-dsl-libs-cu13", "nvidia-cutlass-dsl-libs-cu12", "quack-kernels", "apache-tvm-ffi",
+                 "torch-c-dlpack-ext", "torch"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
