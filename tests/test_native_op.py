@@ -509,7 +509,7 @@ def test_the_process_holding_a_lock_is_recorded_with_this_host(tmp_path):
     lock.unlink()
     with recording_holder(lock, every=0.01):  # this process's own build: recorded while it holds the lock
         fd = os.open(lock, os.O_CREAT | os.O_EXCL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # once missed 10 s: the suite beside a 4-rank benchmark
         while owner_of(lock) is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert owner_of(lock) == Owner(socket.gethostname(), os.getpid()) and lock_state(lock) == "held"

@@ -119,11 +119,19 @@ def record_owner(lock: Path, pid: int) -> None:
 
 
 def _holds_open(pid: str, target: str) -> bool:
-    """Whether process ``pid`` has the file ``target`` open."""
+    """Whether process ``pid`` has the file ``target`` open (a descriptor closed while they are read is skipped, not
+    taken for the whole answer: a busy process opens and closes files all the time)."""
     try:
-        return any(os.readlink(fd) == target for fd in Path(f"/proc/{pid}/fd").iterdir())
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:  # gone, or not ours to read
         return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) == target:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def record_if_held(lock: Path, pids: Optional[list[str]] = None) -> Optional[int]:
