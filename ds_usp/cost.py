@@ -258,6 +258,21 @@ def attention_memory(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
     return AttentionMemory(output=q_b, saved=saved, forward_peak=forward_peak, backward_peak=backward_peak)
 
 
+def attention_kept(tokens: int, heads: int, kv_heads: int, head_dim: int, v_head_dim: int, ulysses: int,
+                   elem_bytes: int) -> float:
+    """Bytes one softmax layer's attention keeps for its backward on a rank holding ``tokens`` tokens, counted from the
+    tensors autograd saves (``saved_tensors_hooks`` on a Llama layer, 4 CPU ranks, 1x4, 2x2 and 4x1, 8 or 4 key/value
+    heads): q, k and v as the kernel reads them (``T`` tokens' worth either way; with ``U > 1`` in head layout after the
+    all-to-all, the key/value heads replicated up to ``U`` when fewer), the output in head layout when ``U > 1`` (with
+    ``U = 1`` it is ``o_proj``'s input, counted with the layer's ``h``-sized tensors) and the fp32 LSE. The key/value
+    part scales with ``H_kv``: a layer of 8 key/value heads keeps ``2 h`` more per token than one of 4 (a Llama
+    with 8 heads of 32)."""
+    hk = sent_kv_heads(kv_heads, ulysses) if kv_heads_compatible(kv_heads, ulysses) else kv_heads
+    qkv = tokens * (heads * head_dim + hk * (head_dim + v_head_dim)) * elem_bytes
+    out = tokens * heads * v_head_dim * elem_bytes if ulysses > 1 else 0
+    return float(qkv + out + tokens * heads * ACC_BYTES)
+
+
 # ------------------------------------------------------------------------------------------ a whole step
 
 GIB = 2 ** 30
@@ -352,32 +367,42 @@ class StepSettings:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The constants of :func:`step_memory` that are not counts of tensors: measured, not derived.
+    """The constants of :func:`step_memory` that are not derived from the model's shape.
 
-    The defaults are fitted (``benchmarks/plan_calibration.py --fit``) to the peaks of whole steps measured on 4
-    CPU ranks in live bytes, as ``max_memory_allocated`` counts them on a GPU (``VmHWM`` with glibc's mmap
-    threshold fixed at 64 KiB, so freed tensors leave the resident set; 17 rows of Llama shapes, ZeRO-1/2/3,
-    every feature; tests/test_plan.py, docs/planner.md).
+    Counted, not fitted (issue 65): the tensors a Llama layer and the loss keep, by ``saved_tensors_hooks`` and by the
+    resident set's growth phase by phase of a step on 4 CPU ranks (``benchmarks/long_seq.py``'s Llama at S = 16K,
+    2x2, ZeRO-3, fp32). Against the peaks of whole steps in live bytes, as ``max_memory_allocated`` counts them on a
+    GPU (``VmHWM`` with glibc's mmap threshold fixed at 64 KiB, so freed tensors leave the resident set; 17 rows of
+    Llama shapes, ZeRO-1/2/3, every feature; ``benchmarks/plan_calibration.py --table``) they predict 0.95-1.14 of
+    the measured peak, and 0.98-1.03 of four H200 rows (tests/test_plan.py, docs/planner.md). The constants fitted
+    before (7.79 ``h`` and 4.33 of the feed-forward width per token, 10.97 bytes per logit, 4.38 bytes per parameter
+    under ZeRO-3) fitted the same rows as well, but all those rows had 4 key/value heads for 8 query heads: with as
+    many key/value heads as query heads a layer kept 10% more than they said, and a tight budget on CPU was missed.
 
     Attributes:
-        per_layer_hidden: elements of ``h`` a decoder layer keeps per token for its backward (the attention's
-            residuals included, for the usual head sizes).
-        per_layer_mlp: elements of the feed-forward width it keeps per token.
+        per_layer_hidden: elements of ``h`` a decoder layer keeps per token for its backward besides its attention's
+            q, k, v, output and LSE (:func:`attention_kept`, counted apart since they scale with the heads): 7 counted
+            in a Llama layer (each RMSNorm's input and output and the projections' input after it, the output
+            projection's input).
+        per_layer_mlp: elements of the feed-forward width it keeps per token (4 counted in a gated MLP: gate, its
+            activation, up, their product).
         selective_hidden: elements of ``h`` per token a layer under selective checkpointing keeps besides its input
             (the ring's output and LSE, and what the policy saves with them).
-        logits: bytes per token and vocabulary entry of an unchunked loss (the fp32 logits, their log-softmax and
-            its gradient).
+        logits: bytes per token and vocabulary entry of an unchunked loss: three fp32 ``T x V`` tensors at once in
+            the log-softmax's backward (its output, the gradient coming in and the one going out), measured at 1500 MiB
+            for 4096 tokens x 32000.
         fixed: bytes a rank holds whatever the model (none measured beyond the counted parts).
         per_param: bytes per parameter beyond the counted model states, by ZeRO stage, for DeepSpeed's buffers
-            (counted up to the bucket sizes that bound them).
+            (counted up to the bucket sizes that bound them; none: fitted to the 17 rows with the counted constants
+            above they came out at 0).
     """
 
-    per_layer_hidden: float = 7.79
-    per_layer_mlp: float = 4.33
+    per_layer_hidden: float = 7.0
+    per_layer_mlp: float = 4.0
     selective_hidden: float = 1.0
-    logits: float = 10.97
+    logits: float = 12.0
     fixed: float = 0.0
-    per_param: tuple[float, float, float] = (0.0, 0.0, 4.38)
+    per_param: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 # DeepSpeed's defaults that bound its buffers (elements): reduce_bucket_size, stage3_max_live_parameters
@@ -488,11 +513,11 @@ def features_of(shape: ModelShape, tokens: int, s: StepSettings) -> Features:
 
 
 def activation_memory(shape: ModelShape, tokens: int, f: Features, elem_bytes: int, attention_peak: float,
-                      cal: Calibration = Calibration()) -> tuple[float, float, float]:
+                      cal: Calibration = Calibration(), ulysses: int = 2) -> tuple[float, float, float]:
     """``(activations, loss, attention)``: the bytes one rank holds for its step's activations at the peak.
 
     Per token and softmax layer :class:`Calibration`'s ``h`` and feed-forward parts (a tiled block keeps its input
-    instead of its feed-forward part); a linear-attention layer its projections and gates. A checkpointed layer keeps
+    instead of its feed-forward part) and what its attention keeps (:func:`attention_kept`); a linear-attention layer its projections and gates. A checkpointed layer keeps
     its input (selective: also the ring's output and LSE; offloaded: nothing on the device) and one layer is
     recomputed at a time. The loss: the whole fp32 logits, or one chunk, an fp32 ``lm_head`` gradient and ``dx``.
     The peak is at the loss (the kept activations and the loss's buffers) or in a layer's backward (the kept
@@ -505,11 +530,12 @@ def activation_memory(shape: ModelShape, tokens: int, f: Features, elem_bytes: i
         elem_bytes: the training dtype's bytes.
         attention_peak: the attention's transient backward bytes (:func:`attention_memory`).
         cal: the measured constants.
+        ulysses: U (what the attention keeps depends on it: :func:`attention_kept`).
 
     Returns:
         The three parts (at most one of ``loss`` and ``attention`` is not 0: the part the peak is at).
     """
-    return _Pricer(shape, tokens, elem_bytes, attention_peak, 0.0, Hardware(), cal).memory(f)
+    return _Pricer(shape, tokens, elem_bytes, attention_peak, 0.0, Hardware(), cal, ulysses).memory(f)
 
 
 def offloaded_bytes(shape: ModelShape, tokens: int, f: Features, elem_bytes: int = 2) -> float:
@@ -555,7 +581,7 @@ def step_memory(shape: ModelShape, s: StepSettings, seq: int, micro_batch: int =
     att = attention_memory(micro_batch, tokens_per_rank(seq, 1, s.sp) * s.sp, shape.heads, shape.kv_heads,
                            shape.head_dim, s.ulysses, s.ring, elem_bytes)
     activations, loss, attention = activation_memory(shape, t, features_of(shape, t, s), elem_bytes,
-                                                     att.backward_peak, cal)
+                                                     att.backward_peak, cal, s.ulysses)
     return StepMemory(params=params, grads=grads, optimizer=optimizer, activations=activations, attention=attention,
                       loss=loss, fixed=cal.fixed)
 
@@ -576,6 +602,16 @@ def model_state_memory(shape: ModelShape, s: StepSettings, elem_bytes: int = 2,
     grads += cal.per_param[s.zero - 1] * min(p, REDUCE_BUCKET)
     optimizer = 0.0 if s.offload_optimizer else _optimizer_bytes(shape, s, e)
     return params, grads, optimizer
+
+
+def step_only_states(shape: ModelShape, s: StepSettings, elem_bytes: int = 2) -> float:
+    """The bytes of :func:`model_state_memory` that exist only while a step runs: ZeRO-3's gathered parameters
+    (``min(P, LIVE_PARAMS) e``). DeepSpeed gathers them as the forward starts (with its default prefetch bucket and
+    reuse distance a small model's whole set: 73 MiB of fp32 on each of 4 CPU ranks for ``benchmarks/long_seq.py``'s
+    Llama, its small always-gathered weights aside) and releases them at the end of the backward; the rest (the
+    partitions, the gradient buffers, the optimizer's state) stays allocated between steps, so it is in what a rank
+    holds when its next forward starts, and this is not: ``"auto"`` plans the activations beside both."""
+    return min(shape.params, LIVE_PARAMS) * elem_bytes if s.zero == 3 else 0.0
 
 
 def attention_forward_flops(shape: ModelShape, seq: int, micro_batch: int = 1, causal: bool = True,
@@ -764,16 +800,19 @@ class _Pricer:
     written: :func:`activation_memory`, :func:`feature_seconds` and :func:`choose_features` use it)."""
 
     def __init__(self, shape: ModelShape, tokens: int, elem_bytes: int, attention_peak: float,
-                 attention_flops: float, hw: Hardware, cal: Calibration) -> None:
+                 attention_flops: float, hw: Hardware, cal: Calibration, ulysses: int = 2) -> None:
         t, h, e = tokens, shape.hidden, elem_bytes
         self.shape, self.t, self.e, self.hw, self.cal = shape, t, e, hw, cal
         self.layers = shape.layers
         self.rate = hw.peak_tflops * 1e12 * hw.efficiency
         linear_layer = t * e * (2 * shape.linear_k_heads * shape.linear_k_dim + 3 * shape.linear_v_heads
                                 * shape.linear_v_dim + 2 * shape.linear_v_heads) + t * e * cal.per_layer_hidden * h
+        attention = attention_kept(t, shape.heads, shape.kv_heads, shape.head_dim, shape.v_head_dim, ulysses, e) \
+            if shape.attention_layers else 0.0
         self.whole, self.one = {}, {}
         for tiled in (False, True):
-            full_layer = t * e * (cal.per_layer_hidden * h + (0.0 if tiled else cal.per_layer_mlp * shape.mlp_width))
+            full_layer = t * e * (cal.per_layer_hidden * h + (0.0 if tiled else cal.per_layer_mlp * shape.mlp_width)) \
+                + attention
             # every layer kept, a tiled block's input included; the one a checkpointed layer recomputes
             self.whole[tiled] = (shape.attention_layers * full_layer + shape.linear_layers * linear_layer
                                  + (t * e * h * self.layers if tiled else 0.0))
@@ -907,7 +946,7 @@ def _allowed(value: object, auto: list, on: list, off: list) -> list:
 def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget: float, hw: Hardware,
                     elem_bytes: int = 2, attention_peak: float = 0.0, attention_flops: float = 0.0,
                     offload_possible: bool = True, cal: Calibration = Calibration(),
-                    host_budget: float = math.inf) -> tuple[Features, float, float]:
+                    host_budget: float = math.inf, ulysses: int = 2) -> tuple[Features, float, float]:
     """The fastest features whose activations fit ``budget``: what ``"auto"`` takes (and the planner's ``auto``).
 
     Every combination the keys allow is priced: the loss whole or in chunks (multiples of :data:`ROW_MULTIPLE` rows,
@@ -930,11 +969,12 @@ def choose_features(shape: ModelShape, tokens: int, modes: FeatureModes, budget:
         cal: the measured constants.
         host_budget: the host bytes offloaded layer inputs may take (:meth:`Hardware.host_budget`): a row that
             offloads more is not taken.
+        ulysses: U (:func:`attention_kept`).
 
     Returns:
         ``(features, activation bytes, seconds they add)``.
     """
-    p = _Pricer(shape, tokens, elem_bytes, attention_peak, attention_flops, hw, cal)
+    p = _Pricer(shape, tokens, elem_bytes, attention_peak, attention_flops, hw, cal, ulysses)
     layers = shape.layers
     cap = None if modes.tile_mib is None else int(modes.tile_mib * 2 ** 20 // (shape.vocab * 4))
     chunks = _chunk_options(tokens, cap)

@@ -181,7 +181,8 @@ def auto_settings(shape: ModelShape, base: StepSettings, seq: int, hw: Hardware,
                            elem_bytes)
     features, _, _ = choose_features(shape, tokens, FeatureModes(), budget, hw, elem_bytes, att.backward_peak,
                                      attention_forward_flops(shape, padded, micro_batch) / base.sp,
-                                     host_budget=hw.host_budget(host_held(shape, base, elem_bytes)))
+                                     host_budget=hw.host_budget(host_held(shape, base, elem_bytes)),
+                                     ulysses=base.ulysses)
     return replace(base, features=features)
 
 

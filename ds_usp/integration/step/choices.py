@@ -9,7 +9,8 @@ The budget: :data:`~ds_usp.cost.HEADROOM` of what ``usp.memory_gib`` (when given
 on CPU the host's available memory shared by the node's ranks) leaves beside what the rank already holds: the larger
 of what the process holds at a call's start (the most seen so far: the device's allocations on a GPU; on CPU with
 ``usp.memory_gib`` its resident set, interpreter and libraries included) and what the cost model says the model's
-states take (:func:`ds_usp.cost.model_state_memory`). So a given ``usp.memory_gib`` bounds the rank's whole peak, and
+states take between steps (:func:`ds_usp.cost.model_state_memory`), plus what the step allocates for them
+(ZeRO-3's gathered parameters, :func:`ds_usp.cost.step_only_states`). So a given ``usp.memory_gib`` bounds the rank's whole peak, and
 a budget no plan fits is refused by name (:class:`MemoryBudgetError`) with what the smallest plan needs; without it
 the plan that holds least runs. Under ZeRO-3, or with ``usp.memory_gib`` given, the ranks agree on the budget and on the tokens
 (tile counts decide how often ZeRO-3 gathers; a refusal must be every rank's), one small all-reduce per call. On a
@@ -31,7 +32,8 @@ import torch.distributed as dist
 from ds_usp.comm import all_reduce_max_
 from ds_usp.config import USPConfigError, USPSettings, ranks_per_node
 from ds_usp.cost import (GIB, HEADROOM, Calibration, FeatureModes, Features, Hardware, ModelShape, StepSettings,
-                         activation_budget, attention_forward_flops, attention_memory, choose_features, features_of, model_state_memory)
+                         activation_budget, attention_forward_flops, attention_memory, choose_features, features_of,
+                         model_state_memory, step_only_states)
 from ds_usp.log import log_rank0
 from ds_usp.topology import USPTopology
 
@@ -53,12 +55,16 @@ class StepChoices(Features):
         budget: the bytes the activations were planned into (0: none known).
         predicted: the bytes the cost model predicts the activations take.
         seconds: what the features add to the step, as the cost model prices them.
+        gathered: the bytes the step allocates for the model beside its activations, left out of the budget
+            (ZeRO-3's gathered parameters, :func:`ds_usp.cost.step_only_states`): a step grows what the rank holds at
+            its start by about ``predicted + gathered``.
     """
 
     tokens: int = 0
     budget: float = 0.0
     predicted: float = 0.0
     seconds: float = 0.0
+    gathered: float = 0.0
 
 
 M_MMAP_THRESHOLD, HEAP_THRESHOLD = -3, 64 * 1024  # glibc's mallopt parameter; the threshold the budget sets
@@ -238,7 +244,13 @@ class MemoryContext:
             return StepChoices(**vars(features_of(shape, tokens, forced)), tokens=tokens)
         topo = self.topo
         step = self.step or StepSettings(topo.ulysses_degree, topo.ring_degree, topo.dp_size, 3 if self.zero3 else 2)
-        budget = activation_budget(memory, max(held, sum(model_state_memory(self.shape, step, elem))))
+        # what the step holds besides its activations: what the rank holds as the call starts (at least the model's
+        # states that outlive a step), and what the step allocates for the model (ZeRO-3's gathered parameters, not
+        # yet gathered then; on CPU the resident set dwarfs the states, and taking the larger of the two alone left
+        # them out: 73 MiB of a 951 MiB budget for benchmarks/long_seq.py's tight row)
+        in_step = step_only_states(self.shape, step, elem)
+        budget = activation_budget(memory, max(held, sum(model_state_memory(self.shape, step, elem)) - in_step)
+                                   + in_step)
         seq = tokens * topo.sp_size  # the whole rows' length (a batch's rows: b x S over the group)
         att = attention_memory(1, seq, self.shape.heads, self.shape.kv_heads, self.shape.head_dim, topo.ulysses_degree,
                                topo.ring_degree, elem)
@@ -246,16 +258,18 @@ class MemoryContext:
         features, predicted, seconds = choose_features(
             self.shape, tokens, modes, budget, Hardware() if cuda else CPU, elem, att.backward_peak,
             attention_forward_flops(self.shape, seq) / topo.sp_size, cuda, Calibration(),
-            host_budget=host if host > 0 else math.inf)
-        return StepChoices(**vars(features), tokens=tokens, budget=budget, predicted=predicted, seconds=seconds)
+            host_budget=host if host > 0 else math.inf, ulysses=topo.ulysses_degree)
+        return StepChoices(**vars(features), tokens=tokens, budget=budget, predicted=predicted, seconds=seconds,
+                           gathered=in_step)
 
 
 def _refusal(gib: float, choices: StepChoices, layers: int) -> str:
     """Why ``usp.memory_gib`` cannot hold the step, and what the smallest plan needs."""
-    holds = gib * GIB - choices.budget / HEADROOM  # the larger of what the rank holds and its model states
+    holds = gib * GIB - choices.budget / HEADROOM  # what the rank holds, and what its step gathers of the model
     want = math.ceil((holds + choices.predicted / HEADROOM) / GIB * 100) / 100  # the least memory_gib that fits it
     return (f"usp.memory_gib ({gib:g}) is too small for {choices.tokens} tokens per rank: the rank holds "
-            f"{holds / GIB:.2f} GiB before its step (model states, buffers; on CPU the process itself), and "
+            f"{holds / GIB:.2f} GiB besides the step's activations (model states, ZeRO-3's gathered parameters, "
+            f"buffers; on CPU the process itself), and "
             f"{HEADROOM:.0%} of the rest, {max(choices.budget, 0.0) / GIB:.2f} GiB, is the step's; the plan that "
             f"holds least of those the usp keys allow ({choices.describe(layers)}) needs {choices.predicted / GIB:.2f} "
             f"GiB. Set usp.memory_gib to at least {want:g}, spread the sequence over more sequence-parallel ranks, or "
