@@ -448,8 +448,10 @@ def budget_lines(by: dict, seq: int) -> list[str]:
     for name, row in (("ds-usp budget", budget), ("ds-usp tight", tight)):
         if row.get("abs_peak_MiB"):
             kept = row["abs_peak_MiB"] <= row["budget_MiB"]
+            predicted = predicted_growth(row)
             parts.append(f"{name}: absolute peak {row['abs_peak_MiB']} of a {row['budget_MiB']} MiB budget "
-                         f"({'kept' if kept else 'MISSED'});")
+                         f"({'kept' if kept else 'MISSED'}), grew {row['peak_MiB']} MiB"
+                         + (f" where the cost model said {predicted:.0f};" if predicted else ";"))
         elif row.get("note"):
             parts.append(f"{name} ({row.get('budget_MiB')} MiB): {row['note'][:160]};")
     if tight.get("peak_MiB") and full.get("peak_MiB"):
@@ -457,6 +459,13 @@ def budget_lines(by: dict, seq: int) -> list[str]:
         parts.append(f"ds-usp tight grew {ratio:.2f} x ALST full's growth (target <= {TARGET_PEAK_VS_ALST_FULL}: "
                      f"{'met' if ratio <= TARGET_PEAK_VS_ALST_FULL else 'missed'});")
     return parts
+
+
+def predicted_growth(row: dict) -> Optional[float]:
+    """What the cost model predicted a ds-usp row's step to grow by, in MiB, from the choices in its note: the
+    activations and what the step gathers of the model (ZeRO-3's parameters); None where the note has no prediction."""
+    found = dict(re.findall(r"\b(predicted|gathered)=([0-9.e+-]+)", row.get("note") or ""))
+    return (float(found["predicted"]) + float(found.get("gathered", 0))) / MIB if "predicted" in found else None
 
 
 def pivot(rows: list[dict]) -> str:

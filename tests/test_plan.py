@@ -286,3 +286,37 @@ def test_offloaded_layer_inputs_fit_the_host():
     selective = Features(loss_chunk=1024, mlp_tiles=4, checkpoint="selective", checkpoint_layers=28)
     kept = [activation_memory(shape, 4096, replace(selective, offload=off), 2, 0.0)[0] for off in (False, True)]
     assert kept[0] - kept[1] == pytest.approx(4096 * 2 * 3072 * 28) and kept[1] > 0, kept  # the inputs alone leave
+
+
+def test_auto_plans_the_gathered_parameters_and_the_key_value_heads():
+    """Issue 65's tight CPU budget: what a layer's attention keeps grows with its key/value heads (counted with
+    saved_tensors_hooks: q, k, v, the head-layout output when U > 1, the fp32 LSE), and under ZeRO-3 "auto" plans the
+    step's gathered parameters beside what the rank holds, even where the process holds more than the model's states
+    (on CPU the resident set, interpreter included: the larger of the two alone left them out)."""
+    import types
+
+    import torch
+
+    from ds_usp.config import USPSettings
+    from ds_usp.cost import (GIB, HEADROOM, Features, ModelShape, StepSettings, activation_memory, attention_kept,
+                             model_state_memory, step_only_states)
+    from ds_usp.integration.step.choices import MemoryContext
+
+    per_token = [attention_kept(1, 8, kv, 32, 32, u, 4) for kv, u in ((8, 2), (8, 1), (4, 2))]
+    assert per_token == [(256 + 512 + 256 + 8) * 4, (256 + 512 + 8) * 4, (256 + 256 + 256 + 8) * 4]
+    shape = ModelShape("long_seq", hidden=256, attention_layers=4, heads=8, kv_heads=8, head_dim=32, v_head_dim=32,
+                       vocab=32000, mlp_width=896, params=20_187_392, active_params=12_000_000)
+    gqa = ModelShape(**dict(vars(shape), kv_heads=4))
+    kept = [activation_memory(s, 4096, Features(), 4, 0.0, ulysses=2)[0] for s in (shape, gqa)]
+    assert kept[0] - kept[1] == pytest.approx(4 * 4096 * 2 * 128 * 4)  # 2 h a token and layer (h = 256 = 2 x 128)
+    step = StepSettings(2, 2, 1, 3)
+    gathered = step_only_states(shape, step, 4)
+    assert gathered == shape.params * 4 and step_only_states(shape, StepSettings(2, 2, 1, 2), 4) == 0
+    topo = types.SimpleNamespace(ulysses_degree=2, ring_degree=2, sp_size=4, dp_size=1, sp_dp_group=None)
+    for held in (0.0, 0.8 * GIB):  # nothing held: the states; a CPU process: its resident set, beyond the states
+        ctx = MemoryContext(settings=USPSettings(memory_gib=2.0), fallback_topo=topo, layout="zigzag", hidden=256,
+                            intermediate=896, vocab=32000, layers=4, zero3=True, shape=shape, step=step, held=held)
+        got = ctx.make_choices(4096, torch.device("cpu"), torch.float32)
+        lasting = sum(model_state_memory(shape, step, 4)) - gathered
+        assert got.budget == pytest.approx(HEADROOM * (2 * GIB - max(held, lasting) - gathered)), (held, got)
+        assert got.gathered == gathered and got.predicted <= got.budget
