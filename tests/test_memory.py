@@ -15,6 +15,8 @@ untiled one; activation checkpointing of a 6-layer model below 0.6 of no checkpo
 from __future__ import annotations
 
 import json
+import re
+from typing import Optional
 
 import pytest
 import torch
@@ -433,11 +435,15 @@ def _one_rank():
     return types.SimpleNamespace(ulysses_degree=1, ring_degree=1, sp_size=1, dp_size=1, sp_dp_group=None)
 
 
-def steps_within_budget(over_mib: list[float]) -> list[tuple]:
+ABOVE_THE_FLOOR_MIB = 48  # the tight budget: this much over the least the refusal names (resident sets move a little)
+
+
+def steps_within_budget(over_mib: list[Optional[float]]) -> list[tuple]:
     """On every rank (2x2, ZeRO-2, AdamW): for each of ``over_mib``, ``usp.memory_gib`` = the ranks' largest resident
-    set before ``ds_usp.initialize`` plus that many MiB, and the first step (the optimizer's states are made in it) at
-    S = 4096 of a Llama with vocab 32000. Per budget: the features chosen (or the refusal), the budget and the rank's
-    high-water mark over the step, in GiB."""
+    set before ``ds_usp.initialize`` plus that many MiB (None: the least ``usp.memory_gib`` the last refusal named,
+    plus :data:`ABOVE_THE_FLOOR_MIB`), and the first step (the optimizer's states are made in it) at S = 4096 of a
+    Llama with vocab 32000. Per budget: the features chosen (or the refusal), the budget and the rank's high-water
+    mark over the step, in GiB."""
     import ctypes
     import gc
 
@@ -456,7 +462,14 @@ def steps_within_budget(over_mib: list[float]) -> list[tuple]:
         rss = torch.tensor([resident_bytes()], dtype=torch.float64)
         dist.all_reduce(rss, op=dist.ReduceOp.MAX)  # one config on every rank: the largest resident set
         cfg = dict(_ds_config(2, 4, 2, 2, "zigzag"), optimizer={"type": "AdamW", "params": {"lr": 1e-4}})
-        cfg["usp"]["memory_gib"] = budget = (float(rss) + over * 2 ** 20) / 2 ** 30
+        if over is None:  # just above the floor the refusal named (the cost model's, whatever its constants)
+            floor = torch.tensor([float(re.search(r"Set usp.memory_gib to at least ([0-9.]+),", out[-1][0])[1])],
+                                 dtype=torch.float64)
+            dist.all_reduce(floor, op=dist.ReduceOp.MAX)  # one config on every rank
+            budget = float(floor) + ABOVE_THE_FLOOR_MIB / 1024
+        else:
+            budget = (float(rss) + over * 2 ** 20) / 2 ** 30
+        cfg["usp"]["memory_gib"] = budget
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(LlamaConfig(
             vocab_size=32000, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -485,16 +498,14 @@ def test_a_given_memory_gib_bounds_the_rank_peak_or_is_refused():
     agree on the budget first, so none waits for another), with the least ``usp.memory_gib`` that fits. In ranks of
     their own: a budget on CPU fixes glibc's mmap threshold for the process's life (``bound_host_heap``), which the
     shared world's later cases should not inherit, and a fresh heap measures cleanly."""
-    import re
-
     from dist_harness import World
 
     world = World(4)
     try:
-        results = world.run(steps_within_budget, [400.0, 100.0, 1.0])
+        results = world.run(steps_within_budget, [400.0, 1.0, None])
     finally:
         world.close()
-    for rank, ((roomy, roomy_gib, roomy_peak), (tight, tight_gib, tight_peak), (none, none_gib, _)) in enumerate(
+    for rank, ((roomy, roomy_gib, roomy_peak), (none, none_gib, _), (tight, tight_gib, tight_peak)) in enumerate(
             results):
         assert roomy_peak <= roomy_gib and tight_peak <= tight_gib, (rank, roomy_peak, roomy_gib, tight_peak, tight_gib)
         assert roomy != tight, (roomy, tight)  # the tight budget takes features the roomy one does not need
