@@ -190,8 +190,7 @@ class MemoryContext:
             memory, held, host = -float(neg_mib) * MIB, float(held_mib) * MIB, -float(neg_host) * MIB
         key = (tokens, dtype, memory, held, host)
         if key not in self._known:
-            self._known[key] = self._decide(tokens, device, torch.empty(0, dtype=dtype).element_size(), memory, held,
-                                            host)
+            self._known[key] = self._decide(tokens, device, dtype.itemsize, memory, held, host)  # (no tensor made)
         choices = self._known[key]
         over = choices.predicted > choices.budget
         if over and given:
