@@ -321,9 +321,12 @@ def _text_batch(step: int) -> dict:
 
 
 def _vlm_batch(step: int) -> dict:
+    """Gemma 3's batch with its image blocks moved by ``step`` tokens: spans that change every step (the last 7 tokens
+    are text, so no block wraps around)."""
     from test_vlm import _gemma3_batch
 
-    return _gemma3_batch(step)
+    batch = _gemma3_batch(step)
+    return {k: v.roll(step, dims=-1) if k != "pixel_values" else v for k, v in batch.items()}
 
 
 KINDS = {"window": (_window_llm, _text_batch, lambda m: m.model.layers),

@@ -187,6 +187,30 @@ def mismatched_batches() -> str:
     return str(info.value)
 
 
+def mismatched_vlm_spans() -> list[str]:
+    """Rank 2's VLM body made other image blocks than its partners: the language model's call refuses them on every
+    rank, before any layer; spans all ranks agree on pass, and the attention's own check then leaves them out."""
+    from ds_usp.attention.checks import SPANS, value_agreed
+    from ds_usp.integration.models.masks import HFMask
+    from ds_usp.integration.models.multimodal import _shard_call
+
+    topo = get_topo(2, 2)
+    documents = {"docs": None, "cu_seq_lens_q": None, "cu_seq_lens_k": None, "max_length_q": None,
+                 "max_length_k": None}
+    msgs = []
+    for differ in (True, False):
+        spans = (((4, 12 + (dist.get_rank() == 2 and differ)),),)
+        call = {"inputs_embeds": torch.zeros(1, 32, 8), "attention_mask": {"sliding_attention": HFMask(spans=spans)}}
+        if differ:
+            with pytest.raises(ValueError) as info:
+                _shard_call(call, topo, "zigzag", documents)
+            msgs.append(str(info.value))
+        else:
+            _shard_call(call, topo, "zigzag", documents)
+            assert value_agreed(spans, topo.sp_group, SPANS) and not value_agreed(spans, topo.sp_group, "documents")
+    return msgs
+
+
 def mismatched_configs() -> str:
     """Rank 3 reads a different usp block: ds_usp.initialize refuses it on every rank, before building groups."""
     import ds_usp
@@ -207,6 +231,9 @@ def test_ranks_that_disagree_get_the_same_error_everywhere(world4):
     assert "local sequence length: rank 0=8, rank 1=8, rank 2=10, rank 3=8" in msgs[0], msgs[0]
     msgs = world4.run(mismatched_batches)
     assert len(set(msgs)) == 1 and "ranks [1] differ" in msgs[0] and "same batch" in msgs[0], msgs
+    msgs = [m for per_rank in world4.run(mismatched_vlm_spans) for m in per_rank]
+    assert len(msgs) == 4 and len(set(msgs)) == 1 and "bidirectional spans (a hash): " in msgs[0] and \
+        "the VLM's language model (1 rows of 32 tokens) was called with different inputs" in msgs[0], msgs
     msgs = world4.run(mismatched_configs)
     assert len(set(msgs)) == 1 and "the ranks disagree" in msgs[0] and "ranks [3] have" in msgs[0], msgs
     world4.run(correct_call_after_bad_ones)  # the world is still healthy

@@ -229,7 +229,8 @@ def check_device(device: torch.device, group: Any) -> None:
 
 _SIGNATURE = ("batch", "local sequence length", "q heads", "kv heads", "head_dim", "v head_dim", "dtype", "causal",
               "layout", "seq_len", "softmax_scale", "documents, window, softcap and sinks (a hash)")
-DOCUMENTS, VALID_KEYS = "documents", "valid keys"  # what agree_value names the attention's own agreed values
+# what agree_value names the attention's own agreed values
+DOCUMENTS, VALID_KEYS, SPANS = "documents", "valid keys", "bidirectional spans"
 _SAME_SHARDS = ("every rank must pass its shard of the same sequences (shard them with ds_usp.shard_sequence / "
                 "ds_usp.shard_batch) with the same arguments")
 

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ds_usp.attention.checks import (VALID_KEYS, check_device, check_keys, check_qkv, check_same_across_ranks,
-                                     check_scale, check_sinks, check_softcap, check_spans, documents_agreed,
-                                     value_agreed)
+from ds_usp.attention.checks import (SPANS, VALID_KEYS, check_device, check_keys, check_qkv,
+                                     check_same_across_ranks, check_scale, check_sinks, check_softcap, check_spans,
+                                     documents_agreed, value_agreed)
 from ds_usp.attention.counter import count_sp_layer
 from ds_usp.attention.documents import Documents, doc_tensor
 from ds_usp.attention.masks import MaskSpec, chunk_docs
@@ -421,8 +421,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, topo: USPTopology, mask: Attentio
         resolve_backend(attn_backend, q.device, q.dtype)  # one that cannot run here is refused now, not in the ring
         check_same_across_ranks(q, k, v, topo.sp_group, causal, layout, real_len, scale,
                                 (_doc_signature(documents, docs, topo.sp_group), left, right, cap, sinks is not None,
-                                 COMM_DTYPES.index(comm_dtype), chunk or 0, row_spans or (),
-                                 _keys_signature(row_keys, topo.sp_group)))
+                                 COMM_DTYPES.index(comm_dtype), chunk or 0,
+                                 _unless_agreed(spans, row_spans, topo.sp_group, SPANS),
+                                 _unless_agreed(row_keys, row_keys, topo.sp_group, VALID_KEYS)))
     native = str(native_op).lower()
     docs_t = documents.tensor if documents is not None else None if docs is None else doc_tensor(docs, real_len)
     spans_t = None if row_spans is None else spans_tensor(row_spans)
@@ -471,11 +472,15 @@ def _doc_signature(documents: Optional[Documents], docs: Optional[tuple[tuple[in
     return () if documents_agreed(documents, group) else documents
 
 
-def _keys_signature(row_keys: Optional[tuple[tuple[tuple[int, int], ...], ...]], group: Any) -> Any:
-    """The valid keys' part of the cross-rank check: nothing when the ranks were shown to hold them (a diffusion
-    transformer's forward agreed its key mask once for all its blocks, and so the keys worked out of it:
-    :func:`ds_usp.attention.checks.mark_value_agreed`), else the keys."""
-    return () if row_keys is None or value_agreed(row_keys, group, VALID_KEYS) else row_keys
+def _unless_agreed(given: Any, checked: Any, group: Any, what: str) -> Any:
+    """Spans' or valid keys' part of the cross-rank check: nothing when the ranks were shown to hold the value given
+    (worked out once per model call, before its first layer, and agreed there: a VLM body's image blocks, a diffusion
+    transformer's valid keys; :func:`ds_usp.attention.checks.agree_value`), else the checked value (the argument as
+    :func:`~ds_usp.attention.checks.check_spans` or ``check_keys`` returned it, a function of the value given and
+    of the batch, length and documents, which the signature holds)."""
+    if checked is None:
+        return ()
+    return () if isinstance(given, tuple) and value_agreed(given, group, what) else checked  # (lists, tensors: not)
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from ds_usp.attention.checks import SPANS, agree_value
 from ds_usp.integration.models.masks import HFMask
 from ds_usp.sharding import normalize_docs, shard_sequence
 from ds_usp.topology import USPTopology
@@ -117,6 +118,10 @@ def _shard_call(kwargs: dict, topo: USPTopology, layout: str, documents: dict) -
     shard["attention_mask"] = mask if described else None
     if isinstance(mask, HFMask) and mask.spans:
         shard[BODY_SPANS_KEY] = mask.spans
+    for made in (mask.values() if described else [mask] if isinstance(mask, HFMask) else []):
+        if made.spans:  # agreed here, once per call: the layers' checks then leave them out (no all-gather inside one)
+            agree_value(made.spans, topo.sp_group, SPANS, (("batch", len(made.spans)),),
+                        caller=f"the VLM's language model ({rows} rows of {seq} tokens)")
     mask = kwargs.get("visual_pos_masks")
     if mask is not None:  # Qwen3-VL's deepstack: features added at the visual positions of the first layers
         shard["visual_pos_masks"], rows = _own_rows(mask, topo, layout, docs)
