@@ -26,9 +26,11 @@ custom op that calls them (:mod:`ds_usp.attention.usp`).
 
 A collective that fails (a peer rank died, or stalled past the group's timeout) raises
 :class:`USPCommError` naming the collective, the ranks and kinds of its group, and the layer and the training step it
-ran in. Each is issued asynchronously and watched by :mod:`ds_usp.watchdog` until it has run, so that one that does
-not complete is named on every backend, NCCL included (whose ``wait()`` returns before the collective has run): the
-next collective raises it, and a rank stuck in a device sync is ended.
+ran in. Each is watched by :mod:`ds_usp.watchdog` from before the call that issues it (asynchronously) until it has
+run, so that one that does not complete is named on every backend, NCCL included (whose ``wait()`` returns before the
+collective has run, and whose first collective on a group sets up the group's communicator inside the issuing call):
+the next collective raises it (or the issuing call, should it return), and a rank stuck in a device sync or in the
+issuing call is ended.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.upstream.c10d import process_group_named
-from ds_usp.watchdog import describe_group, forget, overdue, waited, watch, where
+from ds_usp.watchdog import describe_group, forget, issued, issuing, overdue, waited, watch, where
 
 
 class USPCommError(RuntimeError):
@@ -84,12 +86,30 @@ def _waited(works: Sequence[Any], token: Optional[int], device: Optional[torch.d
     waited(token, device)
 
 
+def _issue(what: str, group: Any, issue: Callable[[], Any]) -> tuple[Sequence[Any], Optional[int]]:
+    """``issue()`` (a collective with ``async_op=True``, returning its work or a list of works), watched from before
+    the call (:func:`ds_usp.watchdog.issuing`: a call that hangs, NCCL setting up the group's communicator, is named
+    "while being issued"), then by its works: the works and the watchdog's token. A call that returned past its
+    group's timeout raises the error the watchdog named for it. Called inside :func:`_named`."""
+    token = issuing(what, group)
+    try:
+        works = issue()
+    except BaseException:
+        forget(token)
+        raise
+    token = issued(token, works if isinstance(works, list) else (works,))
+    message = overdue()
+    if message is not None:
+        raise USPCommError(message)
+    return works, token
+
+
 def _run(what: str, group: Any, issue: Callable[[], Any], device: torch.device) -> None:
-    """``issue()`` (a collective with ``async_op=True``, returning its work, on tensors of ``device``), watched and
-    waited for, named."""
+    """``issue()`` (a collective with ``async_op=True``, returning its work, on tensors of ``device``), watched from
+    before the call, waited for, named."""
     with _named(what, group):
-        work = issue()
-        _waited((work,), watch((work,), what, group), _cuda(device))
+        work, token = _issue(what, group, issue)
+        _waited((work,), token, _cuda(device))
 
 
 def resolve_group(name: str) -> Any:
@@ -596,8 +616,7 @@ def _start_exchange(transfers: Sequence[tuple[Tensor, int, Tensor]], group: Any,
         ops += [dist.P2POp(dist.isend, send, ring_ranks[(ring_rank + hop) % n], group),
                 dist.P2POp(dist.irecv, recv, ring_ranks[(ring_rank - hop) % n], group)]
     with _named("ring send/recv", group):
-        works = dist.batch_isend_irecv(ops)
-    return works, watch(works, "ring send/recv", group)
+        return _issue("ring send/recv", group, lambda: dist.batch_isend_irecv(ops))
 
 
 # ---- staged point-to-point: a ring exchange through host buffers where the backend cannot send the device's tensors

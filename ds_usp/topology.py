@@ -18,8 +18,10 @@ rank take the default group itself (:func:`shared_default_group`; never destroye
 all-reduce, and for a ring one exchange with every ring rank its forward and backward send to), so that ranks that
 cannot reach each other fail there, with the group named. Each group carries a ``group_desc`` (:func:`group_descs`:
 ``ds_usp_ring_1``, ...) and is described to the collectives' watchdog (:func:`ds_usp.watchdog.name_group`: its kinds,
-ranks and timeout, for the errors of its collectives). Groups travel as the frozen :class:`USPTopology` value; no group
-is kept in module globals (but the one-rank group each rank shares, :func:`_solo_group`).
+ranks and timeout, for the errors of its collectives); its creation is watched too (:func:`_new_group`: with a GPU
+bound to the default group, NCCL sets up the communicator inside ``dist.new_group``). Groups travel as the frozen
+:class:`USPTopology` value; no group is kept in module globals (but the one-rank group each rank shares,
+:func:`_solo_group`).
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ds_usp.comm import warm_up
+from ds_usp.comm import USPCommError, warm_up
 from ds_usp.config import ranks_per_node_and_source
 from ds_usp.log import log_rank0, log_warning
 from ds_usp.upstream.c10d import group_timeout
-from ds_usp.watchdog import name_group
+from ds_usp.watchdog import GroupInfo, forget, issuing, name_group, overdue
 
 Ranks = tuple[int, ...]
 KINDS = ("ulysses", "ring", "sp", "dp", "sp_dp")  # the group kinds, in the order every rank builds them
@@ -57,8 +59,51 @@ def _solo_group(me: int, **kwargs: Any) -> Any:
 
     group = _SOLO.get(me)
     if group is None or group not in distributed_c10d._world.pg_map:
-        group = _SOLO[me] = dist.new_group([me], use_local_synchronization=True,
-                                           group_desc=f"ds_usp_model_parallel_{me}", **kwargs)
+        group = _SOLO[me] = _new_group((me,), ("model_parallel",), f"ds_usp_model_parallel_{me}", me,
+                                       use_local_synchronization=True, **kwargs)
+    return group
+
+
+def _new_group(members: Ranks, kinds: Sequence[str], desc: str, me: int, **kwargs: Any) -> Any:
+    """``dist.new_group(members, group_desc=desc, **kwargs)``, watched by the collectives' watchdog while it runs
+    (:func:`ds_usp.watchdog.issuing`, when ``kwargs`` has a timeout): with a GPU bound to the default group NCCL sets up
+    the new communicator in it (a split of the default group's, which every rank takes part in), and gloo connects the
+    group's ranks in it, so a rank that never comes hangs it. A call that has not returned within the timeout is named
+    in this rank's log (its kinds, ranks and ``group_desc``, "while being created"), as a collective would be; one
+    that fails, or returns past the timeout, raises that name.
+
+    Args:
+        members: the group's global ranks, sorted.
+        kinds: the kinds it serves.
+        desc: its ``group_desc``.
+        me: this rank.
+        **kwargs: ``dist.new_group``'s other arguments (``timeout``, ``use_local_synchronization``).
+
+    Returns:
+        The process group (``dist.new_group``'s value).
+
+    Raises:
+        USPCommError: the creation failed, or took longer than the timeout.
+    """
+    timeout = kwargs.get("timeout")
+    info = GroupInfo(tuple(kinds), tuple(members), desc, None if timeout is None else timeout.total_seconds(),
+                     wait_blocks=False)  # a creation is watched whatever the backend
+    what = "creation of the process group"
+    token = issuing(what, None, info, hung="while being created (dist.new_group)")
+    try:
+        group = dist.new_group(list(members), group_desc=desc, **kwargs)
+    except RuntimeError as e:
+        forget(token)
+        raise USPCommError(f"the {what} over {info.text()} failed on rank {me}: {e}\nA rank of this group died, "
+                           f"stalled longer than the group timeout (usp.timeout_seconds), or cannot reach this one; see "
+                           f"the other ranks' logs.") from e
+    except BaseException:
+        forget(token)
+        raise
+    message = overdue()  # named while it ran: it returned past its timeout
+    forget(token)
+    if message is not None:
+        raise USPCommError(message)
     return group
 
 
@@ -271,13 +316,17 @@ def _build_groups(ranks: GroupRanks, me: int, given: dict[str, Any], **kwargs: A
     mine: dict[str, Any] = dict(given)
     built = [kind for kind in KINDS if kind not in given]
     descs = group_descs(ranks, built)
+    served: dict[Ranks, list[str]] = {}  # each group's kinds, for the watchdog's name of its creation
+    for kind in built:
+        for members in getattr(ranks, kind):
+            served.setdefault(tuple(sorted(members)), []).append(kind)
     everyone = tuple(range(ranks.world_size))
     for kind in built:
         for members in getattr(ranks, kind):
             key = tuple(sorted(members))
             if key not in made:
                 world = shared_default_group(kwargs.get("timeout")) if key == everyone else None
-                made[key] = world if world is not None else dist.new_group(list(key), group_desc=descs[key], **kwargs)
+                made[key] = world if world is not None else _new_group(key, served[key], descs[key], me, **kwargs)
             if me in members:
                 mine[kind] = made[key]
     _name_groups(ranks, me, {kind: mine[kind] for kind in built}, descs, kwargs.get("timeout"))

@@ -7,21 +7,26 @@ turns that error into a named one as it passes. NCCL's returns once the current 
 collective: a collective whose peer never comes fails no Python call, and after the timeout NCCL's own watchdog aborts
 the process naming a process-group number. So this module watches from the host:
 
-* :mod:`ds_usp.comm` issues each collective with ``async_op=True`` and hands its works to :func:`watch` (a record in a
-  dict: O(1), no host sync), then calls :func:`waited` once ``wait()`` returned. A group whose backend's wait blocks
-  and raises at the timeout itself (gloo) needs no record. On another (NCCL) the record stays until the device has run
-  the collective: a CUDA event recorded on the current stream after ``wait()`` (from a pool) stands for the work, so
-  that no record holds a tensor (a ``WorkNCCL`` holds its outputs). Later collectives drop the records whose
-  collectives have run, oldest first.
+* :mod:`ds_usp.comm` issues each collective with ``async_op=True``, watched from before the call (:func:`issuing`: a
+  record in a dict, O(1), no host sync) and, once the call returned, by its works (:func:`issued`), then calls
+  :func:`waited` once ``wait()`` returned. The call itself can hang: NCCL sets up a group's communicator in its first
+  collective (or in ``dist.new_group`` when the default group is bound to a GPU, which the topology watches the same
+  way), waiting there for every rank of the group; such a record is named as hung "while being issued" (or created).
+  A group whose backend's wait blocks and raises at the timeout itself (gloo, whose connections are made when the
+  group is created) needs no record once issued, and none while issuing. On another (NCCL) the record stays until the
+  device has run the collective: a CUDA event recorded on the current stream after ``wait()`` (from a pool) stands
+  for the work, so that no record holds a tensor (a ``WorkNCCL`` holds its outputs). Later collectives drop the
+  records whose collectives have run, oldest first.
 * One daemon thread a process, started by the first watched collective, looks at the records every poll interval
   (``min(1 s, timeout / 10)``). A record outstanding for its group's timeout less one poll interval is named no later
   than the timeout itself, before NCCL's watchdog acts on it: the error is logged on this rank at once, and the next
   ds-usp collective of any thread raises it (:func:`overdue`, as ``USPCommError``) while the collective is outstanding.
-* A thread stuck where no ds-usp collective comes (a device sync: ``.item()``, a barrier) cannot raise it: when
-  neither the thread that issued the collective nor the main thread has raised it within a grace period
-  (``min(30 s, max(1 s, timeout / 10))``), the monitor interrupts the main thread (``KeyboardInterrupt`` wherever it
-  runs Python), and after a second grace period prints every thread's Python stack and aborts the process (SIGABRT,
-  as NCCL's watchdog does).
+* A thread stuck where no ds-usp collective comes (a device sync: ``.item()``, a barrier; or the issuing call itself,
+  blocked in C++) cannot raise it: when neither the thread that issued the collective nor the main thread has raised
+  it within a grace period (``min(30 s, max(1 s, timeout / 10))``), the monitor interrupts the main thread
+  (``KeyboardInterrupt`` wherever it runs Python), and after a second grace period prints every thread's Python stack
+  and aborts the process (SIGABRT, as NCCL's watchdog does): NCCL's blocking communicator set-up has no timeout of
+  its own.
 
 Groups are known by :func:`name_group` (the topology names each group it builds, with its timeout); a collective on
 another group (the default group, a caller's own) is not watched, and where its wait blocks it is still named by
@@ -89,14 +94,15 @@ class _Record:
     it is, where it was issued from, and how far the monitor has gone with it."""
 
     __slots__ = ("works", "event", "device_index", "what", "info", "since", "layer", "phase", "thread", "named_at",
-                 "message", "acknowledged", "stage")
+                 "message", "acknowledged", "stage", "issuing")
 
     def __init__(self, works: Optional[Sequence[Any]], what: str, info: GroupInfo, layer: Optional[int],
-                 phase: str) -> None:
+                 phase: str, issuing: Optional[str] = None) -> None:
         self.works, self.event, self.device_index, self.what, self.info = works, None, None, what, info
         self.since, self.layer, self.phase, self.thread = time.monotonic(), layer, phase, threading.get_ident()
         self.named_at: Optional[float] = None
         self.message, self.acknowledged, self.stage = "", False, 0
+        self.issuing = issuing  # the call is in progress: "while being issued" (None: it returned, or no such call)
 
     def done(self) -> bool:
         """Whether the device (or the backend) has run the collective."""
@@ -120,10 +126,14 @@ class _Record:
     def name(self, now: float) -> str:
         """Mark it named; its message."""
         self.named_at = now
+        hung = "" if self.issuing is None else (
+            f"; it hung {self.issuing}, its call has not returned (NCCL sets up a group's communicator in its first "
+            f"collective, or in its creation when the default group is bound to a GPU, and waits there for every rank "
+            f"of the group to connect)")
         self.message = (f"the {self.what} over {self.info.text()} has not completed on rank {_rank()}"
                         f"{_where(self.layer, self.phase)} after {now - self.since:.1f} s (the group's timeout, "
-                        f"usp.timeout_seconds, is {self.info.timeout_s:g} s): a rank of this group died, stalled, or "
-                        f"called a different collective; see the other ranks' logs")
+                        f"usp.timeout_seconds, is {self.info.timeout_s:g} s){hung}: a rank of this group died, "
+                        f"stalled, cannot reach this one, or called a different collective; see the other ranks' logs")
         return self.message
 
     def acknowledge(self) -> None:
@@ -251,6 +261,67 @@ def watch(works: Optional[Sequence[Any]], what: str, group: Any) -> Optional[int
     return token
 
 
+ISSUING = "while being issued"
+
+
+def issuing(what: str, group: Any, info: Optional[GroupInfo] = None, hung: str = ISSUING) -> Optional[int]:
+    """Start watching a call about to issue a collective on ``group`` (before it, O(1), no host sync): a call that does
+    not return within the group's timeout (NCCL setting up the group's communicator) is named as :func:`watch`'s
+    records are, as hung ``hung``. Once it returned, :func:`issued` (or, for a call that is the whole collective or a
+    group's creation, :func:`forget`).
+
+    Args:
+        what: the collective's name in errors (e.g. ``"Ulysses all-to-all"``).
+        group: its process group (unused when ``info`` is given).
+        info: what to name instead of ``group``'s info, for a call on a group not yet made (``dist.new_group``): watched
+            whenever it has a timeout, whatever its backend.
+        hung: what the error says the call hung in (``"while being issued"``).
+
+    Returns:
+        A token for :func:`issued` / :func:`forget`; None when the call is not watched: the group is unknown or has no
+        timeout, or (``info`` not given) its backend's wait blocks (gloo: its collectives' calls wait on no peer, and a
+        blocked wait raises by itself).
+    """
+    if info is None:
+        info = _GROUPS.get(id(group))
+        if info is None or info.wait_blocks:
+            return None
+    if info.timeout_s is None:
+        return None
+    if not _MONITOR["started"]:
+        _start()
+    token = next(_TOKENS)
+    record = _Record(None, what, info, _LAYER, _PHASE, hung)
+    with _LOCK:
+        _OUT[token] = record
+    return token
+
+
+def issued(token: Optional[int], works: Sequence[Any]) -> Optional[int]:
+    """The call watched under ``token`` (:func:`issuing`) returned ``works``: from now on they are watched as
+    :func:`watch`'s, from now (a few dict operations, no host sync). A call the monitor named meanwhile stays named:
+    the caller's :func:`overdue` raises it at once.
+
+    Args:
+        token: from :func:`issuing`, or None (nothing watched).
+        works: its works.
+
+    Returns:
+        The token, for :func:`waited` / :func:`forget` (None when ``token`` is).
+    """
+    if token is None:
+        return None
+    record = _OUT.get(token)
+    if record is None:
+        return None
+    with _LOCK:
+        record.works = works
+        if record.named_at is None:
+            record.issuing, record.since = None, time.monotonic()
+        _KEPT.append(token)
+    return token
+
+
 def waited(token: Optional[int], device: Optional[torch.device] = None) -> None:
     """The works of ``token`` were waited for, which on a watched group does not mean they have run (NCCL): they are
     watched until the device has run them (``device``: the CUDA device of their tensors, where an event recorded now
@@ -319,21 +390,26 @@ def overdue() -> Optional[str]:
             if record.finished():
                 _drop(token)
                 continue
-            if threading.get_ident() in (record.thread, threading.main_thread().ident):
+            me = threading.get_ident()
+            if me in (record.thread, threading.main_thread().ident):
                 record.acknowledge()
-            return f"{record.message} (raised on rank {_rank()} at its next collective)"
+            how = "when its call returned" if record.issuing is not None and me == record.thread else \
+                "at its next collective"
+            return f"{record.message} (raised on rank {_rank()} {how})"
     return None
 
 
 def outstanding() -> list[str]:
-    """What is watched now, oldest first: ``"<collective> over <group> for <seconds> s"`` (for logs and tests).
+    """What is watched now, oldest first: ``"<collective> over <group> for <seconds> s"`` (and ``" while being
+    issued"`` for a call in progress, :func:`issuing`) (for logs and tests).
 
     Returns:
         One line per outstanding collective.
     """
     now = time.monotonic()
     with _LOCK:
-        return [f"{r.what} over {r.info.text()} for {now - r.since:.1f} s" for r in _OUT.values()]
+        return [f"{r.what} over {r.info.text()} for {now - r.since:.1f} s{'' if r.issuing is None else ' ' + r.issuing}"
+                for r in _OUT.values()]
 
 
 def _start() -> None:
@@ -363,7 +439,7 @@ def _after_fork() -> None:
 def _monitor() -> None:
     """The monitor thread: every poll interval, name the records that are due and escalate the named ones."""
     while True:
-        time.sleep(min((i.poll_s for i in list(_GROUPS.values()) if i.timeout_s is not None), default=POLL_MAX_S))
+        time.sleep(_poll_s())
         try:
             named, actions = _scan(time.monotonic())
         except Exception as e:  # noqa: BLE001 - the monitor must outlive a bad look; it says so
@@ -373,6 +449,13 @@ def _monitor() -> None:
             log_error(message)
         for action, message in actions:
             _escalate(action, message)
+
+
+def _poll_s() -> float:
+    """The monitor's sleep: the shortest poll interval of the named groups and of the records (a group being created
+    is known to its record only)."""
+    infos = [i for i in list(_GROUPS.values()) if i.timeout_s is not None] + [r.info for r in list(_OUT.values())]
+    return min((i.poll_s for i in infos), default=POLL_MAX_S)
 
 
 def _scan(now: float) -> tuple[list[str], list[tuple[str, str]]]:

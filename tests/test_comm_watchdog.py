@@ -9,6 +9,10 @@ watchdog (:mod:`ds_usp.watchdog`) watches ds-usp's collectives from the host; th
   code's only check, around ``wait()``, says nothing;
 * records kept past ``wait()`` are dropped once their collectives have run;
 * a main thread stuck where no collective comes (a device sync) is interrupted, then the process aborted;
+* a call that hangs while issuing a collective (NCCL setting up the group's communicator in its first collective) or
+  creating a group (``dist.new_group``, where NCCL sets it up when the default group is bound to a GPU) is named in the
+  log while it hangs, "while being issued" / "while being created", and raised when it returns; the code before
+  watched a collective only once its issuing call had returned, and group creation not at all;
 * on 4 gloo ranks with rank 3 never joining an SP-group all-reduce: the three ranks that wait raise the named error
   within the timeout, both where ``wait()`` blocks (gloo as it is) and where it returns at once (gloo's works wrapped
   to behave as NCCL's; the code before the watchdog raised nothing there);
@@ -136,6 +140,73 @@ def test_a_main_thread_stuck_in_a_device_sync_is_interrupted_then_aborted(contex
         signal.signal(signal.SIGINT, previous)
     assert len(interrupted) == 1 and 1.2 <= interrupted[0] - start <= 3.0, interrupted  # named at ~0.5 s, 1 s grace
     assert len(aborted) == 1 and 2.2 <= aborted[0] - start <= 5.0, aborted  # one more grace period
+
+
+class _Done:
+    def is_completed(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def hang_log(context, monkeypatch):
+    """The watchdog's logged errors as ``(seconds since the fixture, message)``; SIGINT and the abort recorded (none
+    may come: the hanging calls below return before the first grace period ends)."""
+    import signal
+
+    logged: list[tuple[float, str]] = []
+    escalated: list[str] = []
+    start = time.monotonic()
+    monkeypatch.setattr(watchdog, "log_error", lambda message: logged.append((time.monotonic() - start, message)))
+    monkeypatch.setattr(watchdog, "_abort", lambda: escalated.append("abort"))
+    previous = signal.signal(signal.SIGINT, lambda *args: escalated.append("interrupt"))
+    yield logged
+    signal.signal(signal.SIGINT, previous)
+    assert escalated == []
+    _next_collective()  # drops the named records that have run
+    assert watchdog.outstanding() == []
+
+
+HANG_S = 1.0  # how long the calls below hang, past their 0.5 s timeout
+
+
+def test_a_collective_whose_issuing_call_hangs_is_named_while_being_issued(hang_log):
+    group = FakeGroup()
+    watchdog.name_group(group, ("ulysses",), (0, 1), "ds_usp_ulysses_0", 0.5, wait_blocks=False)
+
+    def issue():  # the first collective on an NCCL group sets up its communicator before it returns
+        time.sleep(HANG_S)
+        return NcclLikeWork(_Done())
+
+    with pytest.raises(USPCommError) as raised:  # the old code: no record until it returned, nothing named or raised
+        comm._run("Ulysses all-to-all", group, issue, torch.device("cpu"))
+    assert len(hang_log) == 1 and 0.4 <= hang_log[0][0] < HANG_S, hang_log  # logged while the call hangs
+    for message in (hang_log[0][1], str(raised.value)):
+        for part in (("the Ulysses all-to-all over ranks [0, 1] (the ulysses group ds_usp_ulysses_0) has not completed "
+                      "on rank 0 in layer 5 (forward) of training step 2"), "it hung while being issued",
+                     "sets up a group's communicator"):
+            assert part in message, message
+    assert "raised on rank 0 when its call returned" in str(raised.value)
+
+
+def test_a_group_creation_that_hangs_is_named_while_being_created(hang_log, monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from ds_usp import topology
+
+    made = object()
+    monkeypatch.setattr(dist, "new_group", lambda *args, **kwargs: time.sleep(HANG_S) or made)
+    with pytest.raises(USPCommError) as raised:
+        topology._new_group((1, 3), ("ring", "dp"), "ds_usp_ring_1+dp_1", 1, timeout=datetime.timedelta(seconds=0.5))
+    assert len(hang_log) == 1 and 0.4 <= hang_log[0][0] < HANG_S, hang_log
+    for message in (hang_log[0][1], str(raised.value)):
+        for part in (("the creation of the process group over ranks [1, 3] (the ring / dp group ds_usp_ring_1+dp_1) "
+                      "has not completed"), "it hung while being created (dist.new_group)"):
+            assert part in message, message
+    monkeypatch.setattr(dist, "new_group", lambda *args, **kwargs: made)  # in time: the group, nothing named
+    assert topology._new_group((1, 3), ("ring",), "ds_usp_ring_1", 1, timeout=datetime.timedelta(seconds=0.5)) is made
+    assert len(hang_log) == 1
 
 
 # ---- 4 gloo ranks, rank 3 stops
