@@ -205,6 +205,9 @@ def test_no_host_made_tensor_nor_backend_lookup_in_hybrid_layers_after_the_first
     for u, r, layout in ((2, 1, "zigzag"), (1, 2, "zigzag")):
         per_rank = world2.run(count_hybrid_host_work, family, u, r, layout)
         for rank, steps in enumerate(per_rank):
+            for counts in steps:  # every layer recomputed: each of its modules called again (else nothing is checked)
+                calls = counts["fwd"]["module_calls"]
+                assert calls > 0 and counts["recompute"]["module_calls"] == calls, counts
             for step, counts in enumerate(steps[1:], 1):
                 got = {phase: (counts[phase]["reads"], counts[phase]["made"]) for phase in ("fwd", "recompute")}
                 if got != {"fwd": (0, 0), "recompute": (0, 0)} or counts["lookups"]:
@@ -216,13 +219,15 @@ def test_no_host_made_tensor_nor_backend_lookup_in_hybrid_layers_after_the_first
 
 def test_layer_tables_and_the_backend_are_kept_per_shape_and_device():
     """What the meter cannot see on CPU (a ``.to(device)`` of a host tensor is no copy there): the linear layers'
-    channel and halo tables, the documents of each position and the backend are made once per key and handed out
-    again (the same objects), from bounded caches."""
+    channel and halo tables, the documents of each position, Llama 4's NoPE query factors and the backend are made
+    once per key and handed out again (the same objects), from bounded caches."""
+    from ds_usp.integration.models.attention import _temperature_ratio
     from ds_usp.kernels import resolve_backend
     from ds_usp.linear import conv, sp
 
     cpu = torch.device("cpu")
     cached = ((sp._channels, (2, 16, 4, 16, 1, 2, cpu)),
+              (_temperature_ratio, (8.0, 0.1, 64, 2, 2, 1, "zigzag", None, cpu, torch.float32)),  # Llama 4's NoPE
               (conv._device_halo_rows, (96, 2, 2, "zigzag", None, 4, 1, cpu)),
               (conv._document_ids, (((0, 30, 31, 71),), 96, 96, cpu)),
               (resolve_backend, ("auto", cpu, torch.float32)))
@@ -230,6 +235,18 @@ def test_layer_tables_and_the_backend_are_kept_per_shape_and_device():
         assert fn(*args) is fn(*args) and fn.cache_info().maxsize == 64, fn
     assert conv._document_ids(((0, 30),), 40, 48, cpu).tolist() == [[0] * 30 + [1] * 10 + [2] * 8]
     assert resolve_backend("auto", cpu, torch.float32).name == "torch"
+
+
+@torch.library.custom_op("ds_usp_tests::read_in_a_custom_op", mutates_args=())
+def _read_in_a_custom_op(x: torch.Tensor) -> torch.Tensor:
+    """A custom operator whose body reads its input on the host (as ds-usp's attention ops run their bodies)."""
+    x.tolist()
+    return x.clone()
+
+
+@_read_in_a_custom_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class _EveryKind(torch.nn.Module):
@@ -248,6 +265,12 @@ class _EveryKind(torch.nn.Module):
         torch.tensor([1, 2])
         torch.from_numpy(np.ones(2))
         torch.arange(3)
+        int(x[0])
+        float(x[0])
+        x.cpu()
+        x.numpy()
+        torch.as_tensor([1.0])
+        _read_in_a_custom_op(x)
         x.to(x.device)  # not a read: on a GPU, the device
         torch.arange(3, device=x.device)  # not host-made: given a device
         return x * 2
@@ -265,19 +288,26 @@ def test_the_meters_count_every_kind_of_host_read_and_host_made_tensor_at_its_si
     first = start + next(i for i, line in enumerate(source) if "x.tolist()" in line)
     with LayerHostReads([layer]) as reads:
         layer(torch.ones(3))
-    lines = {int(s.split(" at ")[1].split(":")[1].split(" ")[0]) - first: s.split(" ")[1:3] for s in reads.sites()}
+    inside = [s for s in reads.sites() if s.endswith(" _read_in_a_custom_op")]  # the op's body: its own site
+    assert [s.split(" ")[1:4] for s in inside] == [["reads", ".tolist", "1x"]], reads.sites()
+    lines = {int(s.split(" at ")[1].split(":")[1].split(" ")[0]) - first: s.split(" ")[1:3] for s in reads.sites()
+             if s not in inside}
     assert lines == {0: ["reads", ".tolist"], 1: ["reads", ".item"], 2: ["reads", ".__bool__"],
                      3: ["reads", ".equal"], 4: ["reads", ".to('cpu')"], 5: ["reads", ".nonzero"],
                      6: ["reads", ".__getitem__"], 7: ["made", ".tensor"], 8: ["made", ".from_numpy"],
-                     9: ["made", ".arange"]}, reads.sites()
-    assert reads.counts()["fwd"] == {"reads": 7, "made": 3, "module_calls": 0}
+                     9: ["made", ".arange"], 10: ["reads", ".__int__"], 11: ["reads", ".__float__"],
+                     12: ["reads", ".cpu"], 13: ["reads", ".numpy"], 14: ["made", ".as_tensor"]}, reads.sites()
+    assert reads.counts()["fwd"] == {"reads": 12, "made": 4, "module_calls": 0}
     assert torch.from_numpy.__module__ != __name__ and torch.from_numpy.__name__ == "from_numpy"  # unwrapped after
     with StepMeter() as meter:
         layer(torch.ones(3))
-    synced = sorted(int(site.site.split(":")[1].split(" ")[0]) - first for (_, site) in meter.syncs)
+    body = [site.site for (_, site) in meter.syncs if site.site.endswith(" _read_in_a_custom_op")]
+    synced = sorted(int(site.site.split(":")[1].split(" ")[0]) - first for (_, site) in meter.syncs
+                    if site.site not in body)
     made = sorted(int(site.site.split(":")[1].split(" ")[0]) - first for (_, site) in meter.host_made)
-    assert synced == [0, 1, 2, 3, 4, 5, 6] and made == [7, 8], (meter.summary())
-    assert meter.total.host_made == 2  # arange given no device is a host tensor, not made of host data
+    assert len(body) == 1 and synced == [0, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13] and made == [7, 8, 14], \
+        meter.summary()
+    assert meter.total.host_made == 3  # arange given no device is a host tensor, not made of host data
 
 
 # ------------------------------------------------------------ every input kind, through ds_usp.initialize's engine

@@ -81,4 +81,35 @@ def doc_tensor(docs: Rows, seq_len: int) -> Tensor:
     """
     lens = [[e - s for s, e in zip(row, row[1:] + (seq_len,))] for row in docs]
     n = max(len(x) for x in lens)
-    return torch.tensor([x + [0] * (n - len(x)) for x in lens], dtype=torch.int64)
+    return made_from(torch.tensor([x + [0] * (n - len(x)) for x in lens], dtype=torch.int64), tuple(map(tuple, docs)))
+
+
+_MADE_FROM = "_ds_usp_made_from"
+
+
+def made_from(tensor: Tensor, value: Any) -> Tensor:
+    """``tensor`` (a host tensor an op takes for a Python value: the ring op's documents, spans, valid keys) tagged
+    with the value it was made from, which the op's body reads back (:func:`value_made_from`) instead of reading the
+    tensor: no ``.tolist()`` inside a layer. The tensor keeps its Python object through a custom op's call.
+
+    Args:
+        tensor: the tensor (not to be written).
+        value: what it was made from, in the form its reader returns.
+
+    Returns:
+        ``tensor``.
+    """
+    setattr(tensor, _MADE_FROM, value)
+    return tensor
+
+
+def value_made_from(tensor: Tensor) -> Any:
+    """The value :func:`made_from` tagged ``tensor`` with, or None (a tensor made elsewhere: read it).
+
+    Args:
+        tensor: the tensor.
+
+    Returns:
+        The value, or None.
+    """
+    return getattr(tensor, _MADE_FROM, None)

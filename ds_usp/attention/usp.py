@@ -43,7 +43,7 @@ from ds_usp.attention.checks import (SPANS, VALID_KEYS, check_device, check_keys
                                      check_same_across_ranks, check_scale, check_sinks, check_softcap, check_spans,
                                      documents_agreed, value_agreed)
 from ds_usp.attention.counter import count_sp_layer
-from ds_usp.attention.documents import Documents, doc_tensor
+from ds_usp.attention.documents import Documents, doc_tensor, made_from, value_made_from
 from ds_usp.attention.masks import MaskSpec, chunk_docs
 from ds_usp.attention.ring import RingSpec, ring_backward, ring_forward, sink_grad
 from ds_usp.attention.ulysses import head_to_seq, seq_to_head
@@ -141,7 +141,7 @@ def _ring_and_mask(x: Tensor, world: int, ring_group: str, causal: bool, layout:
     rg = resolve_group(ring_group)
     r = dist.get_world_size(rg)
     _, padded = resolve_seq_len(seq_len, x.shape[1] // world, world, r, layout)
-    doc_starts = normalize_docs(docs, x.shape[0], seq_len) if docs is not None else None
+    doc_starts = None if docs is None else value_made_from(docs) or normalize_docs(docs, x.shape[0], seq_len)
     mask = MaskSpec(causal=causal, seq_len=seq_len, docs=chunk_docs(doc_starts, x.shape[0], seq_len, chunk),
                     window=None if window_left < 0 else (window_left, window_right),
                     spans=None if spans is None else _spans_of(spans), keys=None if keys is None else _spans_of(keys))
@@ -497,13 +497,18 @@ def spans_tensor(spans: tuple[tuple[tuple[int, int], ...], ...]) -> Tensor:
         The tensor (shared: not to be written).
     """
     m = max(len(row) for row in spans)
-    return torch.tensor([[list(p) for p in row] + [[0, 0]] * (m - len(row)) for row in spans],
-                        dtype=torch.int64).view(len(spans), m, 2)
+    return made_from(torch.tensor([[list(p) for p in row] + [[0, 0]] * (m - len(row)) for row in spans],
+                                  dtype=torch.int64).view(len(spans), m, 2), _runs(spans))
+
+
+def _runs(rows: Any) -> tuple[tuple[tuple[int, int], ...], ...]:
+    return tuple(tuple((a, b) for a, b in row if b > a) for row in rows)
 
 
 def _spans_of(spans: Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The ring op's ``(b, m, 2)`` spans (or valid keys) tensor -> per row, the non-empty runs."""
-    return tuple(tuple((a, b) for a, b in row if b > a) for row in spans.tolist())
+    """The ring op's ``(b, m, 2)`` spans (or valid keys) tensor -> per row, the non-empty runs (the value it was made
+    from, when :func:`spans_tensor` made it: not read)."""
+    return value_made_from(spans) or _runs(spans.tolist())
 
 
 def check_window(window: Any, causal: bool) -> tuple[int, int]:

@@ -565,8 +565,9 @@ class LayerHostReads:
     Reads are :data:`HOST_READS`, the ops of :data:`HOST_SHAPED` (their output's shape is a count of values),
     boolean-mask indexing and ``.to`` a device the call's source line names ``"cpu"``; host-made tensors are
     :data:`HOST_MADE` and :data:`HOST_FACTORIES` given no device. A ``torch.overrides.TorchFunctionMode``
-    (:class:`_HostCalls`) sees every torch call of Python code (not those inside a function it hands on: a custom
-    op's body); ``torch.from_numpy`` and ``torch.frombuffer``, which it never sees, are wrapped while the meter is on.
+    (:class:`_HostCalls`) sees every torch call of Python code; it hands a custom operator on as one call, so each
+    ``torch.library.custom_op`` body (ds-usp's attention) pushes it again while the meter is on; ``torch.from_numpy``
+    and ``torch.frombuffer``, which it never sees, are wrapped while the meter is on.
     Module hooks push it while a layer runs: forward pre-hooks put first (so what the other pre-hooks of a layer do,
     such as cutting its inputs, counts as inside it) and always-called forward hooks, of each layer and of every
     module inside it. A layer's own hooks alone
@@ -589,6 +590,7 @@ class LayerHostReads:
         self._depth = 0
         self._handles: list = []
         self._unseen: dict[str, Any] = {}
+        self._bodies: list[tuple[dict, Any, Any]] = []  # (a custom op's bodies, device type, its own body)
 
     def _enter(self, module: Any, args: Any, inner: bool) -> None:
         if inner:
@@ -618,7 +620,27 @@ class LayerHostReads:
                 return _original(*args, **kwargs)
 
             setattr(torch, name, made)
+        self._open_bodies()
         return self
+
+    def _open_bodies(self) -> None:
+        """Every custom operator's Python body (``torch.library.custom_op``: ds-usp's ring attention, its all-to-alls)
+        runs with the mode pushed again while a layer runs. The mode hands such an op on as one call, and its body
+        would run unseen: each body is wrapped where the dispatcher looks it up at every call."""
+        for opdef in list(getattr(torch._library.custom_ops, "OPDEFS", {}).values()):
+            bodies = getattr(opdef, "_backend_fns", None)
+            for device_type, fn in list((bodies or {}).items()):
+                def body(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
+                    if not self._depth:
+                        return _fn(*args, **kwargs)
+                    torch.overrides._push_mode(self._mode)
+                    try:
+                        return _fn(*args, **kwargs)
+                    finally:
+                        torch.overrides._pop_mode()
+
+                self._bodies.append((bodies, device_type, fn))
+                bodies[device_type] = body
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
@@ -627,6 +649,9 @@ class LayerHostReads:
         for name, original in self._unseen.items():
             setattr(torch, name, original)
         self._unseen = {}
+        for bodies, device_type, fn in reversed(self._bodies):
+            bodies[device_type] = fn
+        self._bodies = []
 
     def reset(self) -> None:
         """Forget what was counted (between steps)."""

@@ -381,12 +381,9 @@ def masked_forward(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float,
         return band.masked_forward(q, k, v, keep, scale, softcap)
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
         _bhsd(q), _bhsd(k), _bhsd(v), 0.0, False, attn_mask=_bias(keep, q.dtype), scale=scale)
-    out, lse = _bshd(out), lse.to(torch.float32).contiguous()
-    empty = ~keep.any(dim=1)  # (sq,) rows that see no key
-    if bool(empty.any()):
-        lse[..., empty] = float("-inf")
-        out[:, empty] = 0
-    return out, lse
+    empty = ~keep.any(dim=1)  # (sq,) rows that see no key (filled whether any is: no host read of the mask)
+    lse = lse.to(torch.float32).masked_fill(empty, float("-inf")).contiguous()
+    return _bshd(out).masked_fill(empty[:, None, None], 0), lse
 
 
 def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, keep: Tensor,
