@@ -19,6 +19,7 @@ from ds_usp.integration.data.batch import shard_batch
 from ds_usp.integration.data.dynamic import plan_step
 from ds_usp.integration.data.loader import USPDataLoader
 from ds_usp.integration.engine.initialize import USPState, initialize
+from ds_usp.integration.engine.preflight import choose_device
 from ds_usp.integration.models import attention as hf
 from ds_usp.integration.step.dynamic import dynamic_sp_step
 from ds_usp.integration.step.loss import sp_cross_entropy
@@ -79,4 +80,4 @@ __all__ = ["USPConfig", "USPConfigError", "load_usp_config", "GroupRanks", "USPM
            "USPAttention", "gather_sequence", "ring_attention", "shard_sequence", "ulysses_attention",
            "usp_attention", "data", "hf", "USPDataLoader", "shard_batch", "sp_cross_entropy",
            "dynamic_sp_step", "plan_step",
-           "USPState", "initialize", "USPTrainer", "USPSeq2SeqTrainer", "USPSFTTrainer", *_RL_TRAINERS, "__version__"]
+           "USPState", "initialize", "choose_device", "USPTrainer", "USPSeq2SeqTrainer", "USPSFTTrainer", *_RL_TRAINERS, "__version__"]
