@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_usp.upstream.c10d import process_group_named
-from ds_usp.watchdog import describe_group, forget, issued, issuing, overdue, waited, watch, where
+from ds_usp.watchdog import GroupInfo, describe_group, forget, issued, issuing, overdue, waited, watch, where
 
 
 class USPCommError(RuntimeError):
@@ -102,6 +102,44 @@ def _issue(what: str, group: Any, issue: Callable[[], Any]) -> tuple[Sequence[An
     if message is not None:
         raise USPCommError(message)
     return works, token
+
+
+def watched_call(what: str, info: GroupInfo, hung: str, me: int, call: Callable[[], Any]) -> Any:
+    """``call()``, a blocking call that makes a group (``dist.new_group``, ``init_process_group``: with a GPU bound,
+    NCCL sets up the communicator in it, and gloo connects the ranks), watched by the watchdog while it runs
+    (:func:`ds_usp.watchdog.issuing` with ``info``, when it has a timeout): one that has not returned within the timeout
+    is named in this rank's log (``what`` over the group's kinds, ranks and ``group_desc``, ``hung``), as a collective
+    would be; one that fails, or returns past the timeout, raises that name.
+
+    Args:
+        what: the call's name in errors (``"creation of the process group"``).
+        info: the group it makes.
+        hung: what the error says the call hung in (``"while being created (dist.new_group)"``).
+        me: this rank (named in a failure).
+        call: the call.
+
+    Returns:
+        What ``call`` returned.
+
+    Raises:
+        USPCommError: the call failed, or took longer than the timeout.
+    """
+    token = issuing(what, None, info, hung=hung)
+    try:
+        made = call()
+    except RuntimeError as e:
+        forget(token)
+        raise USPCommError(f"the {what} over {info.text()} failed on rank {me}: {e}\nA rank of this group died, "
+                           f"stalled longer than the group timeout (usp.timeout_seconds), or cannot reach this one; see "
+                           f"the other ranks' logs.") from e
+    except BaseException:
+        forget(token)
+        raise
+    message = overdue()  # named while it ran: it returned past its timeout
+    forget(token)
+    if message is not None:
+        raise USPCommError(message)
+    return made
 
 
 def _run(what: str, group: Any, issue: Callable[[], Any], device: torch.device) -> None:

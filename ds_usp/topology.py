@@ -32,11 +32,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ds_usp.comm import USPCommError, warm_up
+from ds_usp.comm import warm_up, watched_call
 from ds_usp.config import ranks_per_node_and_source
 from ds_usp.log import log_rank0, log_warning
 from ds_usp.upstream.c10d import group_timeout
-from ds_usp.watchdog import GroupInfo, forget, issuing, name_group, overdue
+from ds_usp.watchdog import GroupInfo, name_group
 
 Ranks = tuple[int, ...]
 KINDS = ("ulysses", "ring", "sp", "dp", "sp_dp")  # the group kinds, in the order every rank builds them
@@ -88,23 +88,8 @@ def _new_group(members: Ranks, kinds: Sequence[str], desc: str, me: int, **kwarg
     timeout = kwargs.get("timeout")
     info = GroupInfo(tuple(kinds), tuple(members), desc, None if timeout is None else timeout.total_seconds(),
                      wait_blocks=False)  # a creation is watched whatever the backend
-    what = "creation of the process group"
-    token = issuing(what, None, info, hung="while being created (dist.new_group)")
-    try:
-        group = dist.new_group(list(members), group_desc=desc, **kwargs)
-    except RuntimeError as e:
-        forget(token)
-        raise USPCommError(f"the {what} over {info.text()} failed on rank {me}: {e}\nA rank of this group died, "
-                           f"stalled longer than the group timeout (usp.timeout_seconds), or cannot reach this one; see "
-                           f"the other ranks' logs.") from e
-    except BaseException:
-        forget(token)
-        raise
-    message = overdue()  # named while it ran: it returned past its timeout
-    forget(token)
-    if message is not None:
-        raise USPCommError(message)
-    return group
+    return watched_call("creation of the process group", info, "while being created (dist.new_group)", me,
+                        lambda: dist.new_group(list(members), group_desc=desc, **kwargs))
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,34 @@ def test_a_group_creation_that_hangs_is_named_while_being_created(hang_log, monk
     assert len(hang_log) == 1
 
 
+def test_the_default_groups_start_on_a_gpu_is_named_while_being_created(hang_log, monkeypatch):
+    """ds_usp.initialize starting distributed on GPUs binds the default group to the rank's GPU, so NCCL sets up the
+    world's communicator inside init_process_group: a start that hangs is named like a group's creation."""
+    import torch.distributed as dist
+
+    from ds_usp.integration.engine import settings
+
+    started, logged = [], []  # the start's time and arguments; the logged errors' times (not since the fixture: the
+    monkeypatch.setattr(watchdog, "log_error", lambda message: logged.append((time.monotonic(), message)))  # import)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(settings, "check_launcher_environment", lambda: None)
+    monkeypatch.setattr(settings, "choose_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda *args, **kwargs: started.append((time.monotonic(), kwargs)) or time.sleep(HANG_S))
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(USPCommError) as raised:
+        settings._start_distributed({"sequence_parallel": "usp", "usp": {"timeout_seconds": 0.5}})
+    assert started and started[0][1]["device_id"] == torch.device("cuda", 1)  # it ran, bound, and returned late
+    assert len(logged) == 1 and 0.4 <= logged[0][0] - started[0][0] < HANG_S, (logged, started)
+    for message in (logged[0][1], str(raised.value)):
+        for part in ("the start of the default process group over ranks [0, 1] (the world group default_pg) has not "
+                     "completed", "it hung while being created (init_process_group)"):
+            assert part in message, message
+
+
 # ---- 4 gloo ranks, rank 3 stops
 
 

@@ -11,12 +11,14 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ds_usp.comm import watched_call
 from ds_usp.config import (USPConfig, USPConfigError, load_usp_config, process_group_timeout, ranks_per_node,
                            read_ds_config)
 from ds_usp.cost import StepSettings
 from ds_usp.integration.engine.preflight import (check_launcher_environment, check_same_everywhere, choose_device,
                                                  degrees_left_out, model_heads, versions)
 from ds_usp.upstream.deepspeed import unlink_shm_buffer
+from ds_usp.watchdog import GroupInfo
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,11 @@ def _start_distributed(raw: Mapping[str, Any]) -> None:
             and int(os.environ["WORLD_SIZE"]) > 1:
         device = choose_device()
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, **kwargs)  # DeepSpeed then wraps this group
+        world = int(os.environ["WORLD_SIZE"])  # bound to a GPU: NCCL sets up the world's communicator in this call
+        info = GroupInfo(("world",), tuple(range(world)), "default_pg", timeout, wait_blocks=False)
+        watched_call("start of the default process group", info, "while being created (init_process_group)",
+                     int(os.environ["RANK"]), lambda: dist.init_process_group("nccl", device_id=device, **kwargs))
+        # DeepSpeed then wraps this group
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", **kwargs)
 
 
