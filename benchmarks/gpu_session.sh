@@ -17,29 +17,42 @@
 # Issue 65's run: one group per device call, the essential rows first. A call may take 600 s: each group's limits
 # with SETUP_S leave at least 60 s of it (the script prints the sum and warns below 60 s). A session of 15 minutes of
 # device time takes one group (a machine's start, 1-2 minutes, and the transfers count too), so issue65 is six
-# sessions' work; `issue65` names all six groups, for a machine without that limit.
+# sessions' work; `issue65` names all six groups, for a machine without that limit. The steps run in this file's
+# order, whatever the order they are named in.
 #   issue65a  peers3b report3b                              (360 s + setup 180 s: 60 s of slack)
-#   issue65b  fa4 usp3b128 budget3b report3b                (360 s)
+#   issue65b  fa4 usp3b128 report3b                         (350 s)
 #   issue65c  peers3b_ckpt peers1b_ckpt report3b            (350 s)
 #   issue65d  longest3b_usp report3b                        (340 s)
-#   issue65e  longest3b_alst report3b                       (260 s)
-#   issue65f  peers1b report1b                              (320 s)
+#   issue65e  budget3b longest3b_alst report3b              (350 s)
+#   issue65f  usp1b peers1b report1b                        (360 s)
+# Not in these six calls (see docs/benchmarks.md, "which rows the calls leave"): prof1b, and every S x system the
+# steps below do not name (3B: 64K for ds-usp "auto" and every peer, 128K and 192K for all peers but ALST full
+# offload, past 288K; 1.5B: past 64K).
 # The steps (3B: the Llama-3.2 3B shape, head dim 128; 1.5B: the Llama-3 1.5B shape, head dim 64; bf16, ZeRO-3,
 # one sequence per step, every peer with HF's sdpa attention):
-#   peers3b        3B at 16K and 32K, 3 steps each: ds-usp "auto" (its 16K step profiled), plain HF, ALST's tiled
-#                  loss alone, Liger all (Liger's default kernels), Liger (fused linear cross-entropy + HF
-#                  checkpointing), in that order (340 s)
+#   peers3b        3B at 16K and 32K, 3 steps each (each system's 16K step profiled after them): ds-usp "auto",
+#                  plain HF, ALST's tiled loss alone, Liger all (Liger's default kernels), Liger (fused linear
+#                  cross-entropy + HF checkpointing), in that order (340 s)
 #   peers3b_ckpt   the same for ALST full and ALST full offload (160 s)
 #   fa4            benchmarks/fa4_check.py: FlashAttention-4 against cuDNN, head dims 64 and 128, 16K-128K; where
-#                  flash-attn-4 is not installed (see fa4stage) the cuDNN rows and why FA4 could not run (100 s)
-#   usp3b128       ds-usp on the 3B shape at 128K, 2 timed steps and one profiled: MFU (target 45%) (150 s)
+#                  flash-attn-4 is not installed (see fa4stage) the cuDNN rows and why FA4 could not run (180 s:
+#                  docs/benchmarks.md estimates two to three minutes with FA4's compiles)
+#   usp3b128       ds-usp on the 3B shape at 128K, 2 timed steps and one profiled: MFU (target 45%); the only ds-usp
+#                  step on a machine that may have FA4 (the warm one of fa4stage): "auto" may take it, and each row
+#                  records the backend and the kernels its attention calls ran (attn_backend, attn_calls) (150 s)
 #   budget3b       "ds-usp budget" (usp.memory_gib BUDGET_GIB, 60) at 32K and 64K: its reserved peak under it (90 s)
 #   longest3b_usp  ds-usp on the 3B shape at 192K and 288K, one step each (planner's longest S printed first) (320 s)
 #   longest3b_alst ALST full offload, the longest peer, at 128K and 192K, one step each (240 s). A 3B step grows as
 #                  S^2 (about 1 minute at 192K, 3 at 288K, 6 at 432K estimated): the S where either runs out of memory
 #                  (the planner says 718K for ds-usp) takes longer than a call, so these rows give lower bounds and
 #                  the tokens/s at 192K, and the report says "not established" for the longest-S targets
-#   peers1b        the 1.5B shape at 16K-64K: ds-usp and the peers of peers3b (300 s)
+#   usp1b          ds-usp on the 1.5B shape (issue 49's) at 16K-64K, 5 timed steps each: each step's time and the
+#                  spread of steps 2-4 (issue 49's 55% at 16K: explained or gone), then one profiled step at 16K
+#                  (the 6th), with each step's device allocations, choices and attention calls (90 s)
+#   prof1b         (in no group) ds-usp on the 1.5B shape at 16K in a fresh process, 3 steps, the 2nd under
+#                  torch.profiler (--profile-step 2): the step that was slow in issue 49; its JSON is not a report
+#                  row (profile1b_step2.json) (60 s)
+#   peers1b        the 1.5B shape at 16K-64K: the peers of peers3b (ds-usp: usp1b) (250 s)
 #   peers1b_ckpt   the 1.5B shape at 16K-64K: ALST full and ALST full offload (170 s)
 #   report3b/1b    benchmarks/gpu_train.py --report over this call's and PRIOR's JSON files of the shape: the
 #                  targets over every row so far (gpu_issue65_3b.json / _1b.json) (20 s each)
@@ -68,7 +81,8 @@
 #
 # Writes into RESULTS_DIR: env.txt (device, driver, versions), build.log, session.log (every step's output), and per
 # step its JSON (gpu_peers3b.json, gpu_peers3b_ckpt.json, fa4_check.json, gpu_usp3b128.json, gpu_budget3b.json,
-# gpu_longest3b.json, gpu_longest3b_alst.json, gpu_peers1b.json, gpu_peers1b_ckpt.json, the reports
+# gpu_longest3b.json, gpu_longest3b_alst.json, gpu_usp1b.json, profile1b_step2.json, gpu_peers1b.json,
+# gpu_peers1b_ckpt.json, the reports
 # gpu_issue65_3b.json and gpu_issue65_1b.json; issue 49's gpu_attention.json, gpu_alst.json, gpu_usp.json,
 # gpu_alst_offload.json; issue 40's gpu_train.json, gpu_offload.json, gpu_hybrid.json, triton_softcap.json,
 # pytest.log); the profiled steps' chrome traces in traces/.
@@ -78,17 +92,18 @@ shift
 declare -A STEP_GROUPS=(
     [issue65]="issue65a issue65b issue65c issue65d issue65e issue65f"
     [issue65a]="peers3b report3b"
-    [issue65b]="fa4 usp3b128 budget3b report3b"
+    [issue65b]="fa4 usp3b128 report3b"
     [issue65c]="peers3b_ckpt peers1b_ckpt report3b"
     [issue65d]="longest3b_usp report3b"
-    [issue65e]="longest3b_alst report3b"
-    [issue65f]="peers1b report1b"
+    [issue65e]="budget3b longest3b_alst report3b"
+    [issue65f]="usp1b peers1b report1b"
     [longest3b]="longest3b_usp longest3b_alst"
 )
 declare -A LIMIT=(  # seconds per step (the timeout it runs under)
     [attention]=50 [alst]=180 [usp]=170 [alstoffload]=70
-    [peers3b]=340 [peers3b_ckpt]=160 [fa4]=100 [usp3b128]=150 [budget3b]=90 [longest3b_usp]=320
-    [longest3b_alst]=240 [peers1b]=300 [peers1b_ckpt]=170 [report3b]=20 [report1b]=20 [fa4stage]=60
+    [peers3b]=340 [peers3b_ckpt]=160 [fa4]=180 [usp3b128]=150 [budget3b]=90 [longest3b_usp]=320
+    [longest3b_alst]=240 [usp1b]=90 [prof1b]=60 [peers1b]=250 [peers1b_ckpt]=170 [report3b]=20 [report1b]=20
+    [fa4stage]=60
     [shared4]=200 [train]=330 [alst128]=100 [offload]=90 [hybrid]=150 [pytest]=150 [triton]=90
 )
 PIP_S=60 ENV_S=30 BUILD_S=90
@@ -176,7 +191,8 @@ EOF
 } >> "$R/env.txt" 2>&1
 python3 -c "import deepspeed" 2>/dev/null || { echo "no DeepSpeed: make .whl/ with benchmarks/gpu_wheels.sh"; exit 1; }
 # ds-usp's native CUDA op, built before any timed step (steps without ds-usp skip it)
-if [[ "$STEPS" =~ \ (usp|peers3b|peers1b|usp3b128|budget3b|longest3b_usp|shared4|train|offload|pytest)\  ]]; then
+if [[ "$STEPS" =~ \ (usp|peers3b|usp1b|prof1b|usp3b128|budget3b|longest3b_usp|shared4|train|offload|pytest)\  ]]
+then
     t0=$SECONDS
     MAX_JOBS=16 timeout $BUILD_S python3 -c "import torch; from ds_usp.native import resolve_native_op as r; \
 print('native op:', r(True, torch.device('cuda')).source, r(True, torch.device('cpu')).source)" > "$R/build.log" 2>&1
@@ -219,8 +235,13 @@ step longest3b_usp python3 gpu_train.py --shape "$SHAPE3" --systems ds-usp --sta
 step longest3b_alst python3 gpu_train.py --shape "$SHAPE3" --systems "ALST full offload" --start "$LAST" \
     --max-seq $((LAST * 3 / 2)) --growth 1.5 --steps 1 --one-step-from 0 --budget 200 \
     --json "$R/gpu_longest3b_alst.json"
-step peers1b python3 gpu_train.py --shape "$SHAPE" --systems "$PEERS" --start "$FIRST" --max-seq $((FIRST * 4)) \
-    --steps 3 --budget 60 --json "$R/gpu_peers1b.json"
+# issue 49's 55% spread of steps 2-4 at 16K (1.5B): 5 timed steps, each step's time in the row, then a 6th profiled
+step usp1b python3 gpu_train.py --shape "$SHAPE" --systems ds-usp --start "$FIRST" --max-seq $((FIRST * 4)) \
+    --steps 5 --budget 60 --profile-seqs "$FIRST" --trace-dir "$R/traces" --json "$R/gpu_usp1b.json"
+step prof1b python3 gpu_train.py --shape "$SHAPE" --systems ds-usp --start "$FIRST" --max-seq "$FIRST" --steps 3 \
+    --profile-seqs "$FIRST" --profile-step 2 --budget 30 --trace-dir "$R/traces" --json "$R/profile1b_step2.json"
+step peers1b python3 gpu_train.py --shape "$SHAPE" --systems "${PEERS#ds-usp,}" --start "$FIRST" \
+    --max-seq $((FIRST * 4)) --steps 3 --budget 60 --json "$R/gpu_peers1b.json"
 step peers1b_ckpt python3 gpu_train.py --shape "$SHAPE" --systems "$CKPT" --start "$FIRST" --max-seq $((FIRST * 4)) \
     --steps 3 --budget 90 --json "$R/gpu_peers1b_ckpt.json"
 [[ "$STEPS" == *" report3b "* ]] && J=$(issue65_jsons) && [[ -n "$J" ]] && \

@@ -25,6 +25,8 @@ GPU (``--offload-optimizer``: its state in host memory), one sequence of S rando
   ``--memory-gib`` (only this system gets it: its planner prediction and its budget row use it);
 * ``ds-usp off``: every memory feature false (only the attention path); ``ds-usp offload`` / ``ds-usp no offload``:
   "auto" with ``offload_activations`` true / false (what offloading the checkpointed inputs saves and costs);
+  ``ds-usp torch attention``: "auto"'s memory features with ``usp.attn_backend = "torch"`` (cuDNN's op for long
+  calls, PyTorch's otherwise: "auto"'s attention before FlashAttention-4, which nothing else keeps out of "auto");
 * the peers (issue 65's :data:`PEERS`, each with HF's ``sdpa`` attention, as their users run them): ``HF plain``
   (HF + DeepSpeed, HF's loss over the whole logits, no memory feature); ``ALST tiled loss`` (DeepSpeed's
   ``TiledFusedLogitsLoss`` alone); ``ALST full`` (DeepSpeed's pieces as its ALST tutorial and ArcticTraining's SFT
@@ -35,25 +37,34 @@ GPU (``--offload-optimizer``: its state in host memory), one sequence of S rando
   HF gradient checkpointing: LLaMA-Factory's and axolotl's recipe); ``Liger all`` (also Liger's RoPE, RMSNorm and
   SwiGLU kernels; GPU only: they do not run under Triton's CPU interpreter).
 
-Per (system, S): every step timed (``--steps``, one from ``--one-step-from`` on; the median is over the steps after
-the first, and their spread is ``(slowest - fastest) / fastest``), tokens/s, model TFLOP/s and MFU, and per step
-``torch.cuda.max_memory_allocated`` (``peak_GiB``: weights, optimizer state and activations) and
-``torch.cuda.max_memory_reserved`` (``reserved_GiB``: what the caching allocator holds, which a budget is judged on),
-the allocator's retries, ds-usp's step choices (``choices``) and, for ds-usp, the planner's longest S before the run
+Per (system, S): every step timed (``--steps``, one from ``--one-step-from`` on; each step's seconds in
+``step_times_s``; the median is over the steps after the first, and their spread is ``(slowest - fastest) /
+fastest``; ``spread_2_4`` is the same over steps 2 to 4 alone, issue 49's measure, where at least 4 steps ran),
+tokens/s, model TFLOP/s and MFU, and per step ``torch.cuda.max_memory_allocated`` (``peak_GiB``: weights, optimizer
+state and activations), ``torch.cuda.max_memory_reserved`` (``reserved_GiB``: what the caching allocator holds,
+which a budget is judged on), the allocator's retries and the blocks it took from the device
+(``device_allocs_per_step``), ds-usp's step choices (``choices``; ``choices_per_step`` where they changed between
+steps), for ds-usp the attention backend its ``usp.attn_backend`` resolved to (``attn_backend``, e.g. ``"torch"`` or
+``"auto(flash_attn_4 > torch)"``) and the local attention calls of a step by the kernel that ran them (``attn_calls``:
+the last step's; ``attn_calls_per_step``; :func:`count_attention_calls`), and the planner's longest S before the run
 (``predicted_longest_S``). Each system's sweep ends with a row saying why it stopped (``stopped``: ``out of memory``,
 ``the time budget``, ``the list's end``, or ``failed`` / ``stopped from outside``), tagged like its other rows with
-the sweep's id (``sweep``). At each S of ``--profile-seqs`` one more step runs under ``torch.profiler``: its operators
+the sweep's id (``sweep``). At each S of ``--profile-seqs`` one more step runs under ``torch.profiler`` after the
+timed ones (``--profile-step K``: the K-th of them instead, left out of the median and the spreads): its operators
 by device time, the kernels launched, the device's busy time against the step's wall time (``--trace-dir``: the
-chrome trace too). FLOPs of a step (MFU convention, recomputation not counted): ``6 N S`` with ``N`` the parameters
-that multiply (all but the input embedding) plus causal attention ``6 L H d S^2`` (QK^T and PV, forward and backward,
-half the square). MFU divides by ``--peak-tflops`` (default: the bf16 dense peak of the device's name).
+chrome trace too, ``SYSTEM_S_stepN.json.gz``); ``profiled_step`` says which step it was. FLOPs of a step (MFU
+convention, recomputation not counted): ``6 N S`` with ``N`` the parameters that multiply (all but the input
+embedding) plus causal attention ``6 L H d S^2`` (QK^T and PV, forward and backward, half the square). MFU divides
+by ``--peak-tflops`` (default: the bf16 dense peak of the device's name).
 
 The closing report (also over the rows of ``--prior-json`` files of the same shape, merged with this run's: a system
 run again replaces its earlier rows; ``--report`` runs nothing): issue 49's targets (ds-usp against ALST full at
 each S, the spread of steps, MFU at 128K) and issue 65's: ds-usp "auto" against the fastest peer configuration at
-each S (>= 1.2x); ds-usp's longest S against the longest any peer trains (>= 1.5x) and its tokens/s against the
-fastest peer at the peers' longest S (>= 1.3x); the planner's prediction of ds-usp's longest S (within 10%); MFU at
-128K on the 3B shape (>= 45%); ``ds-usp budget``'s reserved peak under ``usp.memory_gib``. A longest-S verdict is
+each S (>= 1.2x; where a peer configuration has no row at that S, the report names it, with why where its sweep
+recorded a stop, and the ratio is to the fastest of those run), with the attention kernels ds-usp ran; ds-usp's
+longest S against the longest any peer trains (>= 1.5x) and its tokens/s against the fastest peer at the peers'
+longest S (>= 1.3x); the planner's prediction of ds-usp's longest S (within 10%); MFU at 128K on the 3B shape (>=
+45%); ``ds-usp budget``'s reserved peak under ``usp.memory_gib``. A longest-S verdict is
 given only where the sweeps' ``stopped`` rows establish it (a longest S is known only where its sweep ran out of
 memory), else it says "not established (stopped by ...)".
 
@@ -65,6 +76,7 @@ missing).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gzip
 import json
@@ -133,6 +145,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--profile-seqs", type=comma_list(int), default=[],
                    help="after the timed steps at each of these S, one more step under torch.profiler: its kernels "
                         "by device time, launches and the device's busy share go into the row ('profile')")
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="K >= 1: at each S of --profile-seqs the K-th of the --steps steps runs under torch.profiler "
+                        "instead (its time stays in step_times_s, marked by 'profiled_step', and the median and the "
+                        "spreads leave it out); 0 (default): one more step after the timed ones")
     p.add_argument("--trace-dir", default="", help="also write each profiled step's chrome trace here (gzipped)")
     p.add_argument("--attention", action="store_true",
                    help="no training: ds-usp's flash SDPA against cuDNN's (with log-sum-exp) at each of --seqs")
@@ -147,6 +163,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--systems: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SYSTEMS)}")
     if args.steps < 1 or args.iters < 1:
         p.error("--steps and --iters must be at least 1")
+    if not 0 <= args.profile_step <= args.steps:
+        p.error(f"--profile-step must be 0 (one more step after the timed ones) or one of the {args.steps} --steps")
     if args.growth <= 1.0:
         p.error("--growth must be above 1")
     if args.report:
@@ -235,6 +253,7 @@ def usp_system(name: str, shape: dict, args: argparse.Namespace) -> tuple[Any, C
     model = build_model(shape, "usp")
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(),
                                    config=dict(ds_config(args), sequence_parallel="usp", usp=usp))
+    count_attention_calls(name, usp.get("attn_backend", "auto"), torch.device(engine.device))
 
     def at(seq: int) -> Step:
         shard = ds_usp.shard_batch({"input_ids": tokens(shape, seq)}, engine.usp.topo, layout=engine.usp.layout)
@@ -329,7 +348,8 @@ USP_SETTINGS = {"ds-usp": {},
                                "offload_activations": False},
                 "ds-usp offload": {"offload_activations": True},
                 "ds-usp no offload": {"offload_activations": False},
-                "ds-usp budget": {}}  # usp.memory_gib: --memory-gib
+                "ds-usp budget": {},  # usp.memory_gib: --memory-gib
+                "ds-usp torch attention": {"attn_backend": "torch"}}  # "auto"'s memory, FA4 kept out of attention
 SYSTEMS = {**{name: usp_system for name in USP_SETTINGS}, "ALST full": alst_system, "ALST full offload": alst_system,
            "ALST tiled loss": alst_system, "HF plain": hf_system, "Liger": hf_system, "Liger all": hf_system}
 
@@ -364,42 +384,60 @@ def run_worker(args: argparse.Namespace) -> None:
                         f"pass --budget {args.budget:.0f} s"}
                 break
         step = at(seq)
-        stats, losses, error, row = [], [], None, {}
-        for _ in range(steps):
-            retries = _alloc_retries()
+        stats, losses, error, row, profiled = [], [], None, {}, None
+        for i in range(steps):
+            inside = seq in args.profile_seqs and args.profile_step == i + 1  # --profile-step: this one profiled
+            retries, mallocs = _alloc_retries(), _device_allocs()
+            ATTENTION_CALLS.clear()
             if CUDA:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             w0 = time.perf_counter()
             try:
-                losses.append(step())
+                if inside:
+                    profile, loss = profile_step(step, name, seq, args.trace_dir, i + 1)
+                else:
+                    loss = step()
+                losses.append(loss)
             except torch.OutOfMemoryError as e:
                 error = "out of memory: " + str(e).split("\n")[0][:160]
                 break
             if CUDA:
                 torch.cuda.synchronize()
-            # the caching allocator per step: what it held, and how often it had to free its cache and retry (a step
-            # slower than the one before with the same work points there)
+            if inside:
+                profiled = i
+            # the caching allocator per step: what it held, how often it had to free its cache and retry, and how
+            # many blocks it took from the device (cudaMalloc: a step slower than the one before with the same work
+            # points there), "auto"'s choices and the attention kernels each call ran (a step that differs shows it)
             stats.append((time.perf_counter() - w0, torch.cuda.max_memory_allocated() / 2 ** 30 if CUDA else 0.0,
-                          torch.cuda.max_memory_reserved() / 2 ** 30 if CUDA else 0.0, _alloc_retries() - retries))
-            row = dict(_row(name, seq, stats, losses[0], params, shape, args, engine), predicted_longest_S=predicted,
-                       budget_GiB=args.memory_gib if name == "ds-usp budget" else None, sweep=sweep)
+                          torch.cuda.max_memory_reserved() / 2 ** 30 if CUDA else 0.0, _alloc_retries() - retries,
+                          _device_allocs() - mallocs, _choices(engine), _attention_calls(name)))
+            row = dict(_row(name, seq, stats, losses[0], params, shape, args, engine, profiled),
+                       predicted_longest_S=predicted, budget_GiB=args.memory_gib if name == "ds-usp budget" else None,
+                       sweep=sweep)
+            if profiled is not None:
+                row["profile"] = profile
             out.write(json.dumps(row) + "\n")  # after every step: a run stopped from outside keeps its steps
             out.flush()
         if error:  # the row of this S (its steps before the error, if any) says the sweep stopped here
             stop = dict(row, system=name, S=seq, stopped=STOP_OOM, note=error)
             break
-        if seq in args.profile_seqs:
-            row["profile"] = profile_step(step, name, seq, args.trace_dir)
-            print(f"{TAG} {name} S={seq}, one step under torch.profiler: {row['profile']['summary']}\n"
-                  f"{row['profile']['table']}", flush=True)
+        if seq in args.profile_seqs and not args.profile_step:
+            row["profile"], _ = profile_step(step, name, seq, args.trace_dir, len(stats) + 1)
+            row["profiled_step"] = len(stats) + 1  # one step more, after the timed ones
             out.write(json.dumps(row) + "\n")
             out.flush()
+        if row.get("profile"):
+            print(f"{TAG} {name} S={seq}, step {row['profiled_step']} under torch.profiler: "
+                  f"{row['profile']['summary']}\n{row['profile']['table']}", flush=True)
         last = row["step_s"]
-        print(f"{TAG} {name} S={seq}: {last:.2f} s/step (steps {', '.join(f'{t:.2f}' for t in row['step_times_s'])}), "
-              f"{row['tokens_per_s']:.0f} tokens/s, {row['tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), peak "
+        print(f"{TAG} {name} S={seq}: {last:.2f} s/step (steps {', '.join(f'{t:.2f}' for t in row['step_times_s'])}"
+              + (f"; step {row['profiled_step']} profiled" if row.get("profiled_step") else "")
+              + (f"; steps 2-4 within {row['spread_2_4']:.1%}" if row.get("spread_2_4") is not None else "")
+              + f"), {row['tokens_per_s']:.0f} tokens/s, {row['tflops']:.0f} TFLOP/s (MFU {row['mfu']:.1%}), peak "
               f"{row['peak_GiB']:.1f} GiB, reserved {row['reserved_GiB']:.1f} GiB, {row['alloc_retries']} allocator "
-              f"retries", flush=True)
+              f"retries, device allocations per step {row['device_allocs_per_step']}"
+              + (f"; attention {_attention_text(row)}" if row.get("attn_backend") else ""), flush=True)
         seq = next_seq(seq, args.growth)
     out.write(json.dumps(dict(stop or {"system": name, "S": seq, "stopped": STOP_END,
                                        "note": f"not run: past --max-seq {args.max_seq}"}, sweep=sweep)) + "\n")
@@ -415,38 +453,50 @@ def next_seq(seq: int, growth: float) -> int:
 
 
 def _row(name: str, seq: int, stats: list[tuple], loss: float, params: int, shape: dict, args: argparse.Namespace,
-         engine: Any) -> dict:
-    """One (system, S) row from its steps so far: ``(seconds, peak GiB, reserved GiB, allocator retries)`` each."""
-    times, peaks, reserved, retries = (list(x) for x in zip(*stats))
-    timed = times[1:] or times
+         engine: Any, profiled: Optional[int] = None) -> dict:
+    """One (system, S) row from its steps so far: ``(seconds, peak GiB, reserved GiB, allocator retries, device
+    allocations, "auto"'s choices, attention calls by kernel)`` each; ``profiled``: the index of a step that ran under
+    torch.profiler (``--profile-step``), kept in ``step_times_s`` but left out of the median and the spreads.
+    ``spread`` is over the steps after the first, ``spread_2_4`` over steps 2 to 4 alone (issue 49's measure: the
+    slowest over the fastest, less 1; None with fewer than 4 steps or one of them profiled)."""
+    times, peaks, reserved, retries, mallocs, choices, calls = (list(x) for x in zip(*stats))
+    plain = [t for i, t in enumerate(times) if i != profiled]
+    timed = plain[1:] or plain or times
     step_s = statistics.median(timed)
     tflops = flops_per_step(shape, params, seq) / step_s / 1e12
+    steps_2_4 = times[1:4] if len(times) >= 4 and profiled not in (1, 2, 3) else None
+    last = max((i for i in range(len(times)) if i != profiled), default=len(times) - 1)  # the last unprofiled step
     return {"system": name, "S": seq, "step_s": step_s, "steps_timed": len(timed), "first_step_s": times[0],
-            "spread": (max(timed) - min(timed)) / min(timed), "peak_GiB": max(peaks), "loss": loss, "params": params,
-            "reserved_GiB": max(reserved), "alloc_retries": sum(retries), "step_times_s": times,
+            "spread": (max(timed) - min(timed)) / min(timed),
+            "spread_2_4": max(steps_2_4) / min(steps_2_4) - 1 if steps_2_4 else None,
+            "profiled_step": None if profiled is None else profiled + 1, "peak_GiB": max(peaks), "loss": loss,
+            "params": params, "reserved_GiB": max(reserved), "alloc_retries": sum(retries), "step_times_s": times,
             "peak_GiB_per_step": peaks, "reserved_GiB_per_step": reserved, "alloc_retries_per_step": retries,
-            "choices": _choices(engine), "tflops": tflops, "mfu": tflops / peak_tflops(args),
-            "tokens_per_s": seq / step_s, "device": DEVICE}
+            "device_allocs_per_step": mallocs, "choices": choices[-1],
+            "choices_per_step": choices if len(set(choices)) > 1 else None,
+            "attn_backend": _attention_backend(name), "attn_calls": calls[last], "attn_calls_per_step": calls,
+            "tflops": tflops, "mfu": tflops / peak_tflops(args), "tokens_per_s": seq / step_s, "device": DEVICE}
 
 
-def profile_step(step: Step, name: str, seq: int, trace_dir: str = "") -> dict:
-    """One step under torch.profiler: the operators by device time (CPU time without CUDA), and a summary: the step's
-    wall time under the profiler, the kernels launched and their summed device time (its share of the wall time: how
-    busy the host kept the device), the aten ops dispatched."""
+def profile_step(step: Step, name: str, seq: int, trace_dir: str = "", number: int = 0) -> tuple[dict, float]:
+    """One step (the ``number``-th at this S) under torch.profiler, and its loss: the operators by device time (CPU
+    time without CUDA), and a summary: the step's wall time under the profiler, the kernels launched and their summed
+    device time (its share of the wall time: how busy the host kept the device), the aten ops dispatched."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
     w0 = time.perf_counter()
     with profile(activities=activities) as prof:
-        step()
+        loss = step()
         if CUDA:
             torch.cuda.synchronize()
     wall = time.perf_counter() - w0
     events = prof.events()
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     busy = sum(getattr(e, "self_device_time_total", 0.0) for e in kernels) / 1e6
-    summary = {"wall_s": wall, "kernels": len(kernels), "kernel_s": busy, "busy_share": busy / wall if CUDA else None,
+    summary = {"step": number, "wall_s": wall, "kernels": len(kernels), "kernel_s": busy,
+               "busy_share": busy / wall if CUDA else None,
                "aten_ops": sum(1 for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")),
                "launches": sum(1 for e in events if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC"))}
     key = "self_device_time_total" if CUDA else "self_cpu_time_total"
@@ -456,17 +506,118 @@ def profile_step(step: Step, name: str, seq: int, trace_dir: str = "") -> dict:
         text = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60)
     if trace_dir:
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
-        raw = Path(trace_dir) / f"{name.replace(' ', '_')}_{seq}.json"
+        raw = Path(trace_dir) / f"{name.replace(' ', '_')}_{seq}_step{number}.json"
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
             shutil.copyfileobj(f, g)
         raw.unlink()
         summary["trace"] = f"{raw}.gz"
-    return {"summary": summary, "table": text}
+    return {"summary": summary, "table": text}, loss
 
 
 def _alloc_retries() -> int:
     return torch.cuda.memory_stats().get("num_alloc_retries", 0) if CUDA else 0
+
+
+def _device_allocs() -> int:
+    """The blocks the caching allocator has taken from the device so far (cudaMalloc calls; 0 without CUDA)."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if CUDA else 0
+
+
+# ds-usp's local attention calls of the step running, by the kernel that ran them (count_attention_calls), and the
+# backend each ds-usp system's usp.attn_backend resolved to
+ATTENTION_CALLS: collections.Counter = collections.Counter()
+ATTENTION_BACKEND: dict[str, str] = {}
+
+
+def count_attention_calls(name: str, setting: str, device: torch.device) -> None:
+    """Record which attention kernels the ds-usp system ``name`` runs (every ds-usp row carries them).
+
+    ``attn_backend``: what its ``usp.attn_backend`` (``setting``) resolves to on ``device`` in bf16
+    (:func:`ds_usp.kernels.get_backend`, as the ring resolves it): ``"torch"``, or ``"auto(flash_attn_4 > torch)"``
+    where FlashAttention-4 is installed and usable there. The name lists what "auto" may take; which kernel ran is
+    decided per call, so each step also counts its local attention calls (forward and backward, a checkpointed
+    layer's recomputation included) by kernel into :data:`ATTENTION_CALLS`: ``flash_attn_4`` (or another
+    ``ds_usp.kernels.AUTO_ORDER`` candidate) where "auto"'s per-call choice took it, else the torch backend's kernel:
+    ``cudnn`` (cuDNN's op), ``sdpa_flash`` / ``sdpa_efficient`` (PyTorch's FlashAttention-2 or memory-efficient op:
+    calls under 16K x 16K query-key pairs, ``DS_USP_CUDNN_ATTENTION=0``, or cuDNN not agreeing on the device),
+    ``cpu`` (the CPU op). Counted by wrapping ds_usp's functions that make those choices (``kernels._auto_kernels``,
+    ``torch_sdpa._cuda_use_cudnn``, ``_cpu_forward`` / ``_cpu_backward``) in this worker process only; ds_usp itself
+    is not changed. FA4's once-per-kind device check (``flash_attn4.disagreement``, whose reference runs on the torch
+    backend) is not counted. Where those functions have moved, nothing is counted (the rows' ``attn_calls`` stay
+    empty) and the worker says so. There is no switch that keeps FA4 out of "auto" (``DS_USP_CUDNN_ATTENTION=0`` is
+    cuDNN's); the system ``ds-usp torch attention`` names ``usp.attn_backend = "torch"`` (cuDNN's op and PyTorch's,
+    as before FA4)."""
+    from ds_usp import kernels
+
+    ATTENTION_BACKEND[name] = kernels.get_backend(setting, device, torch.bfloat16).name
+    if ATTENTION_BACKEND.get(""):  # wrapped once per process
+        return
+    from ds_usp.kernels import flash_attn4, torch_sdpa
+
+    try:
+        auto, use_cudnn, use_flash = kernels._auto_kernels, torch_sdpa._cuda_use_cudnn, torch_sdpa._cuda_use_flash
+        cpu_forward, cpu_backward, check = torch_sdpa._cpu_forward, torch_sdpa._cpu_backward, flash_attn4.disagreement
+    except AttributeError as e:
+        print(f"{TAG} attention calls not counted: ds_usp has moved ({e})", flush=True)
+        ATTENTION_BACKEND[""] = "not counted"
+        return
+    checking: list[int] = []
+
+    def counted(kernel: str) -> None:
+        if not checking:
+            ATTENTION_CALLS[kernel] += 1
+
+    def auto_kernels(fast: tuple, *a: Any, **kw: Any) -> tuple:
+        forward, backward = auto(fast, *a, **kw)
+        taken = next((c.name for c in fast if c.forward_fn is forward), None)
+        if taken:  # else the torch backend's kernels, counted below
+            counted(taken)
+        return forward, backward
+
+    def cuda_use_cudnn(q: torch.Tensor, *a: Any, **kw: Any) -> bool:
+        use = use_cudnn(q, *a, **kw)
+        counted("cudnn" if use else "sdpa_flash" if use_flash(q) else "sdpa_efficient")
+        return use
+
+    def on_cpu(fn: Callable) -> Callable:
+        def run(*a: Any, **kw: Any) -> Any:
+            counted("cpu")
+            return fn(*a, **kw)
+        return run
+
+    def disagreement(*a: Any, **kw: Any) -> Any:
+        checking.append(1)
+        try:
+            return check(*a, **kw)
+        finally:
+            checking.pop()
+
+    disagreement.cache_clear = check.cache_clear  # type: ignore[attr-defined]
+    kernels._auto_kernels, torch_sdpa._cuda_use_cudnn, flash_attn4.disagreement = auto_kernels, cuda_use_cudnn, \
+        disagreement
+    torch_sdpa._cpu_forward, torch_sdpa._cpu_backward = on_cpu(cpu_forward), on_cpu(cpu_backward)
+    ATTENTION_BACKEND[""] = "counted"
+
+
+def _attention_backend(name: str) -> Optional[str]:
+    """What the ds-usp system ``name``'s ``usp.attn_backend`` resolved to (None for a peer)."""
+    return ATTENTION_BACKEND.get(name) if name in USP_SETTINGS else None
+
+
+def _attention_calls(name: str) -> Optional[dict]:
+    """The attention calls of the step just run by kernel (None for a peer, or where they could not be counted)."""
+    if name not in USP_SETTINGS or ATTENTION_BACKEND.get("") != "counted":
+        return None
+    return dict(sorted(ATTENTION_CALLS.items()))
+
+
+def _attention_text(row: dict) -> str:
+    """A row's attention backend and its last step's calls by kernel, for the report."""
+    calls = row.get("attn_calls")
+    return (f"{row.get('attn_backend') or 'not recorded'}"
+            + (f" ({', '.join(f'{k} {n}' for k, n in calls.items())} calls in a step)" if calls else
+               " (calls not counted)" if row.get("attn_backend") else ""))
 
 
 def _choices(engine: Any) -> Optional[str]:
@@ -533,7 +684,7 @@ def compare(rows: list[dict]) -> str:
         for (name, _), r in sorted((k, v) for k, v in by.items() if k[1] == seq):
             if r["steps_timed"] > 1:
                 lines.append(f"S={seq}: {name} steps after the first within {r['spread']:.1%} of each other (target "
-                             f"<= {TARGET_SPREAD:.0%}: {'met' if r['spread'] <= TARGET_SPREAD else 'missed'}); "
+                             f"<= {TARGET_SPREAD:.0%}: {_met(r['spread'] <= TARGET_SPREAD)}){_steps_text(r)}; "
                              f"{r['alloc_retries']} allocator retries, reserved up to {r['reserved_GiB']:.1f} GiB")
         if seq == 131072 and usp and usp["params"] < 2.5e9:  # issue 49's: the 1.5B shape
             lines.append(f"S={seq}: ds-usp MFU {_pct(usp['mfu'])} (target >= {TARGET_MFU_128K:.0%}: "
@@ -552,6 +703,44 @@ def _met(ok: bool) -> str:
     return "met" if ok else "missed"
 
 
+def _steps_text(r: dict) -> str:
+    """A row's steps 2 to 4 (issue 49's spread), each step's seconds, which one was profiled and how busy the device
+    was in it, and the blocks the allocator took from the device per step where any step took some."""
+    text, spread = "", _spread_2_4(r)
+    if spread is not None:
+        text += f", steps 2-4 within {spread:.1%} (target <= {TARGET_SPREAD:.0%}: {_met(spread <= TARGET_SPREAD)})"
+    text += "; steps " + ", ".join(f"{t:.2f}" for t in r.get("step_times_s") or []) + " s"
+    summary = (r.get("profile") or {}).get("summary") or {}
+    if r.get("profiled_step"):
+        busy = summary.get("busy_share")
+        text += (f" (step {r['profiled_step']} under torch.profiler: {summary.get('wall_s', float('nan')):.2f} s"
+                 + (f", the device busy {busy:.0%}" if busy is not None else "") + ")")
+    if any(r.get("device_allocs_per_step") or []):
+        text += f"; device allocations per step {r['device_allocs_per_step']}"
+    return text
+
+
+def _spread_2_4(r: dict) -> Optional[float]:
+    """A row's ``spread_2_4``; for a row of a run before it was recorded, from its ``step_times_s``."""
+    if "spread_2_4" in r:
+        return r["spread_2_4"]
+    times = r.get("step_times_s") or []
+    return max(times[1:4]) / min(times[1:4]) - 1 if len(times) >= 4 else None
+
+
+def _no_row(rows: list[dict], name: str, seq: int) -> str:
+    """Why the system ``name`` has no measured row at ``seq``: its sweep stopped at or before it (the stop row's
+    reason), or it was not run at that S (or not at all) in these rows."""
+    if not any(r["system"] == name for r in rows):
+        return "not run in these rows"
+    stops = [r for r in rows if r["system"] == name and r.get("stopped") and r["S"] <= seq]
+    if not stops:
+        return "not run at this S"
+    stop = max(stops, key=lambda r: r["S"])
+    return (f"out of memory at S={stop['S']}" if stop["stopped"] == STOP_OOM else
+            f"its sweep stopped at S={stop['S']}: {stop['stopped']}")
+
+
 def _pct(x: Optional[float]) -> str:
     """A share as a percentage; "-" where none is known (an MFU without the device's peak, saved as null)."""
     return "-" if x is None or x != x else f"{x:.1%}"
@@ -563,21 +752,36 @@ def _established(stop: dict) -> bool:
 
 
 def peer_lines(rows: list[dict], by: dict, stops: dict[str, dict]) -> list[str]:
-    """Issue 65's targets: ds-usp "auto" against the fastest peer configuration that ran at each S (>= 1.2x), its
-    longest S against the longest any peer trains (>= 1.5x) and its tokens/s against the fastest peer at that S
-    (>= 1.3x), the planner's prediction of its longest S (within 10%), MFU at 128K on the 3B shape (>= 45%), and a
-    budget's reserved peak under it. A longest S counts only where its sweep stopped by running out of memory
-    (:func:`sweep_stops`): a sweep stopped by the time budget, the list's end or from outside gives a lower bound, and
-    a verdict it cannot establish is printed as "not established (stopped by ...)", never as met."""
+    """Issue 65's targets: ds-usp "auto" against the fastest peer configuration that ran at each S (>= 1.2x; the
+    configurations of :data:`PEERS` without a row there are named, with why where a sweep recorded it, and the ratio
+    is then to the fastest of those run), the attention kernels ds-usp ran, its longest S against the longest any
+    peer trains (>= 1.5x) and its tokens/s against the fastest peer at that S (>= 1.3x), the planner's prediction of
+    its longest S (within 10%), MFU at 128K on the 3B shape (>= 45%), and a budget's reserved peak under it. A longest
+    S counts only where its sweep stopped by running out of memory (:func:`sweep_stops`): a sweep stopped by the time
+    budget, the list's end or from outside gives a lower bound, and a verdict it cannot establish is printed as "not
+    established (stopped by ...)", never as met."""
     lines = []
+    compared = any(r["system"] in PEERS for r in rows)  # a run of ds-usp alone names no missing peer
     for seq in sorted({s for _, s in by}):
-        peers = [by[(p, seq)] for p in PEERS if (p, seq) in by]
+        ran = [p for p in PEERS if (p, seq) in by]
+        peers = [by[(p, seq)] for p in ran]
         usp = by.get(("ds-usp", seq))
+        missing = [f"{p} ({_no_row(rows, p, seq)})" for p in PEERS if p not in ran]
         if peers and usp:
             best = max(peers, key=lambda r: r["tokens_per_s"])
             ratio = usp["tokens_per_s"] / best["tokens_per_s"]
-            lines.append(f"S={seq}: ds-usp {ratio:.2f} x the fastest peer, {best['system']} (target >= "
-                         f"{TARGET_VS_BEST_PEER}: {_met(ratio >= TARGET_VS_BEST_PEER)}); auto chose: {usp['choices']}")
+            lines.append(f"S={seq}: ds-usp {ratio:.2f} x the fastest peer"
+                         + (f" of those run ({', '.join(ran)})" if missing else "") + f", {best['system']} (target >= "
+                         f"{TARGET_VS_BEST_PEER}: {_met(ratio >= TARGET_VS_BEST_PEER)}"
+                         + (" against those run" if missing else "") + f"); auto chose: {usp['choices']}; "
+                         f"attention: {_attention_text(usp)}")
+        elif usp:
+            lines.append((f"S={seq}: no peer configuration has a row: ds-usp's ratio not established; " if compared
+                          else f"S={seq}: ds-usp ") + f"auto chose: {usp['choices']}; attention: {_attention_text(usp)}")
+        elif peers:
+            lines.append(f"S={seq}: no ds-usp row (peers run: {', '.join(ran)})")
+        if missing and compared and (usp or peers):
+            lines.append(f"S={seq}: peer configurations with no row: {'; '.join(missing)}")
         if seq == 131072 and usp and usp["params"] > 2.5e9:
             lines.append(f"S={seq}: ds-usp MFU {_pct(usp['mfu'])} on the 3B shape (target >= "
                          f"{TARGET_MFU_3B_128K:.0%}: " + (_met(usp['mfu'] >= TARGET_MFU_3B_128K) if usp['mfu'] else
@@ -774,10 +978,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "sweep": next((r["sweep"] for r in got if r.get("sweep")), None)})
             rows += got
             save_results(args.json, meta, rows)
-    print(table(rows, ["system", "S", "step_s", "spread", "tokens_per_s", "tflops", "mfu", "peak_GiB", "reserved_GiB",
-                       "alloc_retries", "loss", "note"],
-                {"step_s": ".2f", "spread": ".3f", "tokens_per_s": ".0f", "tflops": ".0f", "mfu": ".3f",
-                 "peak_GiB": ".1f", "reserved_GiB": ".1f", "loss": ".4f"}, markdown=True))
+    print(table(rows, ["system", "S", "step_s", "spread", "spread_2_4", "tokens_per_s", "tflops", "mfu", "peak_GiB",
+                       "reserved_GiB", "alloc_retries", "loss", "attn_backend", "note"],
+                {"step_s": ".2f", "spread": ".3f", "spread_2_4": ".3f", "tokens_per_s": ".0f", "tflops": ".0f",
+                 "mfu": ".3f", "peak_GiB": ".1f", "reserved_GiB": ".1f", "loss": ".4f"}, markdown=True))
     print(compare(rows))
     print(f"{TAG} results written to {save_results(args.json, meta, rows)}")
     if args.plot:
