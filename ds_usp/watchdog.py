@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import _thread
 import faulthandler
+import functools
 import itertools
 import os
 import sys
@@ -45,7 +46,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -96,7 +97,7 @@ class _Record:
     __slots__ = ("works", "event", "device_index", "what", "info", "since", "layer", "phase", "thread", "named_at",
                  "message", "acknowledged", "stage", "issuing")
 
-    def __init__(self, works: Optional[Sequence[Any]], what: str, info: GroupInfo, layer: Optional[int],
+    def __init__(self, works: Optional[Sequence[Any]], what: str, info: GroupInfo, layer: Layer,
                  phase: str, issuing: Optional[str] = None) -> None:
         self.works, self.event, self.device_index, self.what, self.info = works, None, None, what, info
         self.since, self.layer, self.phase, self.thread = time.monotonic(), layer, phase, threading.get_ident()
@@ -152,7 +153,8 @@ class _Record:
 
 # ---- module state: the registry of groups, the context, the records and the monitor thread's start flag
 _GROUPS: dict[int, GroupInfo] = {}  # id(group) -> its info, dropped when the group object dies
-_LAYER: Optional[int] = None  # the decoder layer whose attention runs (set by the attention interface)
+Layer = Optional[Union[int, str]]  # a decoder layer's index, or a module's path (a DiT block's attention)
+_LAYER: Layer = None  # the decoder layer whose attention runs (set by the attention interface)
 _PHASE = "forward"
 _STEP_SOURCE: Optional[Callable[[], Optional[int]]] = None  # the training step, read when an error is named
 _LOCK = threading.Lock()
@@ -205,11 +207,57 @@ def describe_group(group: Any) -> str:
     return f"ranks {ranks}"
 
 
-def set_layer(layer: Optional[int], phase: str = "forward") -> None:
-    """The decoder layer whose collectives run from now on (None: none known), and whether in its ``"forward"`` or
-    ``"backward"``."""
+def set_layer(layer: Layer, phase: str = "forward") -> None:
+    """The layer whose collectives run from now on (a decoder layer's index, a module's path such as
+    ``"transformer_blocks.7.attn"``; None: none known), and whether in its ``"forward"`` or ``"backward"``."""
     global _LAYER, _PHASE
     _LAYER, _PHASE = layer, phase
+
+
+@functools.cache
+def _backward_of(layer: Layer) -> Callable[[torch.Tensor], None]:
+    """The hook on a layer's output: its gradient has arrived, so the layer's backward (and its collectives) runs
+    next, in ``layer``."""
+
+    def hook(grad: torch.Tensor) -> None:
+        set_layer(layer, "backward")
+
+    return hook
+
+
+def _after_backward(grad: torch.Tensor) -> None:
+    """The hook on a layer's input: its gradient is complete, so the layer's backward is over."""
+    set_layer(None)
+
+
+def run_in_layer(layer: Layer, run: Callable[[], Any], inputs: Any) -> Any:
+    """``run()`` (a layer's sequence-parallel part: attention, a linear-attention mixer, a DiT block's attention) with
+    ``layer`` told to the watchdog (:func:`set_layer`), so that a collective that does not complete names it: set for
+    the forward, and, when the output takes a gradient, for the backward by a hook on the output (the backward starts)
+    and one on ``inputs`` (it ended). Two module variables set per call, two hooks per training call; nothing under
+    ``torch.compile`` (its graphs keep no such side effect) or when ``layer`` is None.
+
+    Args:
+        layer: the layer (an index or a module path), or None.
+        run: the call.
+        inputs: the call's input tensor (its gradient completes last), or anything else (no hook).
+
+    Returns:
+        What ``run`` returned (a tensor, or a tuple whose first item is the output).
+    """
+    if layer is None or torch.compiler.is_compiling():
+        return run()
+    set_layer(layer)
+    try:
+        result = run()
+    finally:
+        set_layer(None)
+    out = result[0] if isinstance(result, tuple) and result else result
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        out.register_hook(_backward_of(layer))
+        if isinstance(inputs, torch.Tensor) and inputs.requires_grad:
+            inputs.register_hook(_after_backward)
+    return result
 
 
 def set_step_source(source: Optional[Callable[[], Optional[int]]]) -> None:
@@ -223,9 +271,9 @@ def where() -> str:
     return _where(_LAYER, _PHASE)
 
 
-def _where(layer: Optional[int], phase: str) -> str:
+def _where(layer: Layer, phase: str) -> str:
     step = _STEP_SOURCE() if _STEP_SOURCE is not None else None
-    text = f" in layer {layer} ({phase})" if layer is not None else ""
+    text = "" if layer is None else f" in layer {layer} ({phase})" if isinstance(layer, int) else f" in {layer} ({phase})"
     if step is not None:
         text += f"{' of' if text else ' in'} training step {step}"
     return text

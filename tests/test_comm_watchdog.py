@@ -340,20 +340,30 @@ def test_the_attention_interface_names_the_layer_in_forward_and_backward():
     assert seen == [" in layer 4 (forward)", "", " in layer 4 (backward)", ""]
 
 
-def where_hf_collectives_run() -> list[str]:
-    """A tiny Llama (2 layers, HF checkpointing) on 2x2: where the watchdog says each all-to-all and ring exchange of
-    one training step runs."""
+def where_hf_collectives_run(family: str = "llama") -> list[str]:
+    """A tiny Llama (2 layers, HF checkpointing), or a hybrid model of ``test_linear`` (``family``: its linear layers
+    wrapped), on 2x2: where the watchdog says each all-to-all and ring exchange of one training step runs."""
     import torch.distributed as dist
 
     import ds_usp
     from ds_usp.integration.models.attention import USPContext, attach
+    from ds_usp.integration.models.hybrid import wrap_linear_layers
     from dist_harness import get_topo
     from test_training import VOCAB, _llama
 
     ds_usp.hf.register_usp_attention()
     topo = get_topo(2, 2)
-    model = _llama("usp")
+    if family == "llama":
+        model = _llama("usp")
+    else:
+        from test_linear import _config
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="usp", dtype=torch.float32)
     attach(model, USPContext(topo=topo, layout="zigzag"))
+    if family != "llama":
+        assert wrap_linear_layers(model) > 0
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     seen: list[str] = []
@@ -383,6 +393,20 @@ def test_a_hf_models_collectives_name_their_layer(world4):
         assert backward and backward == sorted(backward, reverse=True), (rank, seen)  # layer 1's backward, then 0's
         assert {"layer 1 (backward)", "layer 0 (backward)"} <= set(backward), (rank, seen)
         assert all(" in layer " in s for s in seen), (rank, seen)  # every exchange knows its layer
+    for rank, seen in enumerate(world4.run(where_hf_collectives_run, "qwen3_5_text")):  # linear layers too
+        assert seen and all(" in layer " in s for s in seen), (rank, seen)
+        assert {"layer 0 (forward)", "layer 0 (backward)"} <= {s.split(" in ")[1] for s in seen}, (rank, seen)
+
+
+def test_a_layer_named_by_its_path_in_forward_and_backward():
+    """A DiT block's attention is named by its module's path (its blocks have no layer index)."""
+    seen: list[str] = []
+    query = torch.ones(2, requires_grad=True)
+    out = watchdog.run_in_layer("transformer_blocks.7.attn", lambda: _Doubled.apply(query * 1, seen), query)
+    seen.append(watchdog.where())
+    out.sum().backward()
+    seen.append(watchdog.where())
+    assert seen == [" in transformer_blocks.7.attn (forward)", "", " in transformer_blocks.7.attn (backward)", ""]
 
 
 def test_the_engine_gives_the_training_step_while_it_lives():

@@ -38,7 +38,7 @@ from ds_usp.upstream.transformers import (attention_implementation, set_attentio
                                                       wrap_attn_implementation_check)
 from ds_usp.sharding import layout_bounds, shard_positions
 from ds_usp.topology import USPTopology
-from ds_usp.watchdog import set_layer
+from ds_usp.watchdog import run_in_layer
 
 ATTN_NAME = "usp"
 _CONTEXT_ATTR = "_usp_context"
@@ -155,44 +155,15 @@ def check_keywords(module: nn.Module, ctx: USPContext, kwargs: dict[str, Any]) -
                     "rather than compute something else (docs/models.md: how to add a family)")
 
 
-@functools.cache
-def _backward_of(layer: int) -> Callable[[Tensor], None]:
-    """The hook on a layer's attention output: its gradient has arrived, so the attention's backward (and its
-    collectives) runs next, in ``layer``."""
-
-    def hook(grad: Tensor) -> None:
-        set_layer(layer, "backward")
-
-    return hook
-
-
-def _after_backward(grad: Tensor) -> None:
-    """The hook on a layer's query: its gradient is complete, so the attention's backward is over."""
-    set_layer(None)
-
-
 def _in_layer(attention_fn: Callable[..., tuple[Tensor, Any]]) -> Callable[..., tuple[Tensor, Any]]:
-    """``attention_fn`` with the layer it runs in told to the collectives' watchdog (:func:`ds_usp.watchdog.set_layer`),
-    so that a collective that does not complete names it: set for the forward, and, when the output takes a gradient,
-    for the backward by a hook on the output (the backward starts) and one on the query (it ended). Two module
-    variables set per call, two hooks per training call; nothing under ``torch.compile`` (its graphs keep no such
-    side effect)."""
+    """``attention_fn`` with the layer it runs in (the module's ``layer_idx``) told to the collectives' watchdog
+    (:func:`ds_usp.watchdog.run_in_layer`), so that a collective that does not complete names it, forward and
+    backward."""
 
     @functools.wraps(attention_fn)
     def run(module: nn.Module, query: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
-        if torch.compiler.is_compiling():
-            return attention_fn(module, query, *args, **kwargs)
-        layer = getattr(module, "layer_idx", None)
-        set_layer(layer)
-        try:
-            out, weights = attention_fn(module, query, *args, **kwargs)
-        finally:
-            set_layer(None)
-        if layer is not None and out.requires_grad:
-            out.register_hook(_backward_of(layer))
-            if query.requires_grad:
-                query.register_hook(_after_backward)
-        return out, weights
+        return run_in_layer(getattr(module, "layer_idx", None),
+                            lambda: attention_fn(module, query, *args, **kwargs), query)
 
     return run
 

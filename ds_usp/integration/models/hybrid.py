@@ -62,6 +62,7 @@ from ds_usp.integration.data.batch import documents_of
 from ds_usp.integration.models.attention import USPContext, context_of
 from ds_usp.upstream.torch import replace_forward, set_module_attribute
 from ds_usp.upstream.transformers import replace_family_functions, replace_private_method
+from ds_usp.watchdog import run_in_layer
 from ds_usp.linear import (check_linear_heads, gated_delta_attention, sharded_causal_conv, sharded_linear_recurrence,
                            sharded_selective_scan)
 
@@ -452,15 +453,19 @@ def _forward(module: nn.Module, ctx: USPContext) -> Callable:
 _WRAPPED = "_usp_wrapped"  # on a mixer whose forward wrap_linear_layers replaced
 
 
-def _whole_or_sharded(own: Callable, sharded: Callable, ctx: USPContext) -> Callable:
-    """A mixer's forward: ``sharded`` (its shard of the sequence, state passed over the SP group), or, while the model
-    runs whole sequences on each rank (:func:`ds_usp.integration.models.attention.unsharded`: generation), the layer's
-    ``own`` forward, which reads and updates the cache's convolution and recurrent state as in one process and
-    communicates nothing (the family functions ds-usp swapped pass through outside a sharded forward)."""
+def _whole_or_sharded(own: Callable, sharded: Callable, ctx: USPContext, layer: Any) -> Callable:
+    """A mixer's forward: ``sharded`` (its shard of the sequence, state passed over the SP group, in ``layer`` for the
+    collectives' watchdog: :func:`ds_usp.watchdog.run_in_layer`), or, while the model runs whole sequences on each rank
+    (:func:`ds_usp.integration.models.attention.unsharded`: generation), the layer's ``own`` forward, which reads and
+    updates the cache's convolution and recurrent state as in one process and communicates nothing (the family
+    functions ds-usp swapped pass through outside a sharded forward)."""
 
     @functools.wraps(sharded)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return own(*args, **kwargs) if ctx.unsharded else sharded(*args, **kwargs)
+        if ctx.unsharded:
+            return own(*args, **kwargs)
+        inputs = args[0] if args else next(iter(kwargs.values()), None)  # hidden_states / input_states
+        return run_in_layer(layer, lambda: sharded(*args, **kwargs), inputs)
 
     return forward
 
@@ -488,9 +493,11 @@ def wrap_linear_layers(model: nn.Module) -> int:
     """
     ctx = context_of(model)
     wrapped = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if is_wrapped_mixer(module) and not getattr(module, _WRAPPED, False):
-            replace_forward(module, _whole_or_sharded(module.forward, _wrapper(module)(module, ctx), ctx))
+            layer = getattr(module, "layer_idx", None)  # as the softmax layers are named, else the module's path
+            replace_forward(module, _whole_or_sharded(module.forward, _wrapper(module)(module, ctx), ctx,
+                                                      layer if isinstance(layer, int) else name))
             set_module_attribute(module, _WRAPPED, True)
             wrapped += 1
     return wrapped

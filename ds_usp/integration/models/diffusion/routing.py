@@ -18,6 +18,7 @@ from torch import Tensor
 from ds_usp.attention import AttentionMask, attention
 from ds_usp.integration.models.diffusion.state import DiTContext
 from ds_usp.upstream.diffusers import DispatchRoute
+from ds_usp.watchdog import run_in_layer
 
 NEUTRAL = ("enable_gqa",)  # dispatch_attention_fn's keywords that change nothing here (ds-usp's attention does GQA)
 
@@ -76,8 +77,9 @@ class AttentionRoute(DispatchRoute):
         if attn_mask is not None:
             self._check_mask(attn_mask, query.shape[0])
         keys = call.keys(self.order, query.shape[0])
-        return attention(query, key, value, self.dit.topo, AttentionMask(causal=False, keys=keys), self.dit.run,
-                         scale)
+        return run_in_layer(self.module,  # its path names it for the watchdog ("transformer_blocks.7.attn")
+                            lambda: attention(query, key, value, self.dit.topo, AttentionMask(causal=False, keys=keys),
+                                              self.dit.run, scale), query)
 
     def _check_mask(self, attn_mask: Tensor, batch: int) -> None:
         """Refuse a mask that is not the key mask ds-usp cut for this module's streams (compared on real tokens, on
