@@ -45,7 +45,7 @@ def _batch(index: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _ds_config(stage: int, u: int, r: int, dp: int, universal: bool = False) -> dict:
+def _ds_config(stage: int, u: int, r: int, dp: int, universal: bool = False, node_local: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GLOBAL_BATCH // dp,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
@@ -55,23 +55,26 @@ def _ds_config(stage: int, u: int, r: int, dp: int, universal: bool = False) -> 
            "usp": {"ulysses_degree": u, "ring_degree": r, "layout": "zigzag", "native_op": False}}
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
+    if node_local:  # each node's first rank writes the model file too (ZeRO-1/2 save it from rank 0 only)
+        cfg["checkpoint"] = {"use_node_local_storage": True}
     return cfg
 
 
-def _engine(stage: int, u: int, r: int, dp: int, universal: bool = False):
+def _engine(stage: int, u: int, r: int, dp: int, universal: bool = False, node_local: bool = False):
     import ds_usp
 
     ds_usp.hf.register_usp_attention()
     model = _llama("usp")
     engine, *_ = ds_usp.initialize(model=model, model_parameters=model.parameters(),
-                                   config=_ds_config(stage, u, r, dp, universal))
+                                   config=_ds_config(stage, u, r, dp, universal, node_local))
     topo = engine.usp.topo
     assert (topo.ulysses_degree, topo.ring_degree, topo.dp_size) == (u, r, dp)
     return engine
 
 
 def train(ckpt_dir: str, stage: int, u: int, r: int, dp: int, *, save: bool = False, resume: str = "",
-          universal: bool = False, mutate: str = "", async_save: bool = False) -> tuple[dict, dict]:
+          universal: bool = False, mutate: str = "", async_save: bool = False,
+          node_local: bool = False) -> tuple[dict, dict]:
     """On every rank: train to step STEPS, from scratch or resumed from ``ckpt_dir``.
 
     Args:
@@ -81,6 +84,7 @@ def train(ckpt_dir: str, stage: int, u: int, r: int, dp: int, *, save: bool = Fa
         async_save: save with ``async_save=True``, each file's write held back 1.5 s so that later steps run (and
             change the parameters and optimizer state) while the save is still being written; the save must
             return before its manifest exists.
+        node_local: DeepSpeed's ``checkpoint.use_node_local_storage`` (each node's first rank writes the model file).
 
     Returns:
         ``({step: loss}, params after the last step)``; the loss is the global batch's mean.
@@ -90,7 +94,7 @@ def train(ckpt_dir: str, stage: int, u: int, r: int, dp: int, *, save: bool = Fa
     import ds_usp
     from ds_usp.checkpoint import load_checkpoint
 
-    engine = _engine(stage, u, r, dp, universal)
+    engine = _engine(stage, u, r, dp, universal, node_local)
     topo = engine.usp.topo
     first = 0
     if resume:

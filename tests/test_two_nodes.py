@@ -1,9 +1,11 @@
 """Two nodes, each saving to a directory of its own (issue 63 item 10): asynchronous checkpoints commit by a collective.
 
 Emulated on a 4-rank gloo world: ranks 0-1 are node A and save to ``A/``, ranks 2-3 are node B and save to ``B/`` (the
-checkpoint path given per rank, as node-local disks give it). ZeRO-3 (every rank writes its own model and optimizer
-states, so each directory holds what its ranks resume from) at (U, R, dp) = (2, 2, 1), ``usp.async_save`` on, each
-file's write held back 1.5 s while steps 3-5 run (tests/test_checkpoint.py's ``train``):
+checkpoint path given per rank, as node-local disks give it; each node's launcher numbers its ranks 0-1). ZeRO-3
+(every rank writes its own model and optimizer states, so each directory holds what its ranks resume from) and ZeRO-1
+(DeepSpeed's ``use_node_local_storage``: each node's first rank writes the model file, every rank its optimizer part)
+at (U, R, dp) = (2, 2, 1), ``usp.async_save`` on, each file's write held back 1.5 s while steps 3-5 run
+(tests/test_checkpoint.py's ``train``):
 
 * each directory gets a complete checkpoint: ``latest`` names step 2, its manifest lists exactly its own ranks' files
   and verifies, no claim or marker is left;
@@ -23,6 +25,7 @@ import io
 import os
 from typing import Iterator
 
+import pytest
 import torch
 
 from test_checkpoint import SAVE_AT, SAVED, STEPS, _engine, _tail, train
@@ -57,27 +60,38 @@ def _spied(seen: list[str]) -> Iterator[None]:
                                                        real["scandir"])
 
 
-def node_local(root: str) -> dict:
-    """On every rank: train with an asynchronous save into this node's directory, then resume from it."""
+def node_local(root: str, stage: int = STAGE) -> dict:
+    """On every rank: train with an asynchronous save into this node's directory, then resume from it (ZeRO-1/2 with
+    DeepSpeed's ``use_node_local_storage``: each node's first rank writes the model file)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     mine, theirs = _node_dir(root, rank), _node_dir(root, 3 - rank)
     seen: list[str] = []
-    with _spied(seen):
-        losses, params = train(mine, STAGE, *SAVED, save=True, async_save=True)
-        resumed = train(mine, STAGE, *SAVED, resume="engine")
+    launcher = {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")  # as each node's launcher numbers its ranks
+    try:
+        with _spied(seen):
+            losses, params = train(mine, stage, *SAVED, save=True, async_save=True, node_local=stage < 3)
+            resumed = train(mine, stage, *SAVED, resume="engine", node_local=stage < 3)
+    finally:
+        for key, value in launcher.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     other = os.path.realpath(theirs)
     return {"losses": losses, "params": params, "resumed": resumed,
             "foreign": sorted({p for p in seen if p == other or p.startswith(other + os.sep)}),
             "own": any(p.startswith(os.path.realpath(mine) + os.sep) for p in seen)}
 
 
-def test_each_node_saves_to_its_own_directory_and_resumes_from_it(world4, tmp_path):
+@pytest.mark.parametrize("stage", [STAGE, 1])
+def test_each_node_saves_to_its_own_directory_and_resumes_from_it(world4, tmp_path, stage):
     from ds_usp.integration.engine.checkpoints import LATEST, MANIFEST, problems
 
     root = str(tmp_path)
-    results = world4.run(node_local, root)
+    results = world4.run(node_local, root, stage)
     for rank, got in enumerate(results):
         assert got["own"] and got["foreign"] == [], f"rank {rank} touched the other node's directory: {got['foreign']}"
         assert sorted(got["losses"]) == list(range(1, STEPS + 1))
@@ -89,8 +103,10 @@ def test_each_node_saves_to_its_own_directory_and_resumes_from_it(world4, tmp_pa
         assert (tmp_path / node / LATEST).read_text().strip() == folder.name
         assert problems(folder) == []  # complete and intact
         files = sorted(os.listdir(folder))
-        assert files == sorted([MANIFEST] + [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in ranks
-                                             for kind in ("model", "optim")]), files  # its own ranks', nothing else
+        own = [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in ranks for kind in ("model", "optim")] \
+            if stage == 3 else ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                                                                  for r in ranks]
+        assert files == sorted([MANIFEST] + own), files  # its own ranks', nothing else
 
 
 def shared_folder_two_hosts(root: str) -> tuple[int, list[str]]:
