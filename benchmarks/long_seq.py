@@ -31,7 +31,11 @@ Memory, per rank and step: on CPU the growth of the resident set (freed heap ret
 ``malloc_trim`` and the kernel's high-water mark reset with ``5 > /proc/self/clear_refs`` before the
 step, ``VmHWM`` minus the resident size then after it); on CUDA ``max_memory_allocated`` minus the
 allocation before the step. Reported: the largest over the ranks, of the last step (the first
-allocates the optimizer state). Time: wall and process CPU time of a step, the largest over the
+allocates the optimizer state). On CPU the resident peak depends on the C heap's rule: by default glibc's
+mmap threshold rises as large blocks are freed and freed blocks below it stay resident, while a ds-usp row given
+``usp.memory_gib`` fixes it at 64 KiB (``ds_usp.integration.step.choices.bound_host_heap``) so that freed tensors leave
+the resident set. ``--bound-heap`` applies that rule at the start of every worker of every system, so that peers and
+ds-usp rows are measured alike; each row's ``heap`` says which rule its ranks ran under. Time: wall and process CPU time of a step, the largest over the
 ranks, median over the steps after the first. The first step's loss (same weights, same tokens)
 must agree between the systems to 1e-4 relative (later steps differ by design: ALST's tiled loss
 does not scale the ``lm_head`` gradient by the incoming gradient); ``ds-usp fp8`` is not exact by design, its
@@ -90,6 +94,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "come first, but for the systems run again: a budgeted system takes its budget from them, and they "
                    "are reported with this run's")
     p.add_argument("--plot", default="", help="write a plot of peak memory against S here (needs matplotlib)")
+    p.add_argument("--bound-heap", action="store_true", help="on CPU, every worker of every system fixes glibc's "
+                   "mmap threshold at 64 KiB (bound_host_heap) before it builds its model, as ds-usp does under "
+                   "usp.memory_gib: freed tensors leave the resident set (default: glibc's rule, but for rows with a "
+                   "budget)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "system|seq|result path"
     p.add_argument("--memory-gib", type=float, default=None, help=argparse.SUPPRESS)  # a budgeted system's
     args = parse(p, argv)
@@ -316,12 +324,26 @@ def read_peak() -> int:
     return _kib("VmHWM:") * 1024
 
 
+def heap_rule(args: argparse.Namespace) -> str:
+    """The C heap's rule this worker's resident set is measured under; with ``--bound-heap`` (CPU) it is applied here,
+    before the system builds anything."""
+    if torch.cuda.is_available():
+        return "CUDA caching allocator"
+    from ds_usp.integration.step.choices import HEAP_THRESHOLD, bound_host_heap
+
+    bounded = f"bounded {HEAP_THRESHOLD // 1024} KiB"
+    if args.bound_heap:
+        return bounded if bound_host_heap() else "glibc default (mallopt unavailable)"
+    return f"{bounded} (usp.memory_gib)" if args.memory_gib else "glibc default"
+
+
 def run_worker(args: argparse.Namespace) -> None:
     """One rank of one (system, S) job: ``--steps`` steps, each one's loss, times and peak growth, to JSON."""
     import torch.distributed as dist
 
     name, seq, path = args.worker.split("|")
     seq = int(seq)
+    heap = heap_rule(args)
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     make = SYSTEMS["ds-usp" if name.startswith("ds-usp") else name]
@@ -339,7 +361,7 @@ def run_worker(args: argparse.Namespace) -> None:
         peak = read_peak()
         steps.append({"loss": loss, "seconds": time.perf_counter() - w0, "cpu_seconds": time.process_time() - c0,
                       "peak_growth": peak - base, "base": base, "peak": peak})
-    Path(f"{path}.rank{dist.get_rank()}").write_text(json.dumps({"plan": describe(), "steps": steps}))
+    Path(f"{path}.rank{dist.get_rank()}").write_text(json.dumps({"plan": describe(), "heap": heap, "steps": steps}))
     close_distributed()
 
 
@@ -363,7 +385,8 @@ def run_job(name: str, seq: int, args: argparse.Namespace, argv: Sequence[str], 
     figures a budgeted system's ``usp.memory_gib`` comes from)."""
     path, port = scratch / f"{name.replace(' ', '_')}_{seq}", free_port()
     row = {"system": name, "S": seq, "peak_MiB": None, "abs_peak_MiB": None, "base_MiB": None, "budget_MiB": None,
-           "step_s": None, "first_s": None, "cpu_s": None, "first_loss": None, "fits": "no", "note": None}
+           "step_s": None, "first_s": None, "cpu_s": None, "first_loss": None, "fits": "no", "heap": None,
+           "note": None}
     extra = []
     if name in BUDGETED:
         gib = budget_gib(name, seq, list(rows))
@@ -399,7 +422,7 @@ def run_job(name: str, seq: int, args: argparse.Namespace, argv: Sequence[str], 
                 step_s=median["seconds"], cpu_s=median["cpu_seconds"],
                 first_s=max(r["steps"][0]["seconds"] for r in ranks),
                 first_loss=ranks[0]["steps"][0]["loss"], fits="yes" if peak <= args.cap_gib * 2 ** 30 else "no",
-                note=ranks[0]["plan"])
+                heap=ranks[0].get("heap"), note=ranks[0]["plan"])
 
 
 def compare(rows: list[dict]) -> tuple[str, bool]:
@@ -456,8 +479,10 @@ def budget_lines(by: dict, seq: int) -> list[str]:
             parts.append(f"{name} ({row.get('budget_MiB')} MiB): {row['note'][:160]};")
     if tight.get("peak_MiB") and full.get("peak_MiB"):
         ratio = tight["peak_MiB"] / full["peak_MiB"]
-        parts.append(f"ds-usp tight grew {ratio:.2f} x ALST full's growth (target <= {TARGET_PEAK_VS_ALST_FULL}: "
-                     f"{'met' if ratio <= TARGET_PEAK_VS_ALST_FULL else 'missed'});")
+        heaps = "" if tight.get("heap") == full.get("heap") else \
+            f" (heap: {tight.get('heap') or 'unrecorded'} against {full.get('heap') or 'unrecorded'})"
+        parts.append(f"ds-usp tight grew {ratio:.2f} x ALST full's growth{heaps} (target <= "
+                     f"{TARGET_PEAK_VS_ALST_FULL}: {'met' if ratio <= TARGET_PEAK_VS_ALST_FULL else 'missed'});")
     return parts
 
 
