@@ -20,7 +20,7 @@ layers, 8 heads), random weights, ZeRO (``--zero``, default 3) with AdamW, seque
   over its ranks); it must stay under it. Needs ``ALST full`` earlier in ``--systems``;
 * ``ds-usp tight``: "auto" with ``usp.memory_gib`` equal to ds-usp's own resident size before its step plus half of
   ALST full's peak growth: the smallest plan must take it (growth <= 0.5x ALST full's). Needs ``ds-usp`` and
-  ``ALST full`` earlier in ``--systems``;
+  ``ALST full`` earlier in ``--systems``; ``ds-usp tight UxR`` / ``ds-usp budget UxR``: the same at that split;
 * ``ALST plain``: DeepSpeed's ``UlyssesSPAttentionHF`` (core attention sdpa) and its ``mpu``,
   contiguous shards, HF's loss on each shard's logits, the differentiable weighted average of the
   per-rank losses, as DeepSpeed's ALST tutorial wires it;
@@ -69,6 +69,15 @@ TARGET_PEAK_VS_ALST_FULL = 0.5  # issue 26's targets: peak, steady step and firs
 TARGET_TIME_VS_ALST_FULL = 0.9
 TARGET_FIRST_VS_ALST_FULL = 1.0
 BUDGETED = {"ds-usp budget": ("ALST full",), "ds-usp tight": ("ds-usp", "ALST full")}  # -> the rows their budget needs
+
+
+def budgeted(name: str) -> tuple[Optional[str], dict]:
+    """A budgeted system's kind (a key of :data:`BUDGETED`, None: not one) and the split its name may add
+    (``"ds-usp tight 4x1"``: the tight budget at 4 x 1), as ``usp`` keys."""
+    found = re.fullmatch(r"(ds-usp (?:budget|tight))(?: (\d+)x(\d+))?", name)
+    if found is None:
+        return None, {}
+    return found[1], ({"ulysses_degree": int(found[2]), "ring_degree": int(found[3])} if found[2] else {})
 TAG = "[long_seq]"
 Step = Callable[[], float]  # one training step; returns the loss
 System = Callable[[str, int, argparse.Namespace], tuple[Step, Callable[[], str]]]  # -> (step, what it runs)
@@ -104,7 +113,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.head_dim = args.head_dim or args.hidden // args.heads
     for i, name in enumerate(args.systems):
         why = system_refusal(name, args.ranks)
-        missing = [need for need in BUDGETED.get(name, ()) if need not in args.systems[:i]]
+        missing = [need for need in BUDGETED.get(budgeted(name)[0], ()) if need not in args.systems[:i]]
         if missing and not args.worker and not args.prior_json:
             why = f"{name!r} takes its budget from {' and '.join(missing)}: list them before it"
         if why:
@@ -127,8 +136,9 @@ def usp_keys(name: str, ranks: int) -> Optional[dict]:
     if name == "ds-usp ALST features":
         return {"chunked_loss": True, "tiled_mlp": True, "activation_checkpointing": "full",
                 "offload_activations": False}
-    if name in BUDGETED:
-        return {}  # usp.memory_gib: from the rows its budget needs (run_job)
+    kind, split = budgeted(name)
+    if kind is not None:
+        return split  # usp.memory_gib: from the rows its budget needs (run_job)
     split = re.fullmatch(r"ds-usp (\d+)x(\d+)", name)
     return {"ulysses_degree": int(split[1]), "ring_degree": int(split[2])} if split else None
 
@@ -372,9 +382,10 @@ def budget_gib(name: str, seq: int, rows: list[dict]) -> Optional[float]:
     """A budgeted system's ``usp.memory_gib`` at ``seq`` from the rows run before it (None: they did not run)."""
     by = {(r["system"], r["S"]): r for r in rows}
     full, usp = by.get(("ALST full", seq), {}), by.get(("ds-usp", seq), {})
-    if name == "ds-usp budget" and full.get("abs_peak_MiB"):
+    kind = budgeted(name)[0]
+    if kind == "ds-usp budget" and full.get("abs_peak_MiB"):
         return full["abs_peak_MiB"] / 1024
-    if name == "ds-usp tight" and full.get("peak_MiB") and usp.get("base_MiB"):
+    if kind == "ds-usp tight" and full.get("peak_MiB") and usp.get("base_MiB"):
         return (usp["base_MiB"] + full["peak_MiB"] / 2) / 1024
     return None
 
@@ -388,10 +399,11 @@ def run_job(name: str, seq: int, args: argparse.Namespace, argv: Sequence[str], 
            "step_s": None, "first_s": None, "cpu_s": None, "first_loss": None, "fits": "no", "heap": None,
            "note": None}
     extra = []
-    if name in BUDGETED:
+    kind = budgeted(name)[0]
+    if kind is not None:
         gib = budget_gib(name, seq, list(rows))
         if gib is None:
-            return dict(row, note=f"not run: {' and '.join(BUDGETED[name])} at S={seq} did not run")
+            return dict(row, note=f"not run: {' and '.join(BUDGETED[kind])} at S={seq} did not run")
         extra, row["budget_MiB"] = ["--memory-gib", f"{gib:.6f}"], round(gib * 1024)
     print(f"{TAG} {name} S={seq}: running ({args.steps} steps)", flush=True)
     try:
