@@ -130,8 +130,8 @@ def watched_call(what: str, info: GroupInfo, hung: str, me: int, call: Callable[
     except RuntimeError as e:
         forget(token)
         raise USPCommError(f"the {what} over {info.text()} failed on rank {me}: {e}\nA rank of this group died, "
-                           f"stalled longer than the group timeout (usp.timeout_seconds), or cannot reach this one; see "
-                           f"the other ranks' logs.") from e
+                           f"stalled longer than the group timeout (usp.timeout_seconds), or cannot reach this one; "
+                           f"see the other ranks' logs.") from e
     except BaseException:
         forget(token)
         raise

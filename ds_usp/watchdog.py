@@ -273,7 +273,8 @@ def where() -> str:
 
 def _where(layer: Layer, phase: str) -> str:
     step = _STEP_SOURCE() if _STEP_SOURCE is not None else None
-    text = "" if layer is None else f" in layer {layer} ({phase})" if isinstance(layer, int) else f" in {layer} ({phase})"
+    name = f"layer {layer}" if isinstance(layer, int) else layer  # an index, or a module's path
+    text = f" in {name} ({phase})" if layer is not None else ""
     if step is not None:
         text += f"{' of' if text else ' in'} training step {step}"
     return text
