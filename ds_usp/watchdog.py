@@ -105,6 +105,12 @@ class _Record:
         self.message, self.acknowledged, self.stage = "", False, 0
         self.issuing = issuing  # the call is in progress: "while being issued" (None: it returned, or no such call)
 
+    def returned(self, works: Sequence[Any]) -> None:
+        """Its issuing call returned ``works``: watched by them from now (a record named meanwhile stays named)."""
+        self.works = works
+        if self.named_at is None:
+            self.issuing, self.since = None, time.monotonic()
+
     def done(self) -> bool:
         """Whether the device (or the backend) has run the collective."""
         if self.event is not None:
@@ -364,9 +370,7 @@ def issued(token: Optional[int], works: Sequence[Any]) -> Optional[int]:
     if record is None:
         return None
     with _LOCK:
-        record.works = works
-        if record.named_at is None:
-            record.issuing, record.since = None, time.monotonic()
+        record.returned(works)
         _KEPT.append(token)
     return token
 

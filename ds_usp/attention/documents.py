@@ -9,6 +9,7 @@ host. :func:`ds_usp.attention.usp.attention` takes it as ``doc_lens``.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -84,13 +85,14 @@ def doc_tensor(docs: Rows, seq_len: int) -> Tensor:
     return made_from(torch.tensor([x + [0] * (n - len(x)) for x in lens], dtype=torch.int64), tuple(map(tuple, docs)))
 
 
-_MADE_FROM = "_ds_usp_made_from"
+_MADE_FROM: dict[int, tuple[weakref.ref, Any]] = {}  # id(tensor) -> (the tensor, weakly; the value it was made from)
 
 
 def made_from(tensor: Tensor, value: Any) -> Tensor:
-    """``tensor`` (a host tensor an op takes for a Python value: the ring op's documents, spans, valid keys) tagged
+    """``tensor`` (a host tensor an op takes for a Python value: the ring op's documents, spans, valid keys) recorded
     with the value it was made from, which the op's body reads back (:func:`value_made_from`) instead of reading the
-    tensor: no ``.tolist()`` inside a layer. The tensor keeps its Python object through a custom op's call.
+    tensor: no ``.tolist()`` inside a layer. A custom op's body gets the same tensor object; the record holds it
+    weakly and is dropped with it.
 
     Args:
         tensor: the tensor (not to be written).
@@ -99,12 +101,13 @@ def made_from(tensor: Tensor, value: Any) -> Tensor:
     Returns:
         ``tensor``.
     """
-    setattr(tensor, _MADE_FROM, value)
+    key = id(tensor)
+    _MADE_FROM[key] = (weakref.ref(tensor, lambda _, key=key: _MADE_FROM.pop(key, None)), value)
     return tensor
 
 
 def value_made_from(tensor: Tensor) -> Any:
-    """The value :func:`made_from` tagged ``tensor`` with, or None (a tensor made elsewhere: read it).
+    """The value :func:`made_from` recorded for ``tensor``, or None (a tensor made elsewhere: read it).
 
     Args:
         tensor: the tensor.
@@ -112,4 +115,5 @@ def value_made_from(tensor: Tensor) -> Any:
     Returns:
         The value, or None.
     """
-    return getattr(tensor, _MADE_FROM, None)
+    found = _MADE_FROM.get(id(tensor))
+    return found[1] if found is not None and found[0]() is tensor else None
