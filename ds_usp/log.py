@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable, Hashable
 
 _LOGGER_NAME = "ds_usp"
 
@@ -42,3 +43,20 @@ def log_rank0(msg: str) -> None:
 def log_error(msg: str) -> None:
     """Log ``msg`` at ERROR level on the ``ds_usp`` logger (on this rank: a failure every rank reports for itself)."""
     get_logger().error(msg)
+
+
+_SAID: set = set()  # the keys say_once has spoken under in this process
+
+
+def say_once(key: Hashable, msg: str, log: Callable[[str], None] = log_warning) -> None:
+    """``log(msg)`` the first time this process says something under ``key`` (a tuple naming the matter first): for a
+    condition that code asked several times per process (``ds_usp.initialize`` and each topology build) meets again.
+
+    Args:
+        key: what is said (the same key: said once).
+        msg: the message.
+        log: how (:func:`log_warning`, :func:`log_rank0`...).
+    """
+    if key not in _SAID:
+        _SAID.add(key)
+        log(msg)

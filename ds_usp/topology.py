@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ds_usp.comm import warm_up, watched_call
 from ds_usp.config import ranks_per_node_and_source
-from ds_usp.log import log_rank0, log_warning
+from ds_usp.log import log_rank0, log_warning, say_once
 from ds_usp.upstream.c10d import group_timeout
 from ds_usp.watchdog import GroupInfo, name_group
 
@@ -235,14 +235,18 @@ def group_descs(ranks: GroupRanks, kinds: Sequence[str] = KINDS) -> dict[Ranks, 
     Returns:
         ``{sorted ranks: description}``.
     """
-    names: dict[Ranks, list[str]] = {}
+    return {key: "ds_usp_" + "+".join(f"{kind}_{index}" for kind, index in served)
+            for key, served in _served(ranks, kinds).items()}
+
+
+def _served(ranks: GroupRanks, kinds: Sequence[str]) -> dict[Ranks, list[tuple[str, int]]]:
+    """Each distinct group (sorted ranks) and the ``(kind, index among that kind's groups)`` it serves, in ``kinds``
+    order."""
+    served: dict[Ranks, list[tuple[str, int]]] = {}
     for kind in kinds:
         for index, members in enumerate(getattr(ranks, kind)):
-            names.setdefault(tuple(sorted(members)), []).append(f"{kind}_{index}")
-    return {key: "ds_usp_" + "+".join(parts) for key, parts in names.items()}
-
-
-_SAID: set = set()  # the default-group timeouts already said not to match (said once a process)
+            served.setdefault(tuple(sorted(members)), []).append((kind, index))
+    return served
 
 
 def shared_default_group(timeout: Optional[datetime.timedelta]) -> Any:
@@ -266,14 +270,13 @@ def shared_default_group(timeout: Optional[datetime.timedelta]) -> Any:
     own = group_timeout(world)
     if own == timeout:
         return world
-    if (own, timeout) not in _SAID:
-        _SAID.add((own, timeout))
-        said = "unknown" if own is None else f"{own.total_seconds():g} s"
-        seconds = f"{timeout.total_seconds():g}"
-        log_rank0(f"ds_usp: the default process group's timeout ({said}) is not usp.timeout_seconds ({seconds} s), so "
-                  f"the USP groups over every rank are a communicator of their own beside it; start distributed with "
-                  f"init_process_group(timeout=datetime.timedelta(seconds={seconds})) (or let ds_usp.initialize start "
-                  f"it) to share one")
+    said = "unknown" if own is None else f"{own.total_seconds():g} s"
+    seconds = f"{timeout.total_seconds():g}"
+    say_once(("the default group's timeout", own, timeout),
+             f"ds_usp: the default process group's timeout ({said}) is not usp.timeout_seconds ({seconds} s), so the "
+             f"USP groups over every rank are a communicator of their own beside it; start distributed with "
+             f"init_process_group(timeout=datetime.timedelta(seconds={seconds})) (or let ds_usp.initialize start it) "
+             f"to share one", log_rank0)
     return None
 
 
@@ -301,17 +304,15 @@ def _build_groups(ranks: GroupRanks, me: int, given: dict[str, Any], **kwargs: A
     mine: dict[str, Any] = dict(given)
     built = [kind for kind in KINDS if kind not in given]
     descs = group_descs(ranks, built)
-    served: dict[Ranks, list[str]] = {}  # each group's kinds, for the watchdog's name of its creation
-    for kind in built:
-        for members in getattr(ranks, kind):
-            served.setdefault(tuple(sorted(members)), []).append(kind)
+    served = _served(ranks, built)  # each group's kinds, for the watchdog's name of its creation
     everyone = tuple(range(ranks.world_size))
     for kind in built:
         for members in getattr(ranks, kind):
             key = tuple(sorted(members))
             if key not in made:
                 world = shared_default_group(kwargs.get("timeout")) if key == everyone else None
-                made[key] = world if world is not None else _new_group(key, served[key], descs[key], me, **kwargs)
+                made[key] = world if world is not None else _new_group(key, [kind for kind, _ in served[key]],
+                                                                       descs[key], me, **kwargs)
             if me in members:
                 mine[kind] = made[key]
     _name_groups(ranks, me, {kind: mine[kind] for kind in built}, descs, kwargs.get("timeout"))

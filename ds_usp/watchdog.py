@@ -306,13 +306,19 @@ def watch(works: Optional[Sequence[Any]], what: str, group: Any) -> Optional[int
     info = _GROUPS.get(id(group))
     if info is None or info.timeout_s is None or info.wait_blocks:
         return None
+    return _add(_Record(works, what, info, _LAYER, _PHASE), kept=True)
+
+
+def _add(record: _Record, kept: bool) -> int:
+    """Watch ``record`` (the monitor started on the first), among the kept ones when ``kept`` (dropped oldest first
+    once run): its token."""
     if not _MONITOR["started"]:
         _start()
     token = next(_TOKENS)
-    record = _Record(works, what, info, _LAYER, _PHASE)
     with _LOCK:
         _OUT[token] = record
-        _KEPT.append(token)
+        if kept:
+            _KEPT.append(token)
     return token
 
 
@@ -343,13 +349,7 @@ def issuing(what: str, group: Any, info: Optional[GroupInfo] = None, hung: str =
             return None
     if info.timeout_s is None:
         return None
-    if not _MONITOR["started"]:
-        _start()
-    token = next(_TOKENS)
-    record = _Record(None, what, info, _LAYER, _PHASE, hung)
-    with _LOCK:
-        _OUT[token] = record
-    return token
+    return _add(_Record(None, what, info, _LAYER, _PHASE, hung), kept=False)  # kept once it returned (issued)
 
 
 def issued(token: Optional[int], works: Sequence[Any]) -> Optional[int]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_usp import log
 from ds_usp.config import LOCAL_SIZE_VARIABLES, ranks_per_node_and_source
 from ds_usp.integration.engine import preflight
 from ds_usp.integration.engine.preflight import LOCAL_RANK_VARIABLES, check_same_everywhere, choose_device
@@ -59,7 +60,7 @@ def launcher(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     warnings: list[str] = []
     monkeypatch.setattr(preflight, "log_warning", warnings.append)
-    monkeypatch.setattr(preflight, "_SAID", set(), raising=False)  # each test starts with nothing said
+    monkeypatch.setattr(log, "_SAID", set())  # each test starts with nothing said
     return warnings
 
 

@@ -215,7 +215,8 @@ class Counts:
         """
         return (f"{self.ops} ops ({self.kernels} kernels, {self.custom_ops} custom, {self.sac_ops} through SAC), "
                 f"{self.matmuls} matmuls (smallest dim {self.matmul_min_dim}), {self.flops / 1e12:.4f} TFLOP, "
-                f"{self.syncs} syncs, {self.host_made} tensors made of host data, {self.big_allocs} outputs > 64 MiB ({self.big_alloc_bytes / 2 ** 30:.2f} GiB), "
+                f"{self.syncs} syncs, {self.host_made} tensors made of host data, "
+                f"{self.big_allocs} outputs > 64 MiB ({self.big_alloc_bytes / 2 ** 30:.2f} GiB), "
                 f"{self.zero3_param_ops} ops gathering or releasing ZeRO-3 parameters")
 
 

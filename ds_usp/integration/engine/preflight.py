@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ds_usp.comm import disagreements
 from ds_usp.config import USPConfigError, ranks_per_node_and_source
-from ds_usp.log import log_rank0, log_warning
+from ds_usp.log import log_rank0, log_warning, say_once
 
 
 def installed_version(package: str) -> Optional[str]:
@@ -67,17 +67,6 @@ def _world_size() -> int:
     return int(value) if value.isdigit() else 1
 
 
-_SAID: set = set()  # (device, local rank) pairs warned of: ds_usp.initialize asks choose_device several times
-
-
-def _say_once(device: int, local: int, message: str) -> None:
-    """``log_warning(message)`` the first time this process keeps GPU ``device`` against local rank ``local`` (a GPU
-    ds-usp keeps as the current one is then bound to the default group it starts: one warning, not one a branch)."""
-    if (device, local) not in _SAID:
-        _SAID.add((device, local))
-        log_warning(message)
-
-
 def choose_device() -> torch.device:
     """The device this rank computes and communicates on: the one the user chose, else the launcher's local rank.
 
@@ -104,21 +93,21 @@ def choose_device() -> torch.device:
     local, said_by = launcher_local_rank()
     if bound is not None:
         if local is not None and bound.index != local:
-            _say_once(bound.index, local,
-                      f"ds_usp: the default process group is bound to {bound} (init_process_group(device_id=...)) but "
-                      f"the launcher says local rank {local} ({said_by}); ds-usp keeps {bound}, the GPU NCCL uses for "
-                      f"that group. If you did not choose it, bind this rank's own GPU, init_process_group(..., "
-                      f"device_id=torch.device('cuda', {local})), or leave device_id out and set no device (ds-usp "
-                      f"then takes cuda:{local}): two ranks on one GPU fail in NCCL")
+            say_once(("a GPU kept against the local rank", bound.index, local),
+                     f"ds_usp: the default process group is bound to {bound} (init_process_group(device_id=...)) but "
+                     f"the launcher says local rank {local} ({said_by}); ds-usp keeps {bound}, the GPU NCCL uses for "
+                     f"that group. If you did not choose it, bind this rank's own GPU, init_process_group(..., "
+                     f"device_id=torch.device('cuda', {local})), or leave device_id out and set no device (ds-usp "
+                     f"then takes cuda:{local}): two ranks on one GPU fail in NCCL", log_warning)
         return bound
     if torch.cuda.is_initialized():
         current = torch.cuda.current_device()
         if local is not None and current != local:
-            _say_once(current, local,
-                      f"ds_usp: this rank's current CUDA device is cuda:{current} but the launcher says local rank "
-                      f"{local} ({said_by}); ds-usp keeps cuda:{current}, the device set. If you did not choose it "
-                      f"(a CUDA tensor made before torch.cuda.set_device), call torch.cuda.set_device({local}) "
-                      f"first: two ranks on one GPU fail in NCCL")
+            say_once(("a GPU kept against the local rank", current, local),
+                     f"ds_usp: this rank's current CUDA device is cuda:{current} but the launcher says local rank "
+                     f"{local} ({said_by}); ds-usp keeps cuda:{current}, the device set. If you did not choose it "
+                     f"(a CUDA tensor made before torch.cuda.set_device), call torch.cuda.set_device({local}) "
+                     f"first: two ranks on one GPU fail in NCCL", log_warning)
         return torch.device("cuda", current)
     if local is None:
         world = _world_size()
