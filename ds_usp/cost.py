@@ -597,7 +597,7 @@ def model_state_memory(shape: ModelShape, s: StepSettings, elem_bytes: int = 2,
     :attr:`Calibration.per_param` bytes per parameter (up to a bucket) for DeepSpeed's own buffers.
     """
     w, e, p = s.world, elem_bytes, shape.params
-    params = p * e / w + min(p, LIVE_PARAMS) * e if s.zero == 3 else p * e
+    params = p * e / w + step_only_states(shape, s, e) if s.zero == 3 else p * e  # the partition and the gathered
     grads = (p if s.zero == 1 else min(p, REDUCE_BUCKET)) * e + (0.0 if s.offload_optimizer else p * 4 / w)
     grads += cal.per_param[s.zero - 1] * min(p, REDUCE_BUCKET)
     optimizer = 0.0 if s.offload_optimizer else _optimizer_bytes(shape, s, e)
